@@ -1,0 +1,265 @@
+"""``evenly.Dataset``: an IterableDataset over any sized, indexable source that reads each
+sample exactly once per epoch across DDP ranks and DataLoader workers."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any, Generic, Protocol, TypeVar
+
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from ._plan import EpochPlan, check_int
+from ._rng import RngState, seed_all
+from ._topology import Topology, detect_topology
+
+__all__ = ["Dataset", "EvenlyWarning", "Source"]
+
+T_co = TypeVar("T_co", covariant=True)
+
+# Slots of the shared state tensor, seen by the main process and every worker, so that
+# persistent workers pick up a new epoch or a resume position.
+_EPOCH, _START, _BATCH, _DROP, _RANK, _WORLD = range(6)
+_UNSET = -1
+
+
+class Source(Protocol[T_co]):
+    """What ``evenly.Dataset`` reads: anything with ``__len__`` and ``__getitem__``.
+
+    A source may also define ``__getitems__(indices)`` (torch's batched-fetch hook) to
+    read a whole batch at once.
+    """
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: int) -> T_co: ...
+
+
+class EvenlyWarning(UserWarning):
+    """Something about the epoch the user should know: padding, idle workers, no data."""
+
+
+class Dataset(IterableDataset[Any], Generic[T_co]):
+    """An iterable dataset that shards, shuffles and batches correctly.
+
+    Each epoch every sample is read exactly once across all ranks and workers (up to the
+    reported padding), the shuffle is one global permutation per ``(seed, epoch)``, and
+    every rank yields the same number of samples and batches.
+
+    >>> import evenly
+    >>> ds = evenly.Dataset(list(range(10)), shuffle=True, seed=1, rank=0, world_size=2)
+    >>> loader = evenly.DataLoader(ds, batch_size=4, num_workers=0)
+    >>> len(ds), len(loader)
+    (5, 2)
+    >>> first = [int(x) for batch in loader for x in batch]
+    >>> second = [int(x) for batch in loader for x in batch]   # the next epoch, reshuffled
+    >>> sorted(first) != sorted(second) or first != second
+    True
+
+    Args:
+        source: the samples: a list, numpy array, map-style torch Dataset, HF Dataset...
+        shuffle: shuffle globally, before sharding, with a new order each epoch.
+        seed: the seed of the shuffle and of the per-sample random streams.
+        drop_last: drop the epoch's remainder instead of padding it (see ``EpochPlan``).
+        transform: called on each sample after ``random``, ``numpy.random`` and torch's
+            default generator were seeded from (seed, epoch, the sample's global position).
+        rank, world_size: override what is detected from ``torch.distributed`` or the
+            ``RANK``/``WORLD_SIZE`` environment variables.
+    """
+
+    def __init__(
+        self,
+        source: Source[T_co],
+        *,
+        shuffle: bool = False,
+        seed: int = 0,
+        drop_last: bool = False,
+        transform: Callable[[Any], Any] | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+    ) -> None:
+        if not (hasattr(source, "__len__") and hasattr(source, "__getitem__")):
+            raise TypeError(
+                f"evenly.Dataset needs a source with __len__ and __getitem__, got "
+                f"{type(source).__name__}; wrap a generator in a list, or write its "
+                f"samples to shards with evenly.write()"
+            )
+        self.source = source
+        self.shuffle = bool(shuffle)
+        self.seed = check_int("seed", seed)
+        self.drop_last = bool(drop_last)
+        self.transform = transform
+        self._rank = None if rank is None else check_int("rank", rank, minimum=0)
+        self._world_size = (
+            None if world_size is None else check_int("world_size", world_size, minimum=1)
+        )
+        if self._rank is not None and self._world_size is not None:
+            Topology(self._rank, self._world_size)
+        self._shared = torch.tensor(
+            [0, 0, 1, int(self.drop_last), _UNSET, _UNSET], dtype=torch.int64
+        ).share_memory_()  # type: ignore[no-untyped-call]
+        #: (epoch, start) the next pass of an evenly.DataLoader must use, if set.
+        self._pending: tuple[int, int] | None = None
+        #: True once an evenly.DataLoader drives this dataset (it warns, not __iter__).
+        self._loader_managed = False
+
+    # ---- configuration ---------------------------------------------------------
+    def topology(self) -> Topology:
+        """This process's (rank, world_size): explicit, else torch.distributed, else env."""
+        return detect_topology(self._rank, self._world_size)
+
+    @property
+    def epoch(self) -> int:
+        """The epoch of the pass in progress (or of the last one)."""
+        return int(self._shared[_EPOCH])
+
+    def set_epoch(self, epoch: int) -> None:
+        """Make the next pass epoch ``epoch``, from its start.
+
+        ``evenly.DataLoader`` advances epochs by itself; with a plain torch DataLoader,
+        call this before each epoch, as with ``DistributedSampler``.
+        """
+        epoch = check_int("epoch", epoch, minimum=0)
+        self._shared[_EPOCH] = epoch
+        self._shared[_START] = 0
+        self._pending = (epoch, 0)
+
+    def _configure(self, *, batch_size: int, drop_last: bool) -> None:
+        self._shared[_BATCH] = check_int("batch_size", batch_size, minimum=1)
+        self._shared[_DROP] = int(drop_last)
+
+    def _begin_pass(self, epoch: int, start: int) -> EpochPlan:
+        """Fix this pass's plan in the shared state (main process, before workers read)."""
+        topo = self.topology()
+        self._shared[_EPOCH] = epoch
+        self._shared[_START] = start
+        self._shared[_RANK] = topo.rank
+        self._shared[_WORLD] = topo.world_size
+        return self.plan()
+
+    def plan(self) -> EpochPlan:
+        """The plan of the current pass, as every worker of this rank will follow it."""
+        state = self._shared.tolist()
+        world = state[_WORLD] if state[_WORLD] != _UNSET else self.topology().world_size
+        n = len(self.source)
+        start = min(state[_START], n)
+        return EpochPlan(
+            num_samples=n,
+            world_size=world,
+            batch_size=state[_BATCH],
+            drop_last=bool(state[_DROP]),
+            shuffle=self.shuffle,
+            seed=self.seed,
+            epoch=state[_EPOCH],
+            start=start,
+        )
+
+    def _current_rank(self) -> int:
+        rank = int(self._shared[_RANK])
+        return rank if rank != _UNSET else self.topology().rank
+
+    def __len__(self) -> int:
+        """Samples this rank yields in the current pass."""
+        return self.plan().samples_per_rank
+
+    # ---- iteration -------------------------------------------------------------
+    def __iter__(self) -> Iterator[Any]:
+        info = get_worker_info()
+        num_workers, worker_id = (info.num_workers, info.id) if info is not None else (1, 0)
+        plan = self.plan()
+        rank = self._current_rank()
+        if info is None and not self._loader_managed:
+            warn_about(plan, num_workers, rank)
+        return self._read(plan, rank, num_workers, worker_id)
+
+    def _read(self, plan: EpochPlan, rank: int, num_workers: int, worker_id: int) -> Iterator[Any]:
+        source = self.source
+        getitems = getattr(source, "__getitems__", None)
+        transform = self.transform
+        for positions, length in plan.iter_worker_chunks(rank, num_workers, worker_id):
+            indices = plan.indices(positions).tolist()
+            where = positions.tolist()
+            seeds = plan.seeds(positions).tolist() if transform is not None else []
+            for lo in range(0, len(indices), length):
+                batch = indices[lo : lo + length]
+                samples: list[Any] = []
+                done: list[Any] = []
+                read = False
+                try:
+                    if getitems is not None:
+                        samples = list(getitems(batch))
+                    else:
+                        for index in batch:
+                            samples.append(source[index])
+                    read = True
+                    if transform is not None:
+                        samples = _transform(transform, samples, seeds[lo : lo + length], done)
+                except Exception as exc:
+                    if read:
+                        failed: int | None = len(done)
+                    else:
+                        failed = None if getitems is not None else len(samples)
+                    _note(exc, plan, rank, worker_id, batch, where[lo : lo + length], failed)
+                    raise
+                yield from samples
+
+
+def _note(
+    exc: BaseException,
+    plan: EpochPlan,
+    rank: int,
+    worker: int,
+    batch: list[int],
+    positions: list[int],
+    failed: int | None,
+) -> None:
+    """Name the failing sample (global index, position, epoch, rank, worker) on ``exc``."""
+    if not hasattr(exc, "add_note"):  # Python 3.10
+        return
+    if failed is None:
+        what = f"the batch of samples {batch} (positions {positions[0]}..{positions[-1]})"
+    else:
+        what = f"sample {batch[failed]} (position {positions[failed]})"
+    exc.add_note(
+        f"evenly: while reading {what} of epoch {plan.epoch}, rank {rank}, worker {worker}"
+    )
+
+
+def _transform(
+    transform: Callable[[Any], Any], samples: list[Any], seeds: list[int], out: list[Any]
+) -> list[Any]:
+    """Apply ``transform`` to each sample under its own seed, appending to ``out``.
+
+    The user's RNG state is put back before any sample leaves, so the training loop (and
+    a collate_fn) never sees the per-sample streams.
+    """
+    saved = RngState()
+    try:
+        for sample, seed in zip(samples, seeds, strict=True):
+            seed_all(seed)
+            out.append(transform(sample))
+    finally:
+        saved.restore()
+    return out
+
+
+def warn_about(plan: EpochPlan, num_workers: int, rank: int) -> None:
+    """Warn, in the main process, about padding, idle workers and empty sources."""
+    if plan.num_samples == 0:
+        warnings.warn(
+            "evenly: the source is empty, so every rank yields 0 batches this epoch",
+            EvenlyWarning,
+            stacklevel=3,
+        )
+        return
+    if plan.num_padded:
+        warnings.warn(f"evenly: {plan.describe()}", EvenlyWarning, stacklevel=3)
+    idle = plan.idle_workers(num_workers)
+    if idle:
+        warnings.warn(
+            f"evenly: rank {rank} has {plan.num_batches} batch(es) this epoch for "
+            f"{max(num_workers, 1)} workers: {idle} worker(s) idle",
+            EvenlyWarning,
+            stacklevel=3,
+        )

@@ -1,0 +1,153 @@
+"""``evenly.DataLoader``: a torch DataLoader that plans batches with the dataset, advances the
+epoch by itself and knows how much of the epoch the training loop has received."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import replace
+from typing import Any
+
+import torch.utils.data
+
+from ._dataset import Dataset, warn_about
+from ._plan import EpochPlan, check_int
+
+__all__ = ["DataLoader"]
+
+
+class _Pass:
+    """The pass in progress: its plan and how many batches the loop has received."""
+
+    __slots__ = ("finished", "plan", "received")
+
+    def __init__(self, plan: EpochPlan) -> None:
+        self.plan = plan
+        self.received = 0
+        self.finished = False
+
+
+class _PassIterator(Iterator[Any]):
+    """Counts the batches handed to the training loop (not those prefetched)."""
+
+    def __init__(self, inner: Iterator[Any], current: _Pass) -> None:
+        self._inner = inner
+        self._pass = current
+
+    def __iter__(self) -> _PassIterator:
+        return self
+
+    def __next__(self) -> Any:
+        try:
+            batch = next(self._inner)
+        except StopIteration:
+            self._pass.finished = True
+            raise
+        self._pass.received += 1
+        return batch
+
+    def __len__(self) -> int:
+        return self._pass.plan.num_batches
+
+
+class DataLoader(torch.utils.data.DataLoader[Any]):
+    """A ``torch.utils.data.DataLoader`` for ``evenly.Dataset``.
+
+    It tells the dataset the batch size, so whole batches are dealt to workers and the
+    rank's batches come out as a map-style DataLoader would give them (at most one
+    partial batch per epoch); it passes ``drop_last`` to the plan (an explicit value here
+    wins over the dataset's); and every ``iter(loader)`` starts the next epoch, with or
+    without ``persistent_workers``.
+
+    >>> import evenly
+    >>> ds = evenly.Dataset(list(range(10)), shuffle=True, rank=0, world_size=1)
+    >>> loader = evenly.DataLoader(ds, batch_size=4)
+    >>> len(loader), [len(b) for b in loader]
+    (3, [4, 4, 2])
+    >>> loader.set_epoch(0)          # replay epoch 0 exactly
+    >>> loader.epoch
+    0
+
+    ``len(loader)`` is the number of batches this rank yields in the pass in progress, or
+    in the next pass when none is in progress.
+    """
+
+    dataset: Dataset[Any]
+
+    def __init__(
+        self,
+        dataset: Dataset[Any],
+        batch_size: int | None = 1,
+        num_workers: int = 0,
+        drop_last: bool | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if not isinstance(dataset, Dataset):
+            raise TypeError(
+                f"evenly.DataLoader needs an evenly.Dataset, got {type(dataset).__name__}; "
+                f"wrap it: evenly.DataLoader(evenly.Dataset(your_data), ...)"
+            )
+        if batch_size is not None:
+            check_int("batch_size", batch_size, minimum=1)
+        check_int("num_workers", num_workers, minimum=0)
+        effective_drop = dataset.drop_last if drop_last is None else bool(drop_last)
+        self._plan_batch = 1 if batch_size is None else batch_size
+        self._drop = effective_drop
+        super().__init__(
+            dataset,
+            batch_size=batch_size,
+            num_workers=num_workers,
+            drop_last=effective_drop,
+            **kwargs,
+        )
+        dataset._configure(batch_size=self._plan_batch, drop_last=effective_drop)
+        dataset._loader_managed = True
+        self._last_epoch: int | None = None
+        self._pass: _Pass | None = None
+
+    # ---- epochs ----------------------------------------------------------------
+    def set_epoch(self, epoch: int) -> None:
+        """Make the next pass epoch ``epoch`` (reproduced exactly); later passes follow it."""
+        self.dataset.set_epoch(epoch)
+
+    @property
+    def epoch(self) -> int:
+        """The epoch of the pass in progress, or of the next pass if none is in progress."""
+        return self._next_pass()[0] if self._idle() else self.dataset.epoch
+
+    def _idle(self) -> bool:
+        return self._pass is None or self._pass.finished
+
+    def _next_pass(self) -> tuple[int, int]:
+        if self.dataset._pending is not None:
+            return self.dataset._pending
+        return (0 if self._last_epoch is None else self._last_epoch + 1), 0
+
+    @property
+    def plan(self) -> EpochPlan:
+        """The plan of the pass in progress (or of the next one): padding, drops, sizes."""
+        if not self._idle():
+            assert self._pass is not None
+            return self._pass.plan
+        epoch, start = self._next_pass()
+        current = self.dataset.plan()
+        return replace(
+            current,
+            world_size=self.dataset.topology().world_size,
+            batch_size=self._plan_batch,
+            drop_last=self._drop,
+            epoch=epoch,
+            start=min(start, current.num_samples),
+        )
+
+    def __len__(self) -> int:
+        return self.plan.num_batches
+
+    def __iter__(self) -> _PassIterator:  # type: ignore[override]
+        epoch, start = self._next_pass()
+        self.dataset._pending = None
+        self.dataset._configure(batch_size=self._plan_batch, drop_last=self._drop)
+        plan = self.dataset._begin_pass(epoch, start)
+        warn_about(plan, self.num_workers, self.dataset._current_rank())
+        self._last_epoch = epoch
+        self._pass = _Pass(plan)
+        return _PassIterator(super().__iter__(), self._pass)

@@ -1,0 +1,238 @@
+"""The planning core: which global positions each (rank, worker) reads, and in what order.
+
+Pure Python and numpy: no torch, no I/O, and nothing of size ``num_samples``.
+
+Vocabulary
+----------
+- *position*: an index into the epoch's global order, ``0 <= p < N``.  The sample at
+  position ``p`` is ``order(p)``: the keyed permutation when shuffling, else ``p``.
+- *virtual position*: the plan hands out positions ``>= N`` only as padding; virtual
+  position ``v >= N`` reads position ``(v - N) % N`` (it wraps to the start of the
+  epoch's order, as ``DistributedSampler`` does).  Per-sample random seeds use the
+  virtual position, so a padded repeat gets draws of its own.
+- *step*: global step ``s`` hands positions ``[start + s*R*B, start + (s+1)*R*B)`` to
+  the ``R`` ranks, ``B`` each, in rank order.  The last step, if short, is shared as
+  evenly as possible (rank ``r`` takes every ``R``-th position from ``r``) and, unless
+  ``drop_last``, padded so every rank gets the same count.  Whatever the ranks have
+  consumed after ``k`` steps is therefore a prefix of the order: ``start`` is the
+  length of the prefix consumed before this plan (a resume).
+- Inside a rank, batch ``i`` is step ``i``; batches are dealt to the rank's ``W``
+  workers round-robin (batch ``i`` to worker ``i % W``), which is the order in which a
+  DataLoader collects them, so the rank's batch sequence is the map-style one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+import numpy.typing as npt
+
+from ._permutation import FeistelPermutation, sample_seeds
+
+__all__ = ["EpochPlan", "check_int"]
+
+I64 = npt.NDArray[np.int64]
+
+#: Positions computed per numpy call when walking a worker's share.
+CHUNK = 8192
+
+
+def check_int(name: str, value: object, *, minimum: int | None = None) -> int:
+    """Return ``value`` as an int, or raise a clear error naming the setting."""
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise TypeError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
+    value = int(value)
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+@dataclass(frozen=True)
+class EpochPlan:
+    """One epoch's plan for every rank and worker.
+
+    >>> plan = EpochPlan(num_samples=10, world_size=2, batch_size=3)
+    >>> [plan.batch_positions(rank=0, batch=i).tolist() for i in range(plan.num_batches)]
+    [[0, 1, 2], [6, 8]]
+    >>> [plan.batch_positions(rank=1, batch=i).tolist() for i in range(plan.num_batches)]
+    [[3, 4, 5], [7, 9]]
+    """
+
+    num_samples: int
+    world_size: int = 1
+    batch_size: int = 1
+    drop_last: bool = False
+    shuffle: bool = False
+    seed: int = 0
+    epoch: int = 0
+    start: int = 0
+
+    def __post_init__(self) -> None:
+        check_int("num_samples", self.num_samples, minimum=0)
+        check_int("world_size", self.world_size, minimum=1)
+        check_int("batch_size", self.batch_size, minimum=1)
+        check_int("seed", self.seed)
+        check_int("epoch", self.epoch, minimum=0)
+        check_int("start", self.start, minimum=0)
+        if self.start > self.num_samples:
+            raise ValueError(
+                f"start position {self.start} is past the end of the epoch "
+                f"({self.num_samples} samples)"
+            )
+
+    # ---- sizes -------------------------------------------------------------------
+    @property
+    def remaining(self) -> int:
+        """Positions of the epoch not consumed before this plan."""
+        return self.num_samples - self.start
+
+    @property
+    def _step_size(self) -> int:
+        return self.world_size * self.batch_size
+
+    @property
+    def num_full_steps(self) -> int:
+        return self.remaining // self._step_size
+
+    @property
+    def _tail(self) -> int:
+        return self.remaining - self.num_full_steps * self._step_size
+
+    @property
+    def tail_per_rank(self) -> int:
+        """Samples each rank gets in the last, short step (0 if there is none)."""
+        if self.drop_last or self._tail == 0:
+            return 0
+        return -(-self._tail // self.world_size)
+
+    @property
+    def num_batches(self) -> int:
+        """Batches every rank yields (the same for all ranks)."""
+        return self.num_full_steps + (1 if self.tail_per_rank else 0)
+
+    @property
+    def samples_per_rank(self) -> int:
+        """Samples every rank yields (the same for all ranks)."""
+        return self.num_full_steps * self.batch_size + self.tail_per_rank
+
+    @property
+    def num_padded(self) -> int:
+        """Repeated samples added so that every rank gets the same count (< world_size)."""
+        return self.tail_per_rank * self.world_size - (0 if self.drop_last else self._tail)
+
+    @property
+    def num_dropped(self) -> int:
+        """Samples left out by ``drop_last`` (< world_size * batch_size)."""
+        return self._tail if self.drop_last else 0
+
+    @property
+    def end(self) -> int:
+        """Consumed prefix length once every rank has finished this plan."""
+        return self.num_samples - self.num_dropped
+
+    def consumed_after(self, batches: int) -> int:
+        """Prefix of the order consumed once every rank has yielded ``batches`` batches."""
+        if batches >= self.num_batches:
+            return self.end
+        return self.start + batches * self._step_size
+
+    def has_partial_batch(self) -> bool:
+        return 0 < self.tail_per_rank < self.batch_size
+
+    def idle_workers(self, num_workers: int) -> int:
+        """Workers of a rank that get no batch at all."""
+        return max(0, max(num_workers, 1) - self.num_batches)
+
+    # ---- positions ---------------------------------------------------------------
+    def _check_rank(self, rank: int) -> None:
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank must lie in [0, {self.world_size}), got {rank}")
+
+    def batches_positions(self, rank: int, batches: npt.ArrayLike) -> I64:
+        """Virtual positions of the given batches of ``rank``, concatenated in order."""
+        self._check_rank(rank)
+        b = np.asarray(batches, dtype=np.int64)
+        full = b[b < self.num_full_steps]
+        offsets = self.start + full * self._step_size + rank * self.batch_size
+        out = (offsets[:, None] + np.arange(self.batch_size, dtype=np.int64)).ravel()
+        if b.size and int(b[-1]) == self.num_full_steps and self.tail_per_rank:
+            base = self.start + self.num_full_steps * self._step_size
+            tail = base + rank + self.world_size * np.arange(self.tail_per_rank, dtype=np.int64)
+            out = np.concatenate([out, tail])
+        return out
+
+    def batch_positions(self, rank: int, batch: int) -> I64:
+        """Virtual positions of batch ``batch`` of ``rank``."""
+        if not 0 <= batch < self.num_batches:
+            raise IndexError(f"batch must lie in [0, {self.num_batches}), got {batch}")
+        return self.batches_positions(rank, [batch])
+
+    def worker_batches(self, num_workers: int, worker_id: int) -> range:
+        """Indices of the rank's batches dealt to ``worker_id`` of ``num_workers``."""
+        workers = max(num_workers, 1)
+        if not 0 <= worker_id < workers:
+            raise ValueError(f"worker_id must lie in [0, {workers}), got {worker_id}")
+        return range(worker_id, self.num_batches, workers)
+
+    def iter_worker_chunks(
+        self, rank: int, num_workers: int, worker_id: int, chunk: int = CHUNK
+    ) -> Iterator[tuple[I64, int]]:
+        """Yield ``(virtual positions, batch length)`` for runs of this worker's batches.
+
+        Each chunk holds whole batches; all batches in a chunk have the given length
+        (the short last batch always comes in a chunk of its own).
+        """
+        batches = self.worker_batches(num_workers, worker_id)
+        per = max(1, chunk // self.batch_size)
+        full_end = min(len(batches), len(range(batches.start, self.num_full_steps, batches.step)))
+        for i in range(0, full_end, per):
+            sel = batches[i : min(i + per, full_end)]
+            yield (
+                self.batches_positions(rank, np.arange(sel.start, sel.stop, sel.step)),
+                (self.batch_size),
+            )
+        if full_end < len(batches):
+            yield self.batches_positions(rank, [batches[full_end]]), self.tail_per_rank
+
+    def rank_positions(self, rank: int) -> I64:
+        """All virtual positions of ``rank`` in this plan (small plans and tests only)."""
+        return self.batches_positions(rank, np.arange(self.num_batches))
+
+    # ---- positions -> samples ----------------------------------------------------
+    def indices(self, positions: npt.ArrayLike) -> I64:
+        """Sample indices at the given virtual positions."""
+        v = np.asarray(positions, dtype=np.int64)
+        n = self.num_samples
+        if n == 0:
+            if v.size:
+                raise IndexError("the epoch has no samples")
+            return v.copy()
+        p = np.where(v >= n, (v - n) % n, v)
+        if not self.shuffle:
+            return p
+        return self._permutation(p)
+
+    @cached_property
+    def _permutation(self) -> FeistelPermutation:
+        return FeistelPermutation(self.num_samples, seed=self.seed, epoch=self.epoch)
+
+    def seeds(self, positions: npt.ArrayLike) -> npt.NDArray[np.uint64]:
+        """Per-sample seeds at the given virtual positions (independent of the shuffle)."""
+        return sample_seeds(self.seed, self.epoch, positions)
+
+    def describe(self) -> str:
+        """One line on padding / dropping, for warnings and logs."""
+        if self.num_padded:
+            return (
+                f"{self.num_padded} sample(s) repeated so that each of the {self.world_size} "
+                f"rank(s) gets {self.samples_per_rank} samples in {self.num_batches} batch(es)"
+            )
+        if self.num_dropped:
+            return (
+                f"drop_last=True leaves out {self.num_dropped} sample(s) so that every batch "
+                f"holds {self.batch_size} samples"
+            )
+        return "exactly once, no padding"

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
-
 import pytest
 
 _DIST_VARS = (
@@ -20,9 +17,7 @@ _DIST_VARS = (
 
 
 @pytest.fixture(autouse=True)
-def clean_environ(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+def clean_environ(monkeypatch: pytest.MonkeyPatch) -> None:
     """Scrub torchrun's variables so each test states its own topology."""
     for name in _DIST_VARS:
         monkeypatch.delenv(name, raising=False)
-    yield
-    assert "RANK" not in os.environ or os.environ.get("RANK") is not None

@@ -26,15 +26,22 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
 
 from ._permutation import FeistelPermutation, sample_seeds
 
-__all__ = ["EpochPlan", "check_int"]
+__all__ = ["EpochPlan", "Order", "check_int"]
 
 I64 = npt.NDArray[np.int64]
+
+
+class Order(Protocol):
+    """A bijection of ``[0, N)``: position -> sample index, vectorised."""
+
+    def __call__(self, positions: npt.ArrayLike) -> I64: ...
 
 #: Positions computed per numpy call when walking a worker's share.
 CHUNK = 8192
@@ -69,6 +76,10 @@ class EpochPlan:
     seed: int = 0
     epoch: int = 0
     start: int = 0
+    #: Block shuffle (sharded sources): shard sizes in index order, and K, the number of
+    #: shards in a shuffle window.  ``block_shards == 0`` is the global shuffle.
+    shard_sizes: tuple[int, ...] | None = None
+    block_shards: int = 0
 
     def __post_init__(self) -> None:
         check_int("num_samples", self.num_samples, minimum=0)
@@ -216,7 +227,15 @@ class EpochPlan:
         return self._permutation(p)
 
     @cached_property
-    def _permutation(self) -> FeistelPermutation:
+    def _permutation(self) -> Order:
+        if self.block_shards:
+            from ._block import BlockPermutation
+
+            if self.shard_sizes is None:
+                raise ValueError("a block shuffle needs the source's shard sizes")
+            return BlockPermutation(
+                self.shard_sizes, self.block_shards, seed=self.seed, epoch=self.epoch
+            )
         return FeistelPermutation(self.num_samples, seed=self.seed, epoch=self.epoch)
 
     def seeds(self, positions: npt.ArrayLike) -> npt.NDArray[np.uint64]:

@@ -1,0 +1,239 @@
+"""``evenly.audit``: run a dataset factory under real ranks and workers, and judge it.
+
+>>> import functools, evenly
+>>> from evenly.audit import audit
+>>> import examples.talk_attempts as talk                       # doctest: +SKIP
+>>> result = audit(functools.partial(talk.naive, size=40),      # doctest: +SKIP
+...                num_workers=2, world_size=2, epochs=2, batch_size=10)
+>>> result.ok, result.finding("duplicates").detail              # doctest: +SKIP
+(False, 'epoch 0: 120 extra deliveries, every sample delivered 4x; ...')
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ._collect import AuditError, Job, RankResult, Settings, collect, describe, resolve
+from ._findings import all_findings
+from ._trace import IdFn
+from ._types import I64, Finding, Records
+
+__all__ = ["AuditResult", "audit", "audit_many"]
+
+Factory = str | Callable[[], Any]
+
+
+@dataclass
+class AuditResult:
+    """What an audit recorded and found.
+
+    ``findings`` in report order; ``ok`` is False when any finding is FAIL.
+    """
+
+    factory: str
+    settings: Settings
+    records: Records
+    findings: list[Finding]
+
+    @property
+    def ok(self) -> bool:
+        return all(f.status != "FAIL" for f in self.findings)
+
+    def finding(self, name: str) -> Finding:
+        """The finding called ``name`` (``duplicates``, ``missing``, ``rank_balance``...)."""
+        for f in self.findings:
+            if f.name == name:
+                return f
+        raise KeyError(f"no finding {name!r}; have {[f.name for f in self.findings]}")
+
+    def to_dict(self) -> dict[str, Any]:
+        s = self.settings
+        rec = self.records
+        return {
+            "factory": self.factory,
+            "ok": self.ok,
+            "num_workers": s.num_workers,
+            "world_size": s.world_size,
+            "epochs": s.epochs,
+            "batch_size": s.batch_size,
+            "samples_delivered": len(rec),
+            "expected_per_epoch": rec.expected,
+            "expected_source": rec.expected_source,
+            "findings": [f.to_dict() for f in self.findings],
+            "per_rank": [
+                {
+                    "rank": r.rank,
+                    "epoch": r.epoch,
+                    "samples": r.samples,
+                    "batches": r.batches,
+                    "len": r.reported_len,
+                    "len_loader": r.reported_batches,
+                }
+                for r in rec.per_rank
+            ],
+            "warnings": rec.warnings,
+        }
+
+    def to_json(self, indent: int | None = 2) -> str:
+        """The result as JSON (findings, settings, per-rank counts, warnings)."""
+        return json.dumps(self.to_dict(), indent=indent)
+
+    def write_report(self, directory: str | Path) -> Path:
+        """Write ``index.html`` and its PNG plots into ``directory``; return the page."""
+        from ._report import write_report
+
+        return write_report(self, Path(directory))
+
+
+def _encode(ids: list[Any]) -> tuple[I64, list[str] | None, list[Any]]:
+    """Integer codes for the ids, their labels (None if the ids are ints) and the
+    distinct id values indexed by code (for shard_fn)."""
+    if all(type(i) is int for i in ids):
+        codes = np.asarray(ids, dtype=np.int64)
+        return codes, None, []
+    distinct = sorted(set(ids), key=lambda v: (type(v).__name__, str(v)))
+    index = {v: k for k, v in enumerate(distinct)}
+    codes = np.fromiter((index[v] for v in ids), dtype=np.int64, count=len(ids))
+    return codes, [str(v) for v in distinct], distinct
+
+
+def _shards(codes: I64, distinct: list[Any], shard_fn: Callable[[Any], Any]) -> I64:
+    if distinct:
+        values = distinct
+        groups = [shard_fn(v) for v in values]
+        table = {g: k for k, g in enumerate(dict.fromkeys(groups))}
+        lookup = np.asarray([table[g] for g in groups], dtype=np.int64)
+        return lookup[codes]
+    uniq, inverse = np.unique(codes, return_inverse=True)
+    groups = [shard_fn(int(v)) for v in uniq]
+    table = {g: k for k, g in enumerate(dict.fromkeys(groups))}
+    lookup = np.asarray([table[g] for g in groups], dtype=np.int64)
+    return lookup[inverse.reshape(-1)]
+
+
+def build_records(
+    ranks: list[RankResult],
+    settings: Settings,
+    *,
+    expected: int | None = None,
+    shard_fn: Callable[[Any], Any] | None = None,
+) -> Records:
+    """Merge the ranks' results into one ``Records``."""
+    ids: list[Any] = []
+    cols: list[list[Any]] = [[], [], [], [], [], []]
+    for result in ranks:
+        worker, epoch, batch, pos, draws = result.arrays()
+        ids.extend(result.ids)
+        for col, arr in zip(
+            cols, (np.full(len(worker), result.rank), worker, epoch, batch, pos, draws), strict=True
+        ):
+            col.append(arr)
+    codes, labels, distinct = _encode(ids)
+    rank0 = ranks[0]
+    return Records(
+        ids=codes,
+        rank=np.concatenate(cols[0]).astype(np.int64),
+        worker=np.concatenate(cols[1]),
+        epoch=np.concatenate(cols[2]),
+        batch=np.concatenate(cols[3]),
+        pos=np.concatenate(cols[4]),
+        draws=np.concatenate(cols[5]).reshape(-1, 3),
+        per_rank=[r for result in ranks for r in result.per_rank],
+        world_size=settings.world_size,
+        num_workers=settings.num_workers,
+        epochs=settings.epochs,
+        batch_size=settings.batch_size,
+        expected=rank0.expected if expected is None else expected,
+        expected_source=rank0.expected_source if expected is None else "expected=",
+        labels=labels,
+        shards=None if shard_fn is None else _shards(codes, distinct, shard_fn),
+        warnings=sorted({w for result in ranks for w in result.warnings}),
+    )
+
+
+def _check(name: str, value: int, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def audit_many(
+    factories: Sequence[Factory],
+    *,
+    num_workers: int = 2,
+    world_size: int = 2,
+    epochs: int = 2,
+    batch_size: int = 10,
+    id_fn: IdFn | None = None,
+    shard_fn: Callable[[Any], Any] | None = None,
+    expected: int | None = None,
+    timeout: float = 300.0,
+) -> list[AuditResult]:
+    """Audit several factories in one group of rank processes (cheaper than one
+    ``audit`` each); arguments as for ``audit``."""
+    settings = Settings(
+        num_workers=_check("num_workers", num_workers, 0),
+        world_size=_check("world_size", world_size, 1),
+        epochs=_check("epochs", epochs, 1),
+        batch_size=_check("batch_size", batch_size, 1),
+        timeout=float(timeout),
+    )
+    if expected is not None:
+        _check("expected", expected, 0)
+    for factory in factories:
+        if isinstance(factory, str):
+            resolve(factory)  # fail fast, in this process, with a clear message
+        elif not callable(factory):
+            raise AuditError(f"a factory must be callable or 'module:attr', got {factory!r}")
+    per_job = collect([Job(f, id_fn) for f in factories], settings)
+    results = []
+    for factory, ranks in zip(factories, per_job, strict=True):
+        records = build_records(ranks, settings, expected=expected, shard_fn=shard_fn)
+        results.append(AuditResult(describe(factory), settings, records, all_findings(records)))
+    return results
+
+
+def audit(
+    factory: Factory,
+    *,
+    num_workers: int = 2,
+    world_size: int = 2,
+    epochs: int = 2,
+    batch_size: int = 10,
+    id_fn: IdFn | None = None,
+    shard_fn: Callable[[Any], Any] | None = None,
+    expected: int | None = None,
+    timeout: float = 300.0,
+) -> AuditResult:
+    """Run ``factory`` in ``world_size`` real rank processes, each through a DataLoader
+    with ``num_workers`` workers for ``epochs`` epochs, and judge what was delivered.
+
+    Args:
+        factory: a picklable callable (module-level function, ``functools.partial``) or
+            ``"module.path:attribute"``, called once in each rank process.  It returns
+            the rank's dataset, or ``(dataset, dataloader_kwargs)`` for a sampler,
+            ``worker_init_fn``, ``collate_fn``, ``persistent_workers``...
+        id_fn: names a sample (default: ``evenly.audit.default_id``); must be picklable.
+        shard_fn: maps an id to its shard/group (file, class folder) to measure how often
+            neighbours in a batch share a group; runs in this process.
+        expected: distinct samples per epoch across all ranks, when ``len()`` does not
+            say (by default: ``len(source)`` of an evenly.Dataset, else ``len(dataset)``).
+        timeout: seconds before a stuck audit is stopped.
+    """
+    return audit_many(
+        [factory],
+        num_workers=num_workers,
+        world_size=world_size,
+        epochs=epochs,
+        batch_size=batch_size,
+        id_fn=id_fn,
+        shard_fn=shard_fn,
+        expected=expected,
+        timeout=timeout,
+    )[0]

@@ -1,0 +1,333 @@
+"""Run a dataset factory in real rank processes and record every delivered sample.
+
+Each rank is a spawned process with ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_*``
+set and a gloo process group on 127.0.0.1, so code that asks ``torch.distributed`` sees
+the truth.  In each rank the factory's dataset runs through a real DataLoader with
+``num_workers`` worker processes for ``epochs`` epochs: an ``evenly.Dataset`` through
+``evenly.DataLoader`` (which advances epochs by itself); anything else through
+``torch.utils.data.DataLoader``, calling ``set_epoch(epoch)`` before each epoch on the
+dataset, the sampler and the batch sampler when they have one, as a careful user would.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import queue as queue_mod
+import socket
+import time
+import traceback
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.utils.data import DataLoader, IterableDataset
+
+from .._dataset import Dataset as EvenlyDataset
+from .._loader import DataLoader as EvenlyLoader
+from ._trace import IdFn, SplitCollate, TracedIterable, TracedMap, default_id, trace_evenly
+from ._types import F64, I64, RankEpoch
+
+__all__ = ["AuditError", "Job", "RankResult", "Settings", "collect", "describe", "resolve"]
+
+Factory = Callable[[], Any]
+
+#: DataLoader arguments the audit sets itself; a factory may not override them.
+_RESERVED = frozenset({"dataset", "batch_size", "num_workers"})
+
+
+class AuditError(RuntimeError):
+    """The audit could not run: a factory that does not import, or a rank that failed."""
+
+
+def resolve(spec: str) -> Factory:
+    """Import ``"module.path:attribute"`` and return the callable it names.
+
+    >>> resolve("os.path:join")("a", "b")
+    'a/b'
+    """
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise AuditError(
+            f"factory {spec!r} must look like 'module.path:attribute', "
+            f"e.g. 'examples.talk_attempts:naive'"
+        )
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise AuditError(
+            f"cannot import module {module_name!r} named in {spec!r}: {exc}. "
+            f"Run from the folder that holds it, or add that folder to PYTHONPATH"
+        ) from exc
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise AuditError(f"module {module_name!r} has no attribute {attr!r} (from {spec!r})")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise AuditError(f"{spec!r} is a {type(obj).__name__}, not a callable factory")
+    return obj  # type: ignore[no-any-return]
+
+
+def describe(factory: str | Factory) -> str:
+    """A name for a factory in messages and reports."""
+    if isinstance(factory, str):
+        return factory
+    name = getattr(factory, "__qualname__", None)
+    module = getattr(factory, "__module__", None)
+    return f"{module}:{name}" if name and module else repr(factory)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The topology and loop of an audit."""
+
+    num_workers: int
+    world_size: int
+    epochs: int
+    batch_size: int
+    timeout: float = 300.0
+
+
+@dataclass(frozen=True)
+class Job:
+    """One factory to audit, with the function that names its samples."""
+
+    factory: str | Factory
+    id_fn: IdFn | None = None
+
+
+@dataclass
+class RankResult:
+    """Everything one rank delivered for one job, in delivery order."""
+
+    rank: int
+    ids: list[Any] = field(default_factory=list)
+    worker: list[int] = field(default_factory=list)
+    epoch: list[int] = field(default_factory=list)
+    batch: list[int] = field(default_factory=list)
+    pos: list[int] = field(default_factory=list)
+    draws: list[tuple[float, float, float]] = field(default_factory=list)
+    per_rank: list[RankEpoch] = field(default_factory=list)
+    expected: int | None = None
+    expected_source: str = "unknown"
+    warnings: list[str] = field(default_factory=list)
+
+    def arrays(self) -> tuple[I64, I64, I64, I64, F64]:
+        """(worker, epoch, batch, pos, draws) as numpy arrays."""
+        as_int = [np.asarray(v, dtype=np.int64) for v in (self.worker, self.epoch, self.batch)]
+        draws = np.asarray(self.draws, dtype=np.float64).reshape(-1, 3)
+        return as_int[0], as_int[1], as_int[2], np.asarray(self.pos, dtype=np.int64), draws
+
+
+def _length(obj: Any) -> int | None:
+    try:
+        return len(obj)
+    except (TypeError, NotImplementedError, AttributeError):
+        return None
+
+
+def _set_epoch(objects: list[Any], epoch: int) -> None:
+    for obj in objects:
+        setter = getattr(obj, "set_epoch", None)
+        if callable(setter):
+            setter(epoch)
+
+
+def _split(made: Any, name: str) -> tuple[Any, dict[str, Any]]:
+    """A factory returns a dataset, or ``(dataset, dataloader_kwargs)``."""
+    if isinstance(made, tuple) and len(made) == 2 and isinstance(made[1], Mapping):
+        dataset, kwargs = made[0], dict(made[1])
+    else:
+        dataset, kwargs = made, {}
+    reserved = sorted(_RESERVED & kwargs.keys())
+    if reserved:
+        raise AuditError(
+            f"factory {name} sets DataLoader argument(s) {reserved}: the audit sets those "
+            f"itself (--workers, --batch-size); remove them from the factory's kwargs"
+        )
+    return dataset, kwargs
+
+
+def _is_iterable(dataset: Any) -> bool:
+    if isinstance(dataset, IterableDataset):
+        return True
+    return hasattr(dataset, "__iter__") and not hasattr(dataset, "__getitem__")
+
+
+def _build(
+    dataset: Any, kwargs: dict[str, Any], id_fn: IdFn, settings: Settings, name: str
+) -> tuple[DataLoader[Any], bool]:
+    """The traced dataset's loader, and whether the dataset is iterable."""
+    collate = SplitCollate(kwargs.pop("collate_fn", None))
+    if isinstance(dataset, EvenlyDataset):
+        loader: DataLoader[Any] = EvenlyLoader(
+            trace_evenly(dataset, id_fn),
+            batch_size=settings.batch_size,
+            num_workers=settings.num_workers,
+            collate_fn=collate,
+            **kwargs,
+        )
+        return loader, True
+    if _is_iterable(dataset):
+        traced: Any = TracedIterable(dataset, id_fn)
+        iterable = True
+    elif hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__"):
+        traced, iterable = TracedMap(dataset, id_fn), False
+    else:
+        raise AuditError(
+            f"factory {name} returned a {type(dataset).__name__}, which is not a dataset "
+            f"(no __iter__, no __getitem__ and __len__)"
+        )
+    if "batch_sampler" not in kwargs:
+        kwargs["batch_size"] = settings.batch_size
+    loader = DataLoader(traced, num_workers=settings.num_workers, collate_fn=collate, **kwargs)
+    return loader, iterable
+
+
+def _expected(dataset: Any, iterable: bool) -> tuple[int | None, str]:
+    """Distinct samples an epoch should deliver across all ranks, and where that is from."""
+    if isinstance(dataset, EvenlyDataset):
+        return _length(dataset.source), "len(source)"
+    n = _length(dataset)
+    if n is None:
+        return None, "unknown"
+    return n, "len(dataset)" if not iterable else "len(dataset) on rank 0"
+
+
+class _WarningLog:
+    """Keeps the first message of each distinct warning site, with a count."""
+
+    def __init__(self) -> None:
+        self.seen: dict[tuple[str, str, int], list[Any]] = {}
+
+    def __call__(self, message: Any, category: Any, filename: str, lineno: int, *_: Any) -> None:
+        key = (category.__name__, filename, lineno)
+        if key in self.seen:
+            self.seen[key][1] += 1
+        else:
+            self.seen[key] = [f"{category.__name__}: {message}", 1]
+
+    def lines(self) -> list[str]:
+        return [text if n == 1 else f"{text} (x{n})" for text, n in self.seen.values()]
+
+
+def run_job(job: Job, settings: Settings, rank: int) -> RankResult:
+    """Audit one factory in this (already initialised) rank process."""
+    name = describe(job.factory)
+    factory = resolve(job.factory) if isinstance(job.factory, str) else job.factory
+    result = RankResult(rank=rank)
+    log = _WarningLog()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = log
+        dataset, kwargs = _split(factory(), name)
+        loader, iterable = _build(dataset, kwargs, job.id_fn or default_id, settings, name)
+        result.expected, result.expected_source = _expected(dataset, iterable)
+        managed = isinstance(dataset, EvenlyDataset)
+        for epoch in range(settings.epochs):
+            if not managed:
+                _set_epoch([dataset, kwargs.get("sampler"), kwargs.get("batch_sampler")], epoch)
+            if iterable:
+                reported = _length(dataset)
+            else:
+                reported = _length(getattr(loader.batch_sampler, "sampler", None))
+            reported_batches = _length(loader)
+            samples = batches = 0
+            for b, (_, metas) in enumerate(loader):
+                for p, (worker, sample_id, r, n, t) in enumerate(metas):
+                    result.ids.append(sample_id)
+                    result.worker.append(worker)
+                    result.draws.append((r, n, t))
+                    result.pos.append(p)
+                samples += len(metas)
+                result.epoch.extend([epoch] * len(metas))
+                result.batch.extend([b] * len(metas))
+                batches += 1
+            result.per_rank.append(
+                RankEpoch(rank, epoch, samples, batches, reported, reported_batches)
+            )
+    result.warnings = log.lines()
+    return result
+
+
+def _rank_main(rank: int, settings: Settings, port: int, jobs: list[Job], out: Any) -> None:
+    os.environ.update(
+        {
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "WORLD_SIZE": str(settings.world_size),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(settings.world_size),
+        }
+    )
+    torch.set_num_threads(1)
+    current = "process group setup"
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=settings.world_size)
+        try:
+            results = []
+            for job in jobs:
+                current = describe(job.factory)
+                results.append(run_job(job, settings, rank))
+            out.put((rank, True, results))
+        finally:
+            dist.destroy_process_group()
+    except BaseException:
+        out.put((rank, False, f"while auditing {current}:\n{traceback.format_exc()}"))
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def collect(jobs: list[Job], settings: Settings) -> list[list[RankResult]]:
+    """Run every job in ``settings.world_size`` fresh rank processes (one group for all
+    jobs); return, per job, the ``RankResult`` of each rank in rank order."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_rank_main, args=(r, settings, port, jobs, out))
+        for r in range(settings.world_size)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, list[RankResult]] = {}
+    deadline = time.monotonic() + settings.timeout
+    try:
+        while len(results) < settings.world_size:
+            try:
+                rank, ok, value = out.get(timeout=1.0)
+            except queue_mod.Empty:
+                dead = [
+                    r for r, p in enumerate(procs) if p.exitcode is not None and r not in results
+                ]
+                if dead:
+                    code = procs[dead[0]].exitcode
+                    raise AuditError(
+                        f"rank {dead[0]} exited with code {code} before reporting"
+                    ) from None
+                if time.monotonic() > deadline:
+                    raise AuditError(
+                        f"the audit did not finish within {settings.timeout:.0f} s: a rank is "
+                        f"stuck (a collective in the dataset? a worker that never ends?)"
+                    ) from None
+                continue
+            if not ok:
+                raise AuditError(f"rank {rank} failed {value}")
+            results[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=10 if len(results) == settings.world_size else 0.5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return [[results[r][j] for r in range(settings.world_size)] for j in range(len(jobs))]

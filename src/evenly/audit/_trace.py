@@ -1,0 +1,150 @@
+"""Worker-side tracing: wrap the user's dataset so each sample leaves the worker as
+``(sample, meta)``, and a collate function that splits ``meta`` off again before the
+user's collate runs, so batches keep the structure the user's code expects.
+
+``meta`` is ``(worker_id, sample_id, random_draw, numpy_draw, torch_draw)``.  The three
+draws are made in the worker right after the sample is produced, from the generators the
+user's augmentations would use, so two workers sharing a stream show the same draws.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset as MapDataset
+from torch.utils.data import IterableDataset, default_collate, get_worker_info
+
+from .._dataset import Dataset as EvenlyDataset
+
+__all__ = ["ID_KEYS", "SplitCollate", "TracedEvenly", "TracedIterable", "TracedMap", "default_id"]
+
+#: Keys looked up, in order, when a sample is a dict.
+ID_KEYS = ("__key__", "idx", "id", "index")
+
+Meta = tuple[int, Any, float, float, float]
+IdFn = Callable[[Any], Any]
+
+
+def default_id(sample: Any) -> Any:
+    """The id of a sample: itself if it is an int/str/bytes/float scalar, a one-element
+    tensor's value, or a dict's ``__key__``/``idx``/``id``/``index`` entry.
+
+    >>> default_id(7), default_id(torch.tensor(3)), default_id({"__key__": "a/001"})
+    (7, 3, 'a/001')
+    """
+    if isinstance(sample, bool | int | np.integer):
+        return int(sample)
+    if isinstance(sample, str | bytes):
+        return sample
+    if isinstance(sample, float | np.floating):
+        value = float(sample)
+        return int(value) if value.is_integer() else value
+    if isinstance(sample, torch.Tensor) and sample.numel() == 1:
+        return default_id(sample.item())
+    if isinstance(sample, np.ndarray) and sample.size == 1:
+        return default_id(sample.item())
+    if isinstance(sample, Mapping):
+        for key in ID_KEYS:
+            if key in sample:
+                return default_id(sample[key])
+    raise TypeError(
+        f"evenly audit cannot tell which sample this is: a {type(sample).__name__} "
+        f"({_short(sample)}); samples must be ints/strings, one-element tensors or dicts "
+        f"with one of the keys {list(ID_KEYS)}, or pass id_fn= (--id-fn module:function)"
+    )
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _worker_id() -> int:
+    info = get_worker_info()
+    return 0 if info is None else int(info.id)
+
+
+def _meta(worker: int, sample: Any, id_fn: IdFn) -> Meta:
+    return (
+        worker,
+        id_fn(sample),
+        random.random(),
+        float(np.random.random()),
+        float(torch.rand(()).item()),
+    )
+
+
+def _traced(items: Iterator[Any], id_fn: IdFn) -> Iterator[tuple[Any, Meta]]:
+    worker = _worker_id()
+    for sample in items:
+        yield sample, _meta(worker, sample, id_fn)
+
+
+class TracedIterable(IterableDataset[tuple[Any, Meta]]):
+    """An IterableDataset that yields ``(sample, meta)`` from the wrapped one's iterator.
+
+    ``len()`` and ``set_epoch`` are forwarded, so the DataLoader and the audit see the
+    wrapped dataset's own answers.
+    """
+
+    def __init__(self, inner: Any, id_fn: IdFn) -> None:
+        self.inner = inner
+        self.id_fn = id_fn
+
+    def __iter__(self) -> Iterator[tuple[Any, Meta]]:
+        return _traced(iter(self.inner), self.id_fn)
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+
+class TracedMap(MapDataset[tuple[Any, Meta]]):
+    """A map-style dataset whose ``__getitem__`` returns ``(dataset[i], meta)``."""
+
+    def __init__(self, inner: Any, id_fn: IdFn) -> None:
+        self.inner = inner
+        self.id_fn = id_fn
+
+    def __getitem__(self, index: int) -> tuple[Any, Meta]:
+        sample = self.inner[index]
+        return sample, _meta(_worker_id(), sample, self.id_fn)
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+
+class TracedEvenly(EvenlyDataset[Any]):
+    """An ``evenly.Dataset`` that yields ``(sample, meta)``: installed on an existing
+    instance by ``trace_evenly`` so ``evenly.DataLoader`` keeps driving it."""
+
+    _audit_id_fn: IdFn
+
+    def __iter__(self) -> Iterator[Any]:
+        return _traced(super().__iter__(), self._audit_id_fn)
+
+
+def trace_evenly(dataset: EvenlyDataset[Any], id_fn: IdFn) -> EvenlyDataset[Any]:
+    """Make ``dataset`` yield ``(sample, meta)`` while staying an ``evenly.Dataset``."""
+    if type(dataset) is not EvenlyDataset:
+        # A user subclass: trace it through a subclass of its own class (fork workers).
+        cls = type(f"Traced{type(dataset).__name__}", (type(dataset),), {})
+        cls.__iter__ = TracedEvenly.__iter__  # type: ignore[method-assign]
+        dataset.__class__ = cls
+    else:
+        dataset.__class__ = TracedEvenly
+    dataset._audit_id_fn = id_fn  # type: ignore[attr-defined]
+    return dataset
+
+
+class SplitCollate:
+    """Split ``(sample, meta)`` items into the user's collated batch and the metas."""
+
+    def __init__(self, collate: Callable[[list[Any]], Any] | None) -> None:
+        self.collate = default_collate if collate is None else collate
+
+    def __call__(self, items: list[tuple[Any, Meta]]) -> tuple[Any, list[Meta]]:
+        return self.collate([s for s, _ in items]), [m for _, m in items]

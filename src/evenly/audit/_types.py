@@ -1,0 +1,116 @@
+"""The values the audit passes around: what was recorded, and what was found.
+
+``Records`` holds one row per delivered sample (numpy columns, so every finding is a
+vectorised, pure computation) and one ``RankEpoch`` per (rank, epoch) with what the
+loader *claimed* (``len()``) next to what it delivered.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = ["GENERATORS", "Finding", "RankEpoch", "Records", "Status"]
+
+I64 = npt.NDArray[np.int64]
+F64 = npt.NDArray[np.float64]
+
+Status = Literal["PASS", "WARN", "FAIL"]
+
+#: The generators a draw is taken from after each sample, in the column order of ``draws``.
+GENERATORS = ("random", "numpy", "torch")
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One check: its verdict and the number behind it.
+
+    >>> Finding("duplicates", "Duplicates", "FAIL", 200.0, "epoch 0: every sample 2x").status
+    'FAIL'
+    """
+
+    name: str
+    title: str
+    status: Status
+    value: float
+    detail: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "title": self.title,
+            "status": self.status,
+            "value": self.value,
+            "detail": self.detail,
+        }
+
+
+@dataclass(frozen=True)
+class RankEpoch:
+    """What one rank's loader delivered in one epoch, and what its ``len()`` said.
+
+    ``reported_len`` is ``len(dataset)`` for an iterable dataset, ``len(sampler)`` for a
+    map-style one; ``reported_batches`` is ``len(loader)``; either is ``None`` when the
+    object has no length.
+    """
+
+    rank: int
+    epoch: int
+    samples: int
+    batches: int
+    reported_len: int | None
+    reported_batches: int | None
+
+
+@dataclass
+class Records:
+    """Every delivered sample of an audit, as parallel columns in delivery order per rank.
+
+    ``ids`` are integer codes: the ids themselves when every id is an integer, else the
+    index of the id in ``labels`` (the sorted distinct ids).  ``shards`` is the group of
+    each sample (from ``shard_fn``) or ``None``.  ``expected`` is how many distinct
+    samples an epoch should deliver across all ranks (``None``: unknown, and the union of
+    ids seen over all epochs stands in for it).
+    """
+
+    ids: I64
+    rank: I64
+    worker: I64
+    epoch: I64
+    batch: I64
+    pos: I64
+    draws: F64
+    per_rank: list[RankEpoch]
+    world_size: int
+    num_workers: int
+    epochs: int
+    batch_size: int
+    expected: int | None = None
+    expected_source: str = "unknown"
+    labels: list[str] | None = None
+    shards: I64 | None = None
+    warnings: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        n = len(self.ids)
+        for name in ("rank", "worker", "epoch", "batch", "pos"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"Records.{name} has {len(getattr(self, name))} rows, ids {n}")
+        if self.draws.shape != (n, len(GENERATORS)):
+            raise ValueError(f"Records.draws must have shape ({n}, 3), got {self.draws.shape}")
+        if self.shards is not None and len(self.shards) != n:
+            raise ValueError(f"Records.shards has {len(self.shards)} rows, ids {n}")
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def label(self, code: int) -> str:
+        """The id as the user knows it."""
+        return str(code) if self.labels is None else self.labels[code]
+
+    def global_order(self) -> I64:
+        """Row indices sorted as a DDP step sees them: (epoch, batch, rank, position)."""
+        return np.lexsort((self.pos, self.rank, self.batch, self.epoch)).astype(np.int64)

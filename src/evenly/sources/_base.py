@@ -1,0 +1,220 @@
+"""What every file-format source shares: shard list, manifest, global index, cache,
+batched reads grouped by shard, and error messages that name the file and the sample."""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import numpy as np
+import numpy.typing as npt
+
+from ._cache import ShardCache
+from ._manifest import FileEntry, Shards, default_cache_dir, load_entries, resolve
+
+__all__ = ["Paths", "ShardedSource"]
+
+Paths = str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
+
+
+class ShardedSource:
+    """A random-access source over a list of shard files (subclasses read one format).
+
+    Global index ``i`` is row ``i - start[k]`` of shard ``k``, shards in sorted URL order.
+    Subclasses define ``format``, ``extensions``, ``_scan(k, url)`` (row count and meta
+    of one shard) and ``_read(k, path, rows)`` (those rows of shard ``k``, in order).
+    """
+
+    format: ClassVar[str] = ""
+    extensions: ClassVar[tuple[str, ...]] = ()
+    #: files kept open per process
+    max_open_files: ClassVar[int] = 64
+
+    def __init__(
+        self,
+        paths: Paths,
+        *,
+        storage_options: dict[str, Any] | None = None,
+        cache_dir: str | None = None,
+        cache_bytes: int | None = None,
+        use_manifest: bool = True,
+    ) -> None:
+        shards = resolve(paths, self.extensions, storage_options, what=self._what)
+        self._shards: Shards = shards
+        self.urls: tuple[str, ...] = shards.urls
+        self.cache: ShardCache | None = (
+            ShardCache(cache_dir or default_cache_dir(), cache_bytes, shards.storage_options)
+            if shards.remote
+            else None
+        )
+        self._fingerprints: tuple[str, ...] = shards.fingerprints
+        entries = load_entries(
+            shards, self.format, self._scan_checked, cache_dir=cache_dir, use_cache=use_manifest
+        )
+        self._starts = np.concatenate([[0], np.cumsum([e.num_rows for e in entries])]).astype(
+            np.int64
+        )
+        self._handles: OrderedDict[int, Any] = OrderedDict()
+        self._pid = os.getpid()
+        #: the manifest entries (main process only: not pickled)
+        self.entries: list[FileEntry] | None = entries
+        self._setup(entries)
+
+    @property
+    def _what(self) -> str:
+        return f"evenly.from_{self.format}"
+
+    # ---- subclass hooks ----------------------------------------------------------
+    def _scan(self, k: int, url: str) -> tuple[int, dict[str, Any]]:
+        raise NotImplementedError
+
+    def _setup(self, entries: list[FileEntry]) -> None:
+        """Keep what reads need from the entries; check they agree (schemas...)."""
+
+    def _open(self, k: int, path: str) -> Any:
+        raise NotImplementedError
+
+    def _read(self, k: int, handle: Any, rows: npt.NDArray[np.int64]) -> list[Any]:
+        raise NotImplementedError
+
+    # ---- the Source protocol -----------------------------------------------------
+    def __len__(self) -> int:
+        return int(self._starts[-1])
+
+    @property
+    def shard_sizes(self) -> tuple[int, ...]:
+        """Samples per shard, in index order (for the block shuffle)."""
+        return tuple(int(n) for n in np.diff(self._starts))
+
+    @property
+    def preferred_shuffle(self) -> str:
+        """``"block"`` for remote shards (reads stay within a few shards), else ``"global"``."""
+        return "block" if self.cache is not None else "global"
+
+    def _check_indices(self, indices: Sequence[int] | npt.NDArray[Any]) -> npt.NDArray[np.int64]:
+        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        n = len(self)
+        if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= n):
+            bad = int(idx[(idx < 0) | (idx >= n)][0])
+            raise IndexError(f"{self._what}: sample index {bad} is out of range [0, {n})")
+        return idx
+
+    def shard_of(self, indices: Sequence[int] | npt.NDArray[Any]) -> npt.NDArray[np.int64]:
+        """The shard number of each global index."""
+        idx = self._check_indices(indices)
+        return (np.searchsorted(self._starts, idx, side="right") - 1).astype(np.int64)
+
+    def locate(self, index: int) -> str:
+        """Where sample ``index`` lives, e.g. ``"s3://bucket/shard-00003.parquet row 17"``."""
+        (k,) = self.shard_of([index]).tolist()
+        return f"{self.urls[k]} row {int(index) - int(self._starts[k])}"
+
+    def __getitem__(self, index: int) -> Any:
+        return self.__getitems__([index])[0]
+
+    def __getitems__(self, indices: Sequence[int]) -> list[Any]:
+        """Read a batch: each shard (and row group) once, samples in the order asked."""
+        idx = self._check_indices(indices)
+        shards = self.shard_of(idx)
+        out: list[Any] = [None] * idx.size
+        order = np.argsort(shards, kind="stable")
+        present, first = np.unique(shards[order], return_index=True)
+        if self.cache is not None and present.size > 1:
+            self.cache.prefetch((self.urls[k], self._fingerprints[k]) for k in present.tolist())
+        bounds = [*first.tolist(), idx.size]
+        for j, k in enumerate(present.tolist()):
+            where = order[bounds[j] : bounds[j + 1]]
+            rows = idx[where] - self._starts[k]
+            try:
+                samples = self._read(k, self._handle(k), rows)
+            except Exception as exc:
+                raise self._error(exc, int(idx[where[0]])) from exc
+            for pos, sample in zip(where.tolist(), samples, strict=True):
+                out[pos] = sample
+        return out
+
+    def prefetch(self, indices: Sequence[int]) -> None:
+        """Start downloading (remote only) the shards these indices need, in first-use order."""
+        if self.cache is None or not len(indices):
+            return
+        shards = self.shard_of(indices)
+        _, first = np.unique(shards, return_index=True)
+        ordered = shards[np.sort(first)].tolist()
+        self.cache.prefetch((self.urls[k], self._fingerprints[k]) for k in ordered)
+
+    # ---- files -------------------------------------------------------------------
+    def local_path(self, k: int) -> str:
+        """A local path of shard ``k``: itself, or its copy in the cache."""
+        if self.cache is None:
+            return self.urls[k]
+        return self.cache.wait(self.urls[k], self._fingerprints[k])
+
+    def _handle(self, k: int) -> Any:
+        if os.getpid() != self._pid:  # forked: never share file offsets with the parent
+            self._handles = OrderedDict()
+            self._pid = os.getpid()
+        handle = self._handles.get(k)
+        if handle is not None:
+            self._handles.move_to_end(k)
+            return handle
+        path = self.local_path(k)
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"shard not found: {self.urls[k]}")
+        handle = self._open(k, path)
+        self._handles[k] = handle
+        while len(self._handles) > self.max_open_files:
+            _, old = self._handles.popitem(last=False)
+            _close(old)
+        return handle
+
+    def _scan_checked(self, k: int, url: str) -> tuple[int, dict[str, Any]]:
+        try:
+            return self._scan(k, url)
+        except FileNotFoundError:
+            raise FileNotFoundError(
+                f"{self._what}: shard {k} not found: {url}; check the path, or remove it "
+                f"from the list"
+            ) from None
+        except (ValueError, OSError) as exc:
+            raise ValueError(f"{self._what}: cannot read shard {k} ({url}): {exc}") from exc
+
+    def _error(self, exc: Exception, index: int) -> Exception:
+        where = self.locate(index)
+        if isinstance(exc, FileNotFoundError):
+            return FileNotFoundError(
+                f"{self._what}: cannot read sample {index} ({where}): the file is missing; "
+                f"was it deleted or moved after the dataset was opened?"
+            )
+        return ValueError(
+            f"{self._what}: cannot read sample {index} ({where}): {type(exc).__name__}: {exc}"
+        )
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_handles"] = OrderedDict()
+        state["entries"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._pid = os.getpid()
+
+    def __repr__(self) -> str:
+        where = "remote" if self.cache is not None else "local"
+        return (
+            f"{type(self).__name__}({len(self)} samples in {len(self.urls)} {where} "
+            f"shard(s), first {self.urls[0]!r})"
+        )
+
+    def close(self) -> None:
+        """Close the files this process holds open."""
+        while self._handles:
+            _close(self._handles.popitem()[1])
+
+
+def _close(handle: Any) -> None:
+    close = getattr(handle, "close", None)
+    if close is not None:
+        close()

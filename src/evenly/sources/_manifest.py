@@ -1,0 +1,262 @@
+"""Shard lists and their cached manifest: per-file row counts plus a content fingerprint.
+
+Opening a source lists its files once (one directory listing, not one request per
+file), then reuses every per-file entry whose fingerprint (size and etag or mtime) has
+not changed.  Entries are found, in order, in:
+
+1. ``.evenly-manifest.json`` beside the data (written by :func:`evenly.write`);
+2. a JSON file in the manifest cache dir, keyed by the file list
+   (``$EVENLY_CACHE_DIR/manifests``, default ``~/.cache/evenly/manifests``).
+
+Only new or changed files are scanned, so reopening 10,000 shards reads no footer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import posixpath
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import fsspec
+from fsspec.core import url_to_fs
+
+__all__ = [
+    "MANIFEST_NAME",
+    "FileEntry",
+    "Shards",
+    "default_cache_dir",
+    "load_entries",
+    "resolve",
+    "save_manifest",
+]
+
+MANIFEST_NAME = ".evenly-manifest.json"
+_VERSION = 1
+
+
+def default_cache_dir() -> str:
+    """``$EVENLY_CACHE_DIR``, else ``~/.cache/evenly``."""
+    return os.environ.get("EVENLY_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "evenly"
+    )
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """What a source needs to know about one shard without opening it."""
+
+    url: str
+    fingerprint: str
+    num_rows: int
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "url": self.url,
+            "fingerprint": self.fingerprint,
+            "num_rows": self.num_rows,
+            "meta": self.meta,
+        }
+
+
+@dataclass(frozen=True)
+class Shards:
+    """Resolved shard URLs (in a stable, sorted order), their filesystem and fingerprints."""
+
+    fs: Any
+    urls: tuple[str, ...]
+    fingerprints: tuple[str, ...]
+    storage_options: dict[str, Any]
+
+    @property
+    def remote(self) -> bool:
+        return not _is_local(self.fs)
+
+
+def _is_local(fs: Any) -> bool:
+    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+    return protocol in ("file", "local")
+
+
+def _fingerprint(info: dict[str, Any]) -> str:
+    version = (
+        info.get("ETag")
+        or info.get("etag")
+        or info.get("mtime")
+        or info.get("LastModified")
+        or info.get("last_modified")
+        or info.get("created")
+    )
+    return f"{info.get('size')}:{version}"
+
+
+def _unstrip(fs: Any, path: str) -> str:
+    """A full URL for a path as the filesystem returns it."""
+    return str(fs.unstrip_protocol(path)) if not _is_local(fs) else str(path)
+
+
+def resolve(
+    paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+    extensions: tuple[str, ...],
+    storage_options: dict[str, Any] | None = None,
+    *,
+    what: str,
+) -> Shards:
+    """Expand ``paths`` (a list, a glob, a directory or an fsspec URL) into shard URLs.
+
+    A directory yields its files (recursively) ending in one of ``extensions``; a glob or
+    an explicit list is taken as given.  Raises ``FileNotFoundError`` naming the missing
+    path, or ``ValueError`` when nothing matches.
+    """
+    options = dict(storage_options or {})
+    items = (
+        [os.fspath(paths)]
+        if isinstance(paths, str | os.PathLike)
+        else [os.fspath(p) for p in paths]
+    )
+    if not items:
+        raise ValueError(f"{what}: no paths given; pass a directory, a glob or a list of files")
+    fs, _ = url_to_fs(items[0], **options)
+    infos: dict[str, dict[str, Any]] = {}
+    for item in items:
+        item_fs, path = url_to_fs(item, **options)
+        if type(item_fs) is not type(fs):
+            raise ValueError(
+                f"{what}: all paths must be on one filesystem, got {items[0]!r} and {item!r}"
+            )
+        if fsspec.core.has_magic(path):  # type: ignore[attr-defined]
+            found = item_fs.glob(path, detail=True)
+            if not found:
+                raise FileNotFoundError(f"{what}: the glob {item!r} matches no file")
+            infos.update({k: v for k, v in found.items() if v.get("type") != "directory"})
+            continue
+        try:
+            info = item_fs.info(path)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{what}: file not found: {item!r}") from None
+        if info.get("type") == "directory":
+            found = item_fs.find(path, detail=True)
+            matched = {
+                k: v
+                for k, v in found.items()
+                if k.endswith(extensions) and not posixpath.basename(k).startswith(".")
+            }
+            if not matched:
+                raise FileNotFoundError(
+                    f"{what}: the directory {item!r} holds no file ending in "
+                    f"{' or '.join(extensions)}"
+                )
+            infos.update(matched)
+        else:
+            infos[info["name"]] = info
+    names = sorted(infos) if len(items) == 1 else list(dict.fromkeys(infos))
+    return Shards(
+        fs=fs,
+        urls=tuple(_unstrip(fs, n) for n in names),
+        fingerprints=tuple(_fingerprint(infos[n]) for n in names),
+        storage_options=options,
+    )
+
+
+def _cache_file(kind: str, urls: Sequence[str], cache_dir: str | None) -> str:
+    key = hashlib.sha256(("\n".join([kind, *urls])).encode()).hexdigest()[:32]
+    return os.path.join(cache_dir or default_cache_dir(), "manifests", f"{kind}-{key}.json")
+
+
+def _read_json(path: str, fs: Any = None) -> dict[str, Any] | None:
+    try:
+        if fs is None:
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+        else:
+            with fs.open(path, "rb") as f:
+                data = json.loads(f.read().decode("utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or data.get("version") != _VERSION:
+        return None
+    return data
+
+
+def _beside(shards: Shards) -> list[str]:
+    """Candidate manifests beside the data: one per distinct parent directory."""
+    parents = dict.fromkeys(posixpath.dirname(u) for u in shards.urls)
+    return [posixpath.join(p, MANIFEST_NAME) for p in parents]
+
+
+def _known(shards: Shards, kind: str, cache_path: str) -> dict[str, dict[str, Any]]:
+    known: dict[str, dict[str, Any]] = {}
+    for path in _beside(shards):
+        fs, p = url_to_fs(path, **shards.storage_options)
+        data = _read_json(p, fs)
+        if data is None or data.get("format") != kind:
+            continue
+        base = posixpath.dirname(path)
+        for e in data.get("files", []):
+            known[posixpath.join(base, e["url"])] = e
+    data = _read_json(cache_path)
+    if data is not None:
+        for e in data.get("files", []):
+            known.setdefault(e["url"], e)
+    return known
+
+
+def load_entries(
+    shards: Shards,
+    kind: str,
+    scan: Callable[[int, str], tuple[int, dict[str, Any]]],
+    *,
+    cache_dir: str | None = None,
+    use_cache: bool = True,
+) -> list[FileEntry]:
+    """One entry per shard: reused from a manifest when its fingerprint matches, else
+    ``scan(shard_number, url)`` -> ``(num_rows, meta)``.  The cache is updated if any
+    shard was scanned."""
+    cache_path = _cache_file(kind, shards.urls, cache_dir)
+    known = _known(shards, kind, cache_path) if use_cache else {}
+    entries: list[FileEntry] = []
+    scanned = False
+    for k, (url, fp) in enumerate(zip(shards.urls, shards.fingerprints, strict=True)):
+        hit = known.get(url)
+        if hit is not None and hit.get("fingerprint") == fp:
+            entries.append(FileEntry(url, fp, int(hit["num_rows"]), dict(hit.get("meta", {}))))
+            continue
+        num_rows, meta = scan(k, url)
+        entries.append(FileEntry(url, fp, num_rows, meta))
+        scanned = True
+    if scanned and use_cache:
+        _write_json_atomic(
+            cache_path,
+            {"version": _VERSION, "format": kind, "files": [e.to_json() for e in entries]},
+        )
+    return entries
+
+
+def _write_json_atomic(path: str, data: dict[str, Any]) -> None:
+    """Write ``data`` to ``path`` through a temp file and a rename (best effort)."""
+    directory = os.path.dirname(path)
+    try:
+        os.makedirs(directory, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".json")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(data, f)
+        os.replace(tmp, path)
+    except OSError:  # a read-only cache must not stop reading the data
+        return
+
+
+def save_manifest(out_dir: str, kind: str, entries: Sequence[FileEntry]) -> str:
+    """Write ``.evenly-manifest.json`` in ``out_dir`` with URLs relative to it."""
+    files = []
+    for e in entries:
+        data = e.to_json()
+        data["url"] = os.path.relpath(e.url, out_dir)
+        files.append(data)
+    path = os.path.join(out_dir, MANIFEST_NAME)
+    _write_json_atomic(path, {"version": _VERSION, "format": kind, "files": files})
+    return path

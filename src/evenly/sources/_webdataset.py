@@ -1,0 +1,165 @@
+"""``evenly.from_webdataset``: random access over existing WebDataset tar shards.
+
+Files are grouped into samples as WebDataset does: a member ``dir/abc.seg.png`` has key
+``dir/abc`` and field ``seg.png``, and consecutive members with one key form a sample.
+A one-time scan of the member headers (cached in the manifest) records where each
+field's bytes lie, so a sample is a few seeks and reads.
+
+>>> import io, os, tarfile, tempfile
+>>> d = tempfile.mkdtemp()
+>>> with tarfile.open(os.path.join(d, "a.tar"), "w") as tar:
+...     for key in ("x", "y"):
+...         for ext, data in (("txt", key.encode()), ("cls", b"1")):
+...             info = tarfile.TarInfo(f"{key}.{ext}"); info.size = len(data)
+...             tar.addfile(info, io.BytesIO(data))
+>>> src = from_webdataset(d, cache_dir=os.path.join(d, ".cache"))
+>>> len(src), src[1]["__key__"], src[1]["txt"]
+(2, 'y', b'y')
+"""
+
+from __future__ import annotations
+
+import re
+import tarfile
+from posixpath import isabs
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from ._base import Paths, ShardedSource
+from ._manifest import FileEntry
+
+__all__ = ["WebDatasetSource", "from_webdataset"]
+
+_KEY_EXT = re.compile(r"^((?:.*/|)[^./]+)[.]([^/]*)$")
+
+
+def split_name(name: str) -> tuple[str, str] | None:
+    """``"dir/abc.seg.png"`` -> ``("dir/abc", "seg.png")``; None for a name without a field."""
+    match = _KEY_EXT.match(name)
+    return None if match is None else (match.group(1), match.group(2).lower())
+
+
+def check_member_name(name: str) -> None:
+    """Reject absolute member names and names with a ``..`` part."""
+    if isabs(name) or name.startswith("\\") or ".." in re.split(r"[/\\]", name):
+        raise ValueError(
+            f"unsafe member name {name!r} (absolute or with '..'); evenly refuses such "
+            f"tar files: rewrite them with relative names"
+        )
+
+
+class WebDatasetSource(ShardedSource):
+    """WebDataset tar shards as one source; a sample is ``{"__key__", "__url__", field: bytes}``.
+
+    Build it with :func:`from_webdataset`.
+    """
+
+    format = "webdataset"
+    extensions = (".tar",)
+
+    def __init__(self, paths: Paths, *, check_fields: bool = True, **kwargs: Any) -> None:
+        self.check_fields = check_fields
+        super().__init__(paths, **kwargs)
+
+    def _scan(self, k: int, url: str) -> tuple[int, dict[str, Any]]:
+        path = self.local_path(k)
+        with open(path, "rb") as f:
+            head = f.read(512)
+            size = f.seek(0, 2)
+        if head[:2] == b"\x1f\x8b" or head[:3] == b"BZh" or head[:6] == b"\xfd7zXZ\x00":
+            raise ValueError(
+                "it is a compressed tar; evenly reads uncompressed tar shards (random "
+                "access needs offsets): decompress it, e.g. gunzip"
+            )
+        samples: list[list[Any]] = []
+        try:
+            with tarfile.open(path, mode="r:") as tar:
+                for member in tar:
+                    check_member_name(member.name)
+                    if not member.isfile():
+                        continue
+                    parts = split_name(member.name)
+                    if parts is None or member.name.rsplit("/", 1)[-1].startswith("__"):
+                        continue
+                    key, ext = parts
+                    if member.offset_data + member.size > size:
+                        raise ValueError(
+                            f"the tar is truncated: member {member.name!r} needs bytes up to "
+                            f"{member.offset_data + member.size}, the file has {size}"
+                        )
+                    if not samples or samples[-1][0] != key:
+                        samples.append([key, []])
+                    elif any(f[0] == ext for f in samples[-1][1]):
+                        raise ValueError(f"duplicate field {ext!r} in sample {key!r}")
+                    samples[-1][1].append([ext, member.offset_data, member.size])
+        except tarfile.TarError as exc:
+            raise ValueError(
+                f"it is not a valid tar file ({exc}); is the extension wrong?"
+            ) from None
+        if not samples and size >= 512 and head.strip(b"\x00"):
+            raise ValueError("it is not a valid tar file (no member found)")
+        return len(samples), {"samples": samples}
+
+    def _setup(self, entries: list[FileEntry]) -> None:
+        self._samples = [e.meta["samples"] for e in entries]
+        if not self.check_fields:
+            return
+        fields = [sorted({f[0] for s in e.meta["samples"] for f in s[1]}) for e in entries]
+        ref = next((k for k, f in enumerate(fields) if f), None)
+        for k, f in enumerate(fields):
+            if f and ref is not None and f != fields[ref]:
+                raise ValueError(
+                    f"{self._what}: the fields of shard {k} ({entries[k].url}) differ from "
+                    f"shard {ref} ({entries[ref].url}): {f} vs {fields[ref]}; pass "
+                    f"check_fields=False if samples legitimately vary"
+                )
+
+    def _open(self, k: int, path: str) -> Any:
+        return open(path, "rb")
+
+    def _read(self, k: int, handle: Any, rows: npt.NDArray[np.int64]) -> list[Any]:
+        table = self._samples[k]
+        out: list[Any] = [None] * rows.size
+        for pos in np.argsort(rows, kind="stable").tolist():
+            key, fields = table[int(rows[pos])]
+            sample: dict[str, Any] = {"__key__": key, "__url__": self.urls[k]}
+            for ext, offset, size in fields:
+                handle.seek(offset)
+                data = handle.read(size)
+                if len(data) != size:
+                    raise ValueError(
+                        f"the tar is truncated: field {ext!r} of sample {key!r} needs "
+                        f"{size} bytes at offset {offset}, got {len(data)}"
+                    )
+                sample[ext] = data
+            out[pos] = sample
+        return out
+
+
+def from_webdataset(
+    paths: Paths,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    cache_dir: str | None = None,
+    cache_bytes: int | None = None,
+    check_fields: bool = True,
+    use_manifest: bool = True,
+) -> WebDatasetSource:
+    """A source over uncompressed WebDataset tar shards: a list, a glob, a directory or
+    an fsspec URL.  Field values are the raw bytes (decode them in ``transform``).
+
+    ``check_fields`` raises if shards hold different sets of fields.
+
+    >>> import evenly
+    >>> ds = evenly.Dataset(from_webdataset("s3://bucket/wds/"), shuffle=True)  # doctest: +SKIP
+    """
+    return WebDatasetSource(
+        paths,
+        storage_options=storage_options,
+        cache_dir=cache_dir,
+        cache_bytes=cache_bytes,
+        check_fields=check_fields,
+        use_manifest=use_manifest,
+    )

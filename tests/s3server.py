@@ -2,7 +2,7 @@
 
 Import the fixtures into a test module::
 
-    from s3server import s3, s3_prefix  # noqa: F401
+    from tests.s3server import s3, s3_prefix  # noqa: F401
 
 ``s3`` (session scope) starts ``moto.server.ThreadedMotoServer`` on a free port, sets
 dummy AWS credentials, creates a bucket and yields an :class:`S3Endpoint`; tests reach

@@ -136,6 +136,15 @@ def build_records(
             col.append(arr)
     codes, labels, distinct = _encode(ids)
     rank0 = ranks[0]
+    reference, source = rank0.expected, rank0.expected_source
+    if expected is not None:
+        reference, source = expected, "expected="
+    elif source.endswith("on rank 0") and reference is not None:
+        # An iterable's len() may be global or per rank: take whichever is larger, it or
+        # the distinct ids seen over all epochs (pass expected= to be exact).
+        seen = len(np.unique(codes))
+        if seen > reference:
+            reference, source = seen, "distinct ids seen"
     return Records(
         ids=codes,
         rank=np.concatenate(cols[0]).astype(np.int64),
@@ -149,8 +158,8 @@ def build_records(
         num_workers=settings.num_workers,
         epochs=settings.epochs,
         batch_size=settings.batch_size,
-        expected=rank0.expected if expected is None else expected,
-        expected_source=rank0.expected_source if expected is None else "expected=",
+        expected=reference,
+        expected_source=source,
         labels=labels,
         shards=None if shard_fn is None else _shards(codes, distinct, shard_fn),
         warnings=sorted({w for result in ranks for w in result.warnings}),

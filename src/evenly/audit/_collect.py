@@ -11,7 +11,9 @@ dataset, the sampler and the batch sampler when they have one, as a careful user
 
 from __future__ import annotations
 
+import functools
 import importlib
+import multiprocessing
 import os
 import queue as queue_mod
 import socket
@@ -20,7 +22,7 @@ import traceback
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TextIO
 
 import numpy as np
 import torch
@@ -45,7 +47,7 @@ class AuditError(RuntimeError):
     """The audit could not run: a factory that does not import, or a rank that failed."""
 
 
-def resolve(spec: str) -> Factory:
+def resolve(spec: str) -> Callable[..., Any]:
     """Import ``"module.path:attribute"`` and return the callable it names.
 
     >>> resolve("os.path:join")("a", "b")
@@ -77,6 +79,10 @@ def describe(factory: str | Factory) -> str:
     """A name for a factory in messages and reports."""
     if isinstance(factory, str):
         return factory
+    if isinstance(factory, functools.partial):
+        args = [repr(a) for a in factory.args]
+        args += [f"{k}={v!r}" for k, v in factory.keywords.items()]
+        return f"{describe(factory.func)}({', '.join(args)})"
     name = getattr(factory, "__qualname__", None)
     module = getattr(factory, "__module__", None)
     return f"{module}:{name}" if name and module else repr(factory)
@@ -205,7 +211,15 @@ class _WarningLog:
     def __init__(self) -> None:
         self.seen: dict[tuple[str, str, int], list[Any]] = {}
 
-    def __call__(self, message: Any, category: Any, filename: str, lineno: int, *_: Any) -> None:
+    def __call__(
+        self,
+        message: Warning | str,
+        category: type[Warning],
+        filename: str,
+        lineno: int,
+        file: TextIO | None = None,
+        line: str | None = None,
+    ) -> None:
         key = (category.__name__, filename, lineno)
         if key in self.seen:
             self.seen[key][1] += 1
@@ -266,6 +280,9 @@ def _rank_main(rank: int, settings: Settings, port: int, jobs: list[Job], out: A
             "LOCAL_WORLD_SIZE": str(settings.world_size),
         }
     )
+    # A spawned process inherits "spawn" as its start method; a rank started by torchrun
+    # has the platform's default (fork on Linux), which is what DataLoader workers use.
+    multiprocessing.set_start_method(multiprocessing.get_all_start_methods()[0], force=True)
     torch.set_num_threads(1)
     current = "process group setup"
     try:

@@ -17,16 +17,19 @@ in report order.  Thresholds are module constants so the docs can quote them.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
+from dataclasses import replace
 
 import numpy as np
-import numpy.typing as npt
 
-from ._types import F64, GENERATORS, I64, Finding, Records, Status
+from ._shuffle import adjacency, repeated_order, shuffle_quality, spearman
+from ._types import GENERATORS, I64, Finding, Records, Status, epochs_of
 
 __all__ = [
     "adjacency",
     "all_findings",
+    "compact",
     "duplicates",
     "length",
     "missing",
@@ -40,10 +43,6 @@ __all__ = [
 
 #: Draws compared per stream when looking for shared random streams.
 RNG_PREFIX = 8
-#: Mean displacement below this fraction of a random permutation's counts as unshuffled.
-MIN_DISPLACEMENT = 0.5
-#: Same-shard neighbours above this multiple of the uniform ideal count as clustered.
-MAX_ADJACENCY = 1.5
 
 
 def _worst(statuses: list[Status]) -> Status:
@@ -51,10 +50,6 @@ def _worst(statuses: list[Status]) -> Status:
         if status in statuses:
             return status  # type: ignore[return-value]
     return "PASS"
-
-
-def _epochs(rec: Records) -> list[int]:
-    return list(range(rec.epochs))
 
 
 def duplicates(rec: Records) -> Finding:
@@ -65,7 +60,7 @@ def duplicates(rec: Records) -> Finding:
     """
     parts: list[str] = []
     worst = 0
-    for e in _epochs(rec):
+    for e in epochs_of(rec):
         ids = rec.ids[rec.epoch == e]
         if len(ids) == 0:
             continue
@@ -87,7 +82,7 @@ def duplicates(rec: Records) -> Finding:
     if worst == 0:
         return Finding(
             "duplicates",
-            "Duplicates per epoch",
+            "Duplicates",
             "PASS",
             0,
             "every sample delivered at most once per epoch",
@@ -95,7 +90,7 @@ def duplicates(rec: Records) -> Finding:
     status: Status = "WARN" if worst < rec.world_size else "FAIL"
     if status == "WARN":
         parts.append("(fewer than world_size: padding so every rank gets the same count)")
-    return Finding("duplicates", "Duplicates per epoch", status, worst, "; ".join(parts))
+    return Finding("duplicates", "Duplicates", status, worst, "; ".join(parts))
 
 
 def missing(rec: Records) -> Finding:
@@ -109,7 +104,7 @@ def missing(rec: Records) -> Finding:
     parts: list[str] = []
     worst = 0
     statuses: list[Status] = []
-    for e in _epochs(rec):
+    for e in epochs_of(rec):
         seen = len(np.unique(rec.ids[rec.epoch == e]))
         gap = reference - seen
         if gap > 0:
@@ -121,9 +116,7 @@ def missing(rec: Records) -> Finding:
         worst = max(worst, abs(gap))
     if not parts:
         parts.append(f"all {reference} samples delivered every epoch")
-    return Finding(
-        "missing", f"Missing per epoch (vs {source})", _worst(statuses), worst, "; ".join(parts)
-    )
+    return Finding("missing", f"Missing (vs {source})", _worst(statuses), worst, "; ".join(parts))
 
 
 def rank_balance(rec: Records) -> Finding:
@@ -132,7 +125,7 @@ def rank_balance(rec: Records) -> Finding:
     parts: list[str] = []
     statuses: list[Status] = []
     worst = 0
-    for e in _epochs(rec):
+    for e in epochs_of(rec):
         rows = sorted((r for r in rec.per_rank if r.epoch == e), key=lambda r: r.rank)
         if not rows:
             continue
@@ -149,9 +142,7 @@ def rank_balance(rec: Records) -> Finding:
         first = [r for r in rec.per_rank if r.epoch == 0]
         each = f"{first[0].samples} samples, {first[0].batches} batches" if first else "0"
         parts.append(f"every rank: {each} per epoch")
-    return Finding(
-        "rank_balance", "Per-rank samples and batches", _worst(statuses), worst, "; ".join(parts)
-    )
+    return Finding("rank_balance", "Rank balance", _worst(statuses), worst, "; ".join(parts))
 
 
 def _batch_sizes(rec: Records) -> tuple[I64, I64, I64]:
@@ -171,7 +162,7 @@ def partial_batches(rec: Records) -> Finding:
     partial = sizes < rec.batch_size
     worst = 0
     parts: list[str] = []
-    for e in _epochs(rec):
+    for e in epochs_of(rec):
         per_rank = [
             int((partial & (ranks == r) & (epochs == e)).sum()) for r in range(rec.world_size)
         ]
@@ -180,173 +171,8 @@ def partial_batches(rec: Records) -> Finding:
             parts.append(f"epoch {e}: partial batches per rank {per_rank}")
     status: Status = "WARN" if worst > 1 else "PASS"
     if not parts:
-        parts.append(f"at most {worst} partial batch per rank per epoch")
-    return Finding("partial_batches", "Partial batches per rank", status, worst, "; ".join(parts))
-
-
-def spearman(x: npt.ArrayLike, y: npt.ArrayLike) -> float:
-    """Spearman rank correlation (average ranks for ties); 0.0 when undefined.
-
-    >>> spearman([1, 2, 3, 4], [10, 20, 30, 40]), spearman([1, 2, 3], [3, 2, 1])
-    (1.0, -1.0)
-    """
-    rx, ry = _ranks(np.asarray(x)), _ranks(np.asarray(y))
-    if len(rx) < 2 or rx.std() == 0 or ry.std() == 0:
-        return 0.0
-    return float(np.corrcoef(rx, ry)[0, 1])
-
-
-def _ranks(values: npt.NDArray[np.generic]) -> F64:
-    _, inverse, counts = np.unique(values, return_inverse=True, return_counts=True)
-    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
-    average = starts + (counts - 1) / 2.0
-    return np.asarray(average[inverse.reshape(-1)], dtype=np.float64)
-
-
-def _epoch_order(rec: Records, e: int) -> I64:
-    """Ids of epoch ``e`` in the order a DDP step sees them."""
-    order = rec.global_order()
-    return rec.ids[order][rec.epoch[order] == e]
-
-
-def _displacement(ids: I64) -> float:
-    """Mean |position - sorted position| over that of a uniform random permutation."""
-    m = len(ids)
-    if m < 2:
-        return 1.0
-    target = _ranks(ids)
-    observed = float(np.abs(np.arange(m) - target).mean())
-    return observed / ((m * m - 1) / (3.0 * m))
-
-
-def _rho_limit(m: int) -> float:
-    """|rho| a random order exceeds with negligible probability (4 sigma)."""
-    return max(0.05, 4.0 / np.sqrt(max(m - 1, 1)))
-
-
-def _is_shuffled(ids: I64) -> bool:
-    return abs(spearman(np.arange(len(ids)), ids)) <= _rho_limit(len(ids)) and (
-        _displacement(ids) >= MIN_DISPLACEMENT
-    )
-
-
-def shuffle_quality(rec: Records) -> Finding:
-    """Rank correlation of position vs id and mean displacement per epoch (global order).
-
-    A uniform shuffle has |rho| near 0 and displacement near 1 (N/3 on average); an
-    unshuffled or locally shuffled stream does not: WARN (fine for evaluation data).
-    """
-    parts: list[str] = []
-    worst_rho = 0.0
-    flagged = False
-    for e in _epochs(rec):
-        ids = _epoch_order(rec, e)
-        if len(ids) < 2:
-            continue
-        rho = spearman(np.arange(len(ids)), ids)
-        disp = _displacement(ids)
-        worst_rho = max(worst_rho, abs(rho))
-        bad = abs(rho) > _rho_limit(len(ids)) or disp < MIN_DISPLACEMENT
-        flagged = flagged or bad
-        parts.append(
-            f"epoch {e}: rho={rho:+.2f}, displacement {disp:.2f} of random"
-            + (" (not uniformly shuffled)" if bad else "")
-        )
-    status: Status = "WARN" if flagged else "PASS"
-    return Finding(
-        "shuffle",
-        "Shuffle quality (position vs id)",
-        status,
-        round(worst_rho, 4),
-        "; ".join(parts) or "no samples",
-    )
-
-
-def adjacency(rec: Records) -> Finding:
-    """Neighbours in a batch from the same shard/group, vs a uniform shuffle's ideal
-    ``sum n_g (n_g - 1) / (M (M - 1))``.  Needs ``rec.shards`` (from ``shard_fn``)."""
-    if rec.shards is None:
-        return Finding("adjacency", "Same-shard neighbours", "PASS", 0, "no shard_fn given")
-    order = rec.global_order()
-    parts: list[str] = []
-    worst = 0.0
-    flagged = False
-    for e in _epochs(rec):
-        rows = order[rec.epoch[order] == e]
-        m = len(rows)
-        if m < 2:
-            continue
-        shards, batch, rank = rec.shards[rows], rec.batch[rows], rec.rank[rows]
-        pair = (batch[1:] == batch[:-1]) & (rank[1:] == rank[:-1])
-        n_pairs = int(pair.sum())
-        if n_pairs == 0:
-            continue
-        observed = float((shards[1:] == shards[:-1])[pair].mean())
-        _, counts = np.unique(shards, return_counts=True)
-        ideal = float((counts * (counts - 1)).sum()) / (m * (m - 1))
-        ratio = observed / ideal if ideal > 0 else (np.inf if observed > 0 else 1.0)
-        noise = 4.0 * np.sqrt(max(ideal * (1 - ideal), 1e-12) / n_pairs)
-        bad = observed > ideal + noise and ratio > MAX_ADJACENCY
-        flagged = flagged or bad
-        worst = max(worst, ratio)
-        parts.append(
-            f"epoch {e}: {observed:.0%} of in-batch neighbours share a shard, "
-            f"ideal {ideal:.0%} ({ratio:.1f}x)"
-        )
-    status: Status = "WARN" if flagged else "PASS"
-    return Finding(
-        "adjacency",
-        "Same-shard neighbours",
-        status,
-        round(worst, 3),
-        "; ".join(parts) or "no batch has two samples",
-    )
-
-
-def repeated_order(rec: Records) -> Finding:
-    """A rank delivering the same id sequence as in the previous epoch: FAIL when that
-    sequence is shuffled (a seed that never changes), WARN when it is not shuffled."""
-    repeats: list[tuple[int, int, bool]] = []
-    for r in range(rec.world_size):
-        previous: I64 | None = None
-        for e in _epochs(rec):
-            mask = (rec.rank == r) & (rec.epoch == e)
-            rows = np.flatnonzero(mask)
-            rows = rows[np.lexsort((rec.pos[rows], rec.batch[rows]))]
-            seq = rec.ids[rows]
-            if previous is not None and len(seq) > 1 and np.array_equal(seq, previous):
-                repeats.append((r, e, _is_shuffled(_epoch_order(rec, e))))
-            previous = seq
-    if rec.epochs < 2:
-        return Finding(
-            "repeated_order",
-            "Order differs from previous epoch",
-            "PASS",
-            0,
-            "one epoch: nothing to compare",
-        )
-    if not repeats:
-        return Finding(
-            "repeated_order",
-            "Order differs from previous epoch",
-            "PASS",
-            0,
-            "every rank's order changes every epoch",
-        )
-    shuffled = any(s for _, _, s in repeats)
-    where = ", ".join(f"rank {r} epoch {e}" for r, e, _ in repeats[:6])
-    detail = (
-        f"same shuffled order as the previous epoch: {where} (the seed never changes)"
-        if shuffled
-        else f"same unshuffled order every epoch: {where}"
-    )
-    return Finding(
-        "repeated_order",
-        "Order differs from previous epoch",
-        "FAIL" if shuffled else "WARN",
-        len(repeats),
-        detail,
-    )
+        parts.append(f"at most {worst} partial batch(es) per rank per epoch")
+    return Finding("partial_batches", "Partial batches", status, worst, "; ".join(parts))
 
 
 def rng_streams(rec: Records) -> Finding:
@@ -354,7 +180,7 @@ def rng_streams(rec: Records) -> Finding:
     apply the same "random" augmentations (FAIL).  Equal across epochs only: WARN."""
     key = np.stack([rec.rank, rec.epoch, rec.worker], axis=1)
     if len(key) == 0:
-        return Finding("rng_streams", "Random streams distinct", "PASS", 0, "no samples")
+        return Finding("rng_streams", "RNG streams", "PASS", 0, "no samples")
     streams, inverse = np.unique(key, axis=0, return_inverse=True)
     inverse = inverse.reshape(-1)
     lengths = np.bincount(inverse, minlength=len(streams))
@@ -382,7 +208,7 @@ def rng_streams(rec: Records) -> Finding:
     if n_bad == 0 and not clashes["epochs"]:
         return Finding(
             "rng_streams",
-            "Random streams distinct",
+            "RNG streams",
             "PASS",
             0,
             f"{len(streams)} (rank, worker, epoch) streams, all different",
@@ -396,7 +222,7 @@ def rng_streams(rec: Records) -> Finding:
     status: Status = "FAIL" if n_bad else "WARN"
     return Finding(
         "rng_streams",
-        "Random streams distinct",
+        "RNG streams",
         status,
         n_bad + len(clashes["epochs"]),
         "; ".join(parts),
@@ -432,7 +258,7 @@ def length(rec: Records) -> Finding:
         parts.append(f"{unknown} rank-epochs without len(): the length of an epoch is unknown")
     if not parts:
         parts.append("len() matches what every rank yielded")
-    return Finding("length", "len() vs yielded", _worst(statuses), worst, "; ".join(parts[:6]))
+    return Finding("length", "len() vs yielded", _worst(statuses), worst, "; ".join(parts))
 
 
 _ALL: tuple[Callable[[Records], Finding], ...] = (
@@ -449,5 +275,59 @@ _ALL: tuple[Callable[[Records], Finding], ...] = (
 
 
 def all_findings(rec: Records) -> list[Finding]:
-    """Every finding, in report order (adjacency only when ``rec.shards`` is set)."""
-    return [f(rec) for f in _ALL if f is not adjacency or rec.shards is not None]
+    """Every finding, in report order (adjacency only when ``rec.shards`` is set), with
+    details that repeat over epochs or ranks merged (see ``compact``)."""
+    found = [f(rec) for f in _ALL if f is not adjacency or rec.shards is not None]
+    return [replace(f, detail=compact(f.detail)) for f in found]
+
+
+_PART = re.compile(r"^(?:rank (?P<rank>\d+) )?epoch (?P<epoch>\d+): (?P<text>.*)$")
+
+
+def _span(values: list[int], word: str) -> str:
+    values = sorted(set(values))
+    if len(values) == 1:
+        return f"{word} {values[0]}"
+    if values == list(range(values[0], values[-1] + 1)):
+        return f"{word}s {values[0]}-{values[-1]}"
+    return f"{word}s {','.join(map(str, values))}"
+
+
+def compact(detail: str) -> str:
+    """Merge ``"epoch 0: X; epoch 1: X"`` into ``"epochs 0-1: X"`` (and the same for
+    ``"rank R epoch E: X"`` parts that cover every rank x epoch combination).
+
+    >>> compact("epoch 0: 4x; epoch 1: 4x; epoch 2: 2x")
+    'epochs 0-1: 4x; epoch 2: 2x'
+    >>> compact("rank 0 epoch 0: len 5; rank 1 epoch 0: len 5")
+    'ranks 0-1 epoch 0: len 5'
+    """
+    groups: dict[tuple[bool, str], list[tuple[int, int]]] = {}
+    others: list[str] = []
+    order: list[tuple[bool, str] | str] = []
+    for part in detail.split("; "):
+        m = _PART.match(part)
+        if m is None:
+            others.append(part)
+            order.append(part)
+            continue
+        key = (m["rank"] is not None, m["text"])
+        if key not in groups:
+            groups[key] = []
+            order.append(key)
+        groups[key].append((int(m["rank"] or 0), int(m["epoch"])))
+    out: list[str] = []
+    for item in order:
+        if isinstance(item, str):
+            out.append(item)
+            continue
+        has_rank, text = item
+        pairs = groups[item]
+        ranks = sorted({r for r, _ in pairs})
+        epochs = sorted({e for _, e in pairs})
+        if has_rank and len(ranks) * len(epochs) != len(set(pairs)):
+            out.extend(f"rank {r} epoch {e}: {text}" for r, e in pairs)
+            continue
+        where = _span(epochs, "epoch")
+        out.append(f"{_span(ranks, 'rank')} {where}: {text}" if has_rank else f"{where}: {text}")
+    return "; ".join(out)

@@ -131,8 +131,8 @@ def trace_evenly(dataset: EvenlyDataset[Any], id_fn: IdFn) -> EvenlyDataset[Any]
     """Make ``dataset`` yield ``(sample, meta)`` while staying an ``evenly.Dataset``."""
     if type(dataset) is not EvenlyDataset:
         # A user subclass: trace it through a subclass of its own class (fork workers).
-        cls = type(f"Traced{type(dataset).__name__}", (type(dataset),), {})
-        cls.__iter__ = TracedEvenly.__iter__  # type: ignore[method-assign]
+        name = f"Traced{type(dataset).__name__}"
+        cls = type(name, (type(dataset),), {"__iter__": TracedEvenly.__iter__})
         dataset.__class__ = cls
     else:
         dataset.__class__ = TracedEvenly

@@ -13,7 +13,7 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["GENERATORS", "Finding", "RankEpoch", "Records", "Status"]
+__all__ = ["GENERATORS", "Finding", "RankEpoch", "Records", "Status", "epochs_of"]
 
 I64 = npt.NDArray[np.int64]
 F64 = npt.NDArray[np.float64]
@@ -114,3 +114,8 @@ class Records:
     def global_order(self) -> I64:
         """Row indices sorted as a DDP step sees them: (epoch, batch, rank, position)."""
         return np.lexsort((self.pos, self.rank, self.batch, self.epoch)).astype(np.int64)
+
+
+def epochs_of(rec: Records) -> list[int]:
+    """The epoch numbers of an audit."""
+    return list(range(rec.epochs))

@@ -210,8 +210,12 @@ class ShardedSource:
 
     def close(self) -> None:
         """Close the files this process holds open."""
-        while self._handles:
-            _close(self._handles.popitem()[1])
+        handles = self.__dict__.get("_handles")
+        while handles:
+            _close(handles.popitem()[1])
+
+    def __del__(self) -> None:
+        self.close()
 
 
 def _close(handle: Any) -> None:

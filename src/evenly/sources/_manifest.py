@@ -72,6 +72,7 @@ class Shards:
     urls: tuple[str, ...]
     fingerprints: tuple[str, ...]
     storage_options: dict[str, Any]
+    sizes: tuple[int, ...] = ()
 
     @property
     def remote(self) -> bool:
@@ -160,6 +161,7 @@ def resolve(
         urls=tuple(_unstrip(fs, n) for n in names),
         fingerprints=tuple(_fingerprint(infos[n]) for n in names),
         storage_options=options,
+        sizes=tuple(int(infos[n].get("size") or 0) for n in names),
     )
 
 
@@ -189,8 +191,8 @@ def _beside(shards: Shards) -> list[str]:
     return [posixpath.join(p, MANIFEST_NAME) for p in parents]
 
 
-def _known(shards: Shards, kind: str, cache_path: str) -> dict[str, dict[str, Any]]:
-    known: dict[str, dict[str, Any]] = {}
+def _known(shards: Shards, kind: str, cache_path: str) -> dict[str, list[dict[str, Any]]]:
+    known: dict[str, list[dict[str, Any]]] = {}
     for path in _beside(shards):
         fs, p = url_to_fs(path, **shards.storage_options)
         data = _read_json(p, fs)
@@ -198,12 +200,22 @@ def _known(shards: Shards, kind: str, cache_path: str) -> dict[str, dict[str, An
             continue
         base = posixpath.dirname(path)
         for e in data.get("files", []):
-            known[posixpath.join(base, e["url"])] = e
+            known.setdefault(posixpath.join(base, e["url"]), []).append(e)
     data = _read_json(cache_path)
     if data is not None:
         for e in data.get("files", []):
-            known.setdefault(e["url"], e)
+            known.setdefault(e["url"], []).append(e)
     return known
+
+
+def _matches(entry: dict[str, Any], fingerprint: str) -> bool:
+    """Same fingerprint; or, for an entry written by ``evenly.write`` (which records the
+    MD5), an object store whose ETag is that MD5 (an upload of the same bytes)."""
+    if entry.get("fingerprint") == fingerprint:
+        return True
+    md5 = entry.get("md5")
+    return bool(md5) and fingerprint == f'{entry.get("size")}:"{md5}"'
+
 
 
 def load_entries(
@@ -222,8 +234,8 @@ def load_entries(
     entries: list[FileEntry] = []
     scanned = False
     for k, (url, fp) in enumerate(zip(shards.urls, shards.fingerprints, strict=True)):
-        hit = known.get(url)
-        if hit is not None and hit.get("fingerprint") == fp:
+        hit = next((e for e in known.get(url, []) if _matches(e, fp)), None)
+        if hit is not None:
             entries.append(FileEntry(url, fp, int(hit["num_rows"]), dict(hit.get("meta", {}))))
             continue
         num_rows, meta = scan(k, url)
@@ -235,6 +247,14 @@ def load_entries(
             {"version": _VERSION, "format": kind, "files": [e.to_json() for e in entries]},
         )
     return entries
+
+
+def _md5(path: str) -> str:
+    digest = hashlib.md5(usedforsecurity=False)
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def _write_json_atomic(path: str, data: dict[str, Any]) -> None:
@@ -251,11 +271,14 @@ def _write_json_atomic(path: str, data: dict[str, Any]) -> None:
 
 
 def save_manifest(out_dir: str, kind: str, entries: Sequence[FileEntry]) -> str:
-    """Write ``.evenly-manifest.json`` in ``out_dir`` with URLs relative to it."""
+    """Write ``.evenly-manifest.json`` in ``out_dir`` with URLs relative to it, and each
+    file's size and MD5 (so an upload of the directory to S3 reuses it: ETag = MD5)."""
     files = []
     for e in entries:
         data = e.to_json()
         data["url"] = os.path.relpath(e.url, out_dir)
+        data["size"] = os.path.getsize(e.url)
+        data["md5"] = _md5(e.url)
         files.append(data)
     path = os.path.join(out_dir, MANIFEST_NAME)
     _write_json_atomic(path, {"version": _VERSION, "format": kind, "files": files})

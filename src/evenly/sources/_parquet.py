@@ -57,7 +57,7 @@ class ParquetSource(ShardedSource):
 
     def _scan(self, k: int, url: str) -> tuple[int, dict[str, Any]]:
         fs, path = url_to_fs(url, **self._shards.storage_options)
-        with fs.open(path, "rb") as f:
+        with fs.open(path, "rb", size=self._shards.sizes[k]) as f:
             head = f.read(4)
             if head != b"PAR1":
                 raise ValueError(

@@ -94,12 +94,21 @@ class WebDatasetSource(ShardedSource):
                     elif any(f[0] == ext for f in samples[-1][1]):
                         raise ValueError(f"duplicate field {ext!r} in sample {key!r}")
                     samples[-1][1].append([ext, member.offset_data, member.size])
+                end = tar.offset
+            with open(path, "rb") as f:
+                f.seek(end)
+                marker = f.read(512)
         except tarfile.TarError as exc:
             raise ValueError(
                 f"it is not a valid tar file ({exc}); is the extension wrong?"
             ) from None
         if not samples and size >= 512 and head.strip(b"\x00"):
             raise ValueError("it is not a valid tar file (no member found)")
+        if len(marker) < 512 or marker.strip(b"\x00"):
+            raise ValueError(
+                f"the tar is truncated: no end-of-archive block after byte {end} "
+                f"(the file has {size} bytes)"
+            )
         return len(samples), {"samples": samples}
 
     def _setup(self, entries: list[FileEntry]) -> None:

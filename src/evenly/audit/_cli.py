@@ -1,0 +1,129 @@
+"""The ``evenly audit`` subcommand.
+
+``register(subparsers)`` adds it to an ``argparse`` parser (``evenly.cli`` does that);
+``python -m evenly.audit ...`` runs it on its own.  Exit status: 0 when no finding is
+FAIL, 1 when one is, 2 when the audit could not run (bad factory path, failing rank).
+
+    evenly audit examples.talk_attempts:naive --workers 4 --world-size 2 --epochs 2 \\
+        --batch-size 10 [--json] [--report DIR] [--shard-fn mod:fn] [--id-fn mod:fn]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["add_arguments", "main", "register", "run"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The audit's arguments, on any parser."""
+    parser.add_argument(
+        "factories",
+        nargs="+",
+        metavar="module.path:factory",
+        help="callable returning the rank's dataset, or (dataset, dataloader_kwargs)",
+    )
+    parser.add_argument("--workers", type=int, default=2, help="DataLoader workers per rank")
+    parser.add_argument("--world-size", type=int, default=2, help="rank processes (gloo)")
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=10)
+    parser.add_argument(
+        "--expected",
+        type=int,
+        default=None,
+        help="distinct samples per epoch over all ranks (default: from len())",
+    )
+    parser.add_argument(
+        "--id-fn",
+        default=None,
+        metavar="module:function",
+        help="names a sample (default: the sample, or its __key__/idx/id)",
+    )
+    parser.add_argument(
+        "--shard-fn",
+        default=None,
+        metavar="module:function",
+        help="maps an id to its shard/group, to measure same-shard neighbours",
+    )
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument(
+        "--report",
+        default=None,
+        metavar="DIR",
+        help="write DIR/index.html with PNG plots (one subfolder per factory "
+        "when several are given)",
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=300.0, help="seconds before a stuck audit is stopped"
+    )
+
+
+def register(subparsers: Any) -> argparse.ArgumentParser:
+    """Add ``audit`` to the ``subparsers`` of a CLI; the parser's ``func`` runs it."""
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "audit",
+        help="run a dataset under real DDP ranks and DataLoader workers and check it",
+        description=__doc__.split("\n\n")[1] if __doc__ else None,
+    )
+    add_arguments(parser)
+    parser.set_defaults(func=run)
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the audit described by parsed ``args``; return the exit status."""
+    import json
+    from pathlib import Path
+
+    from rich.console import Console
+
+    from ._api import audit_many
+    from ._collect import AuditError, resolve
+    from ._table import result_table
+
+    # Like ``python -m``: factories are importable from the current directory.
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    err = Console(stderr=True)
+    try:
+        id_fn = resolve(args.id_fn) if args.id_fn else None
+        shard_fn = resolve(args.shard_fn) if args.shard_fn else None
+        results = audit_many(
+            args.factories,
+            num_workers=args.workers,
+            world_size=args.world_size,
+            epochs=args.epochs,
+            batch_size=args.batch_size,
+            id_fn=id_fn,
+            shard_fn=shard_fn,
+            expected=args.expected,
+            timeout=args.timeout,
+        )
+    except (AuditError, ValueError) as exc:
+        err.print(f"[bold red]evenly audit: error:[/] {exc}", markup=True, highlight=False)
+        return 2
+    if args.json:
+        payload: Any = [r.to_dict() for r in results]
+        print(json.dumps(payload[0] if len(payload) == 1 else payload, indent=2))
+    else:
+        out = Console()
+        for r in results:
+            out.print(result_table(r))
+    if args.report:
+        for i, r in enumerate(results):
+            folder = Path(args.report)
+            if len(results) > 1:
+                folder = folder / f"{i}-{r.factory.split(':')[-1].split('(')[0]}"
+            page = r.write_report(folder)
+            err.print(f"report: {page}", highlight=False)
+    return 0 if all(r.ok for r in results) else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="evenly audit", description=__doc__)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))

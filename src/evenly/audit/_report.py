@@ -1,0 +1,278 @@
+"""``--report DIR``: an HTML page with PNG plots (matplotlib, Agg backend).
+
+Plots, one panel per epoch where it applies:
+
+- ``delivery.png``: which rank/worker delivered each id (columns: ids in order; rows: the
+  first, second... delivery of that id; white: never delivered), as in the talk's
+  diagrams.
+- ``order.png``: position in the epoch (as DDP steps see it) against id, coloured by
+  rank/worker: a diagonal is unshuffled, blocks are shard-local shuffles.
+- ``batches.png``: batch size at each step of each rank, epochs one after the other.
+
+Every PNG has a fixed pixel size (``SIZES``), so pages and tests can rely on it.
+"""
+
+from __future__ import annotations
+
+import html
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ._types import I64, Records
+
+if TYPE_CHECKING:
+    from ._api import AuditResult
+
+__all__ = ["DPI", "MAX_POINTS", "image_size", "write_report"]
+
+DPI = 100
+#: Points drawn per scatter panel at most (a random subset beyond).
+MAX_POINTS = 20_000
+_WIDTH = 1100
+
+
+def image_size(name: str, epochs: int) -> tuple[int, int]:
+    """(width, height) in pixels of plot ``name`` for an audit of ``epochs`` epochs.
+
+    >>> image_size("delivery", 2), image_size("order", 3), image_size("batches", 1)
+    ((1100, 500), (1100, 400), (1100, 300))
+    """
+    heights = {"delivery": 100 + 200 * epochs, "order": 400, "batches": 300}
+    return _WIDTH, heights[name]
+
+
+def _figure(name: str, epochs: int, ncols: int = 1, nrows: int = 1) -> tuple[Any, Any]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    w, h = image_size(name, epochs)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(w / DPI, h / DPI), dpi=DPI, squeeze=False)
+    return fig, axes
+
+
+def _save(fig: Any, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig.savefig(path, dpi=DPI)  # no bbox_inches="tight": keep the pixel size exact
+    plt.close(fig)
+
+
+def _stream(rec: Records) -> I64:
+    """Global worker index of each row: rank * workers + worker."""
+    out: I64 = rec.rank * max(rec.num_workers, 1) + rec.worker
+    return out
+
+
+def _colors(n: int) -> Any:
+    """One distinct colour per global worker, indexable by that worker's number."""
+    import matplotlib
+    from matplotlib.colors import ListedColormap
+
+    n = max(n, 1)
+    if n <= 20:
+        base = matplotlib.colormaps["tab10" if n <= 10 else "tab20"]
+        return ListedColormap([base(i) for i in range(n)])
+    return matplotlib.colormaps["viridis"].resampled(n)
+
+
+def _legend(ax: Any, rec: Records) -> None:
+    from matplotlib.patches import Patch
+
+    n = rec.world_size * max(rec.num_workers, 1)
+    if n > 16:
+        return
+    cmap = _colors(n)
+    handles = [
+        Patch(
+            color=cmap(g),
+            label=f"rank {g // max(rec.num_workers, 1)} worker {g % max(rec.num_workers, 1)}",
+        )
+        for g in range(n)
+    ]
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+
+
+def _columns(rec: Records) -> I64:
+    """The ids to draw as columns: all seen, plus [0, expected) when ids are 0-based ints."""
+    seen = np.unique(rec.ids)
+    ints = rec.labels is None and rec.expected is not None and len(seen) > 0
+    if ints and rec.expected is not None and seen.min() >= 0 and seen.max() < rec.expected:
+        full: I64 = np.arange(rec.expected, dtype=np.int64)
+        return full
+    return seen.astype(np.int64)
+
+
+def plot_delivery(rec: Records, path: Path) -> None:
+    fig, axes = _figure("delivery", rec.epochs, nrows=rec.epochs)
+    columns = _columns(rec)
+    n_streams = rec.world_size * max(rec.num_workers, 1)
+    cmap = _colors(n_streams)
+    stream = _stream(rec)
+    for e in range(rec.epochs):
+        ax = axes[e][0]
+        rows = np.flatnonzero(rec.epoch == e)
+        col = np.searchsorted(columns, rec.ids[rows])
+        order = np.lexsort((stream[rows], col))
+        col, who = col[order], stream[rows][order]
+        # k-th delivery of its id: position within the run of equal columns.
+        starts = np.r_[0, np.flatnonzero(np.diff(col)) + 1] if len(col) else np.zeros(0, int)
+        run_start = np.repeat(starts, np.diff(np.r_[starts, len(col)]))
+        copy = np.arange(len(col)) - run_start
+        depth = int(copy.max()) + 1 if len(copy) else 1
+        grid = np.full((depth, len(columns)), np.nan)
+        grid[copy, col] = who
+        ax.imshow(
+            grid, aspect="auto", interpolation="nearest", cmap=cmap, vmin=-0.5, vmax=n_streams - 0.5
+        )
+        ax.set_yticks(range(depth), [f"{k + 1}x" for k in range(depth)], fontsize=8)
+        ax.set_title(f"epoch {e}: who delivered each id (white: never)", fontsize=10)
+    axes[-1][0].set_xlabel("sample id (sorted)")
+    _legend(axes[0][0], rec)
+    fig.subplots_adjust(left=0.06, right=0.84, top=0.92, bottom=0.1, hspace=0.6)
+    _save(fig, path)
+
+
+def plot_order(rec: Records, path: Path) -> None:
+    fig, axes = _figure("order", rec.epochs, ncols=rec.epochs)
+    order = rec.global_order()
+    stream = _stream(rec)
+    n_streams = rec.world_size * max(rec.num_workers, 1)
+    rng = np.random.default_rng(0)
+    for e in range(rec.epochs):
+        ax = axes[0][e]
+        rows = order[rec.epoch[order] == e]
+        position = np.arange(len(rows))
+        if len(rows) > MAX_POINTS:
+            keep = np.sort(rng.choice(len(rows), MAX_POINTS, replace=False))
+            rows, position = rows[keep], position[keep]
+        ax.scatter(
+            position,
+            rec.ids[rows],
+            c=stream[rows],
+            cmap=_colors(n_streams),
+            s=14 if len(rows) <= 2_000 else 3,
+            vmin=-0.5,
+            vmax=n_streams - 0.5,
+            linewidths=0,
+        )
+        ax.set_title(f"epoch {e}", fontsize=10)
+        ax.set_xlabel("position in epoch (step, rank, slot)")
+    axes[0][0].set_ylabel("sample id")
+    _legend(axes[0][-1], rec)
+    fig.subplots_adjust(left=0.07, right=0.84, top=0.9, bottom=0.14, wspace=0.25)
+    _save(fig, path)
+
+
+def plot_batches(rec: Records, path: Path) -> None:
+    fig, axes = _figure("batches", rec.epochs)
+    ax = axes[0][0]
+    key = np.stack([rec.epoch, rec.rank, rec.batch], axis=1)
+    uniq, sizes = (
+        np.unique(key, axis=0, return_counts=True)
+        if len(key)
+        else (np.zeros((0, 3), int), np.zeros(0, int))
+    )
+    steps_per_epoch = [
+        int(uniq[uniq[:, 0] == e][:, 2].max()) + 1 if (uniq[:, 0] == e).any() else 0
+        for e in range(rec.epochs)
+    ]
+    starts = np.r_[0, np.cumsum(steps_per_epoch)][:-1]
+    for r in range(rec.world_size):
+        mask = uniq[:, 1] == r
+        x = starts[uniq[mask, 0]] + uniq[mask, 2]
+        ax.plot(
+            x,
+            sizes[mask],
+            marker="os^vD<>"[r % 7] if len(x) <= 200 else None,
+            markersize=7 - 5 * r / max(rec.world_size, 1),
+            linestyle="-",
+            # Later ranks thinner, so equal sizes on every rank stay visible.
+            linewidth=1 + 3 * (rec.world_size - 1 - r) / max(rec.world_size, 1),
+            label=f"rank {r}",
+            alpha=0.8,
+        )
+    for s in starts[1:]:
+        ax.axvline(s - 0.5, color="grey", linestyle=":")
+    total = int(sum(steps_per_epoch))
+    ax.axhline(
+        rec.batch_size, color="grey", linestyle="--", linewidth=0.8, zorder=0, label="batch_size"
+    )
+    ax.set_xlim(-0.5, max(total, 1) - 0.5)
+    ax.set_ylim(0, rec.batch_size * 1.15)
+    ax.set_xlabel("step (epochs one after the other)")
+    ax.set_ylabel("batch size")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    fig.subplots_adjust(left=0.07, right=0.86, top=0.92, bottom=0.16)
+    _save(fig, path)
+
+
+_CSS = """
+body { font-family: sans-serif; margin: 2em; color: #222; max-width: 1150px; }
+table { border-collapse: collapse; margin: 1em 0; }
+td, th { border: 1px solid #ccc; padding: 4px 8px; text-align: left; vertical-align: top; }
+.PASS { background: #d8f3dc; } .WARN { background: #fff3bf; } .FAIL { background: #ffc9c9; }
+img { display: block; margin: 0.5em 0 1.5em 0; max-width: 100%; }
+"""
+
+PLOTS = (
+    ("delivery", "Which rank and worker delivered each sample, per epoch"),
+    ("order", "Position in the epoch against sample id"),
+    ("batches", "Batch size at each step, per rank"),
+)
+
+
+def _page(result: AuditResult) -> str:
+    s, rec = result.settings, result.records
+    esc = html.escape
+    verdict = "OK" if result.ok else "FAIL"
+    rows = "\n".join(
+        f'<tr class="{f.status}"><td>{esc(f.title)}</td><td><b>{f.status}</b></td>'
+        f"<td>{f.value:g}</td><td>{esc(f.detail)}</td></tr>"
+        for f in result.findings
+    )
+    ranks = "\n".join(
+        f"<tr><td>{r.rank}</td><td>{r.epoch}</td><td>{r.samples}</td><td>{r.batches}</td>"
+        f"<td>{r.reported_len}</td><td>{r.reported_batches}</td></tr>"
+        for r in rec.per_rank
+    )
+    plots = "\n".join(
+        f'<h2>{esc(title)}</h2>\n<img src="{name}.png" alt="{esc(title)}" '
+        f'width="{image_size(name, s.epochs)[0]}">'
+        for name, title in PLOTS
+    )
+    warns = "".join(f"<li>{esc(w)}</li>" for w in rec.warnings) or "<li>none</li>"
+    return f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>evenly audit: {esc(result.factory)}</title>
+<style>{_CSS}</style></head><body>
+<h1>evenly audit: <code>{esc(result.factory)}</code> &mdash; {verdict}</h1>
+<p>{s.world_size} rank(s) &times; {s.num_workers} worker(s) &times; {s.epochs} epoch(s),
+batch size {s.batch_size}; {len(rec)} samples delivered; expected {rec.expected} distinct
+per epoch ({esc(rec.expected_source)}).</p>
+<table><tr><th>finding</th><th>status</th><th>value</th><th>detail</th></tr>
+{rows}
+</table>
+<h2>Per rank and epoch</h2>
+<table><tr><th>rank</th><th>epoch</th><th>samples</th><th>batches</th><th>len()</th>
+<th>len(loader)</th></tr>
+{ranks}
+</table>
+{plots}
+<h2>Warnings raised during the audit</h2><ul>{warns}</ul>
+</body></html>
+"""
+
+
+def write_report(result: AuditResult, directory: Path) -> Path:
+    """Write ``index.html`` and the PNGs of ``PLOTS`` into ``directory``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    rec = result.records
+    plot_delivery(rec, directory / "delivery.png")
+    plot_order(rec, directory / "order.png")
+    plot_batches(rec, directory / "batches.png")
+    page = directory / "index.html"
+    page.write_text(_page(result), encoding="utf-8")
+    return page

@@ -1,0 +1,48 @@
+"""Terminal output: a rich table of the findings (and the same as plain JSON elsewhere).
+
+>>> from evenly.audit._types import Finding
+>>> table = findings_table("demo", [Finding("duplicates", "Duplicates", "PASS", 0, "none")])
+>>> table.row_count, [c.header for c in table.columns]
+(1, ['finding', 'status', 'value', 'detail'])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from rich.table import Table
+from rich.text import Text
+
+from ._types import Finding
+
+if TYPE_CHECKING:
+    from ._api import AuditResult
+
+__all__ = ["findings_table", "result_table"]
+
+_STYLE = {"PASS": "bold green", "WARN": "bold yellow", "FAIL": "bold red"}
+
+
+def findings_table(title: str, findings: Sequence[Finding], caption: str = "") -> Table:
+    """A table with one row per finding: what, verdict, number, explanation."""
+    table = Table(title=title, caption=caption or None, show_lines=False, expand=False)
+    table.add_column("finding", no_wrap=True)
+    table.add_column("status", no_wrap=True)
+    table.add_column("value", justify="right", no_wrap=True)
+    table.add_column("detail", overflow="fold")
+    for f in findings:
+        table.add_row(f.title, Text(f.status, style=_STYLE[f.status]), f"{f.value:g}", f.detail)
+    return table
+
+
+def result_table(result: AuditResult) -> Table:
+    """The findings of one audit, titled with the factory and the topology."""
+    s = result.settings
+    title = (
+        f"evenly audit {result.factory}: {s.world_size} rank(s) x {s.num_workers} worker(s) "
+        f"x {s.epochs} epoch(s), batch size {s.batch_size}"
+    )
+    verdict = "OK" if result.ok else "FAIL"
+    caption = f"{verdict}: {len(result.records)} samples delivered"
+    return findings_table(title, result.findings, caption)

@@ -1,0 +1,209 @@
+"""``evenly.from_parquet`` over real files: random access by row group, the manifest,
+exactly-once with 2 workers and 2 ranks (simulated and real DDP), and ``evenly write``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pickle
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import evenly
+import evenly.sources as es
+from evenly.sources import _cli
+from evenly.sources._parquet import ParquetSource
+from tests.distributed import run_ranks
+from tests.sources_helpers import as_list, check_exactly_once, epoch_over_ranks
+
+N = 96
+
+
+def make_samples(n: int = N) -> list[dict[str, Any]]:
+    return [{"id": i, "payload": bytes([i % 251]) * 32, "label": i % 3} for i in range(n)]
+
+
+@pytest.fixture
+def parquet_dir(tmp_path: Path) -> str:
+    out = tmp_path / "pq"
+    es.write(make_samples(), out, rows_per_shard=20, row_group_size=7, progress=False)
+    return str(out)
+
+
+@pytest.fixture(autouse=True)
+def cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("EVENLY_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def test_shards_sizes_and_random_access(parquet_dir: str) -> None:
+    src = es.from_parquet(parquet_dir)
+    assert len(src) == N
+    assert src.shard_sizes == (20, 20, 20, 20, 16)
+    assert src.preferred_shuffle == "global"
+    assert src[37] == make_samples()[37]
+    order = [95, 3, 40, 41, 0, 77, 3]
+    assert [s["id"] for s in src.__getitems__(order)] == order
+    assert src.locate(45) == os.path.join(parquet_dir, "shard-00002.parquet") + " row 5"
+    with pytest.raises(IndexError, match=r"sample index 96 is out of range \[0, 96\)"):
+        src[96]
+
+
+def test_reads_row_groups_not_files(parquet_dir: str) -> None:
+    src = es.from_parquet(parquet_dir)
+    src.__getitems__([25, 26, 27])  # shard 1, rows 5..7: row groups 0 and 1 (7 rows each)
+    assert sorted(src._groups) == [(1, 0), (1, 1)]
+    assert sum(t.num_rows for t in src._groups.values()) == 14
+
+
+@pytest.mark.parametrize("form", ["dir", "glob", "list", "url"])
+def test_path_forms(parquet_dir: str, form: str) -> None:
+    files = sorted(str(p) for p in Path(parquet_dir).glob("*.parquet"))
+    paths: Any = {
+        "dir": parquet_dir,
+        "glob": os.path.join(parquet_dir, "shard-*.parquet"),
+        "list": files,
+        "url": "file://" + parquet_dir,
+    }[form]
+    src = es.from_parquet(paths)
+    assert len(src) == N
+    assert [s["id"] for s in src.__getitems__([0, 50, 95])] == [0, 50, 95]
+
+
+def test_columns(parquet_dir: str) -> None:
+    src = es.from_parquet(parquet_dir, columns=["id"])
+    assert src[5] == {"id": 5}
+    with pytest.raises(ValueError, match=r"columns \['nope'\] not in the schema"):
+        es.from_parquet(parquet_dir, columns=["nope"])
+
+
+def _count_scans(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    scanned: list[str] = []
+    real = ParquetSource._scan
+
+    def counting(self: ParquetSource, k: int, url: str) -> tuple[int, dict[str, Any]]:
+        scanned.append(url)
+        return real(self, k, url)
+
+    monkeypatch.setattr(ParquetSource, "_scan", counting)
+    return scanned
+
+
+def test_manifest_written_by_write_means_no_footer_read(
+    parquet_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert os.path.exists(os.path.join(parquet_dir, ".evenly-manifest.json"))
+    scanned = _count_scans(monkeypatch)
+    assert len(es.from_parquet(parquet_dir)) == N
+    assert scanned == []
+
+
+def test_manifest_cache_rescans_only_changed_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    d = tmp_path / "plain"
+    d.mkdir()
+    for k in range(4):  # written by pyarrow: no manifest beside the data
+        pq.write_table(pa.table({"id": list(range(k * 10, k * 10 + 10))}), d / f"p{k}.parquet")
+    scanned = _count_scans(monkeypatch)
+    assert len(es.from_parquet(str(d))) == 40
+    assert len(scanned) == 4
+    scanned.clear()
+    assert len(es.from_parquet(str(d))) == 40
+    assert scanned == []  # every entry came from the cache
+    pq.write_table(pa.table({"id": list(range(100, 115))}), d / "p2.parquet")
+    os.utime(d / "p2.parquet", (1, 1))  # a new fingerprint even within the mtime resolution
+    src = es.from_parquet(str(d))
+    assert scanned == [str(d / "p2.parquet")]
+    assert len(src) == 45 and src[20]["id"] == 100
+
+
+def test_pickle_drops_open_files(parquet_dir: str) -> None:
+    src = es.from_parquet(parquet_dir)
+    src.__getitems__([1, 30])
+    assert src._handles and src._groups
+    copy = pickle.loads(pickle.dumps(src))
+    assert not copy._handles and not copy._groups and copy.entries is None
+    assert copy[30] == src[30]
+
+
+@pytest.mark.parametrize("block_shards", [0, 2])
+def test_exactly_once_two_ranks_two_workers(parquet_dir: str, block_shards: int) -> None:
+    src = es.from_parquet(parquet_dir)
+    epochs = epoch_over_ranks(
+        src, world_size=2, batch_size=4, num_workers=2, block_shards=block_shards, epochs=2
+    )
+    for ranks in epochs:
+        check_exactly_once(ranks, list(range(N)), key=lambda s: s["id"])
+        assert all(len(b) == 4 for batches in ranks for b in batches)
+    first = [s["id"] for b in epochs[0][0] for s in b]
+    second = [s["id"] for b in epochs[1][0] for s in b]
+    assert first != second  # a new order each epoch
+
+
+def _ddp_epoch(rank: int, world_size: int, path: str) -> list[int]:
+    ds = evenly.Dataset(es.from_parquet(path), shuffle=True, seed=3)
+    loader = evenly.DataLoader(ds, batch_size=4, num_workers=2, collate_fn=as_list)
+    return [s["id"] for batch in loader for s in batch]
+
+
+@pytest.mark.slow
+def test_real_ddp_two_ranks(parquet_dir: str, tmp_path: Path) -> None:
+    env = {"EVENLY_CACHE_DIR": str(tmp_path / "ddp-cache")}
+    ids = run_ranks(_ddp_epoch, 2, parquet_dir, env=env)
+    assert len(ids[0]) == len(ids[1]) == N // 2
+    assert sorted(ids[0] + ids[1]) == list(range(N))
+
+
+def test_output_readable_without_evenly(parquet_dir: str) -> None:
+    table = pq.read_table(parquet_dir)  # pyarrow skips the hidden manifest
+    assert sorted(table.column("id").to_pylist()) == list(range(N))
+    assert table.schema.field("payload").type == pa.binary()
+
+
+def test_output_readable_by_hf_datasets(parquet_dir: str) -> None:
+    datasets = pytest.importorskip("datasets")
+    ds = datasets.load_dataset("parquet", data_dir=parquet_dir, split="train")
+    assert sorted(ds["id"]) == list(range(N))
+
+
+def test_write_map_style_tuples_and_tensors(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    data = [(torch.tensor([i, i + 1]), np.int64(i)) for i in range(10)]
+    es.write(data, tmp_path / "t", rows_per_shard=4, progress=False)
+    src = es.from_parquet(str(tmp_path / "t"))
+    assert src.shard_sizes == (4, 4, 2)
+    assert src[7] == {"0": [7, 8], "1": 7}
+
+
+def test_write_rejects_bad_arguments_and_mixed_schemas(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="format must be one of"):
+        es.write([{"a": 1}], tmp_path / "x", format="csv")
+    with pytest.raises(ValueError, match="rows_per_shard must be an integer >= 1, got 0"):
+        es.write([{"a": 1}], tmp_path / "x", rows_per_shard=0)
+    rows = [{"a": 1}, {"a": 2}, {"a": "three"}]
+    with pytest.raises(ValueError, match=r"samples 2\.\.2 do not fit the schema"):
+        es.write(rows, tmp_path / "y", rows_per_shard=2, progress=False)
+
+
+def test_cli_write(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "mydata.py").write_text(
+        "def make():\n    return [{'id': i, 'text': str(i)} for i in range(25)]\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    parser = argparse.ArgumentParser(prog="evenly")
+    _cli.register(parser.add_subparsers(dest="command"))
+    out = tmp_path / "cli-out"
+    args = parser.parse_args(
+        ["write", "mydata:make", str(out), "--format", "jsonl", "--rows-per-shard", "10"]
+    )
+    assert args.handler(args) == 0
+    src = es.from_jsonl(str(out))
+    assert src.shard_sizes == (10, 10, 5) and src[24] == {"id": 24, "text": "24"}
+    bad = parser.parse_args(["write", "mydata:nothing", str(out)])
+    assert bad.handler(bad) == 2

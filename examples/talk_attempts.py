@@ -167,8 +167,8 @@ def distributed_sampler(size: int = SIZE) -> tuple[MapStyle, dict[str, Any]]:
 
 def hf_iterable(size: int = SIZE) -> Any:
     """HF datasets: an IterableDataset in 8 shards, buffer-shuffled, split by node."""
-    from datasets import Dataset as HFDataset
-    from datasets.distributed import split_dataset_by_node
+    from datasets import Dataset as HFDataset  # type: ignore[import-untyped]
+    from datasets.distributed import split_dataset_by_node  # type: ignore[import-untyped]
 
     rank, world = _rank_world()
     ds = HFDataset.from_dict({"idx": list(range(size))}).to_iterable_dataset(num_shards=8)
@@ -203,7 +203,7 @@ def _decode(sample: dict[str, Any]) -> dict[str, Any]:
 
 def webdataset_pipeline(size: int = SIZE) -> Any:
     """WebDataset: 8 tar shards, shard shuffle, split by node and worker, buffer shuffle."""
-    import webdataset as wds
+    import webdataset as wds  # type: ignore[import-untyped]
 
     urls = _write_shards(size, 8)
     return (

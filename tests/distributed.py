@@ -8,6 +8,7 @@ picklable.  A failure in any rank is raised here with that rank's traceback.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import socket
 import traceback
@@ -24,6 +25,12 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _like_a_launched_process() -> None:
+    """A spawned child inherits the 'spawn' start method; a process started by torchrun
+    or a shell has the platform default (fork on Linux), so its DataLoader workers fork."""
+    multiprocessing.set_start_method("fork", force=True)
+
+
 def _entry(
     rank: int,
     world_size: int,
@@ -33,6 +40,7 @@ def _entry(
     queue: Any,
     env: dict[str, str],
 ) -> None:
+    _like_a_launched_process()
     os.environ.update(env)
     os.environ.update(
         {
@@ -89,3 +97,29 @@ def run_ranks(
     if errors:
         raise AssertionError("\n".join(errors))
     return [results[r] for r in range(world_size)]
+
+
+def _fresh_entry(fn: Callable[..., Any], args: tuple[Any, ...], queue: Any) -> None:
+    _like_a_launched_process()
+    try:
+        queue.put((True, fn(*args)))
+    except BaseException:
+        queue.put((False, traceback.format_exc()))
+
+
+def in_fresh_process(fn: Callable[..., Any], *args: Any, timeout: float = 120.0) -> Any:
+    """Run ``fn(*args)`` in a new spawned (non-daemon) process and return its result."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_fresh_entry, args=(fn, args, queue))
+    proc.start()
+    try:
+        ok, value = queue.get(timeout=timeout)
+    finally:
+        proc.join(timeout=10)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    if not ok:
+        raise AssertionError(f"the fresh process failed:\n{value}")
+    return value

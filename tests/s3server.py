@@ -7,6 +7,9 @@ Import the fixtures into a test module::
 ``s3`` (session scope) starts ``moto.server.ThreadedMotoServer`` on a free port, sets
 dummy AWS credentials, creates a bucket and yields an :class:`S3Endpoint`; tests reach
 it through fsspec/s3fs with ``endpoint.storage_options``.  No mock of fsspec or s3.
+
+If ``EVENLY_TEST_S3_ENDPOINT`` is set (e.g. by .ci/run, to a ``moto_server`` it started
+on 127.0.0.1), that server is used instead of starting one.
 """
 
 from __future__ import annotations
@@ -67,15 +70,21 @@ def s3() -> Iterator[S3Endpoint]:
             mp.setenv(name, value)
         for name in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy"):
             mp.delenv(name, raising=False)
-        server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-        server.start()
+        external = os.environ.get("EVENLY_TEST_S3_ENDPOINT")
+        server = None
+        if external is None:
+            server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+            server.start()
         try:
-            host, port = server.get_host_and_port()
-            endpoint = S3Endpoint(f"http://{host}:{port}", "evenly-test")
+            if server is not None:
+                host, port = server.get_host_and_port()
+                external = f"http://{host}:{port}"
+            endpoint = S3Endpoint(external, f"evenly-test-{uuid.uuid4().hex[:8]}")
             endpoint.fs().mkdir(endpoint.bucket)
             yield endpoint
         finally:
-            server.stop()
+            if server is not None:
+                server.stop()
 
 
 @pytest.fixture

@@ -51,7 +51,11 @@ def epoch_over_ranks(
         else:
             ds = evenly.Dataset(source, shuffle=True, seed=seed, rank=rank, world_size=world_size)
         loader = evenly.DataLoader(
-            ds, batch_size=batch_size, num_workers=num_workers, collate_fn=as_list
+            ds,
+            batch_size=batch_size,
+            num_workers=num_workers,
+            collate_fn=as_list,
+            timeout=60 if num_workers else 0,  # a hang in a worker fails the test instead
         )
         for e in range(epochs):
             out[e].append([list(b) for b in loader])

@@ -221,11 +221,11 @@ def test_build_records_encodes_string_ids_and_shards() -> None:
     result = RankResult(
         rank=0,
         ids=["b/2", "a/1"],
-        worker=[0, 0],
-        epoch=[0, 0],
-        batch=[0, 0],
-        pos=[0, 1],
-        draws=[(0.1, 0.2, 0.3), (0.4, 0.5, 0.6)],
+        worker=np.array([0, 0]),
+        epoch=np.array([0, 0]),
+        batch=np.array([0, 0]),
+        pos=np.array([0, 1]),
+        draws=np.array([(0.1, 0.2, 0.3), (0.4, 0.5, 0.6)]),
         per_rank=[RankEpoch(0, 0, 2, 1, None, None)],
     )
     rec = build_records([result], Settings(1, 1, 1, 2), shard_fn=lambda key: key[0])
@@ -372,6 +372,11 @@ def broken_factory() -> Any:
 def test_a_failing_factory_reports_the_rank_and_the_cause() -> None:
     with pytest.raises(AuditError, match=r"rank 0 failed while auditing .*broken_factory"):
         audit(broken_factory, num_workers=0, world_size=1, epochs=1, batch_size=2)
+
+
+def test_an_unpicklable_factory_is_explained() -> None:
+    with pytest.raises(AuditError, match="must be module-level functions"):
+        audit(lambda: [1, 2], num_workers=0, world_size=1, epochs=1)
 
 
 def test_bad_arguments_fail_before_any_process_starts() -> None:

@@ -101,3 +101,23 @@ def test_cli_names_a_factory_that_does_not_import(capsys: pytest.CaptureFixture[
     assert "cannot import module 'no_such_module_here'" in err
     assert main(["os.path:no_such_attr"]) == 2
     assert "module 'os.path' has no attribute 'no_such_attr'" in capsys.readouterr().err
+
+
+def test_register_adds_the_audit_subcommand() -> None:
+    import argparse
+
+    from evenly.audit._cli import register, run
+
+    parser = argparse.ArgumentParser(prog="evenly")
+    register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(
+        ["audit", "a.b:c", "--workers", "4", "--world-size", "2", "--report", "out", "--json"]
+    )
+    assert (args.command, args.factories, args.workers, args.world_size) == (
+        "audit",
+        ["a.b:c"],
+        4,
+        2,
+    )
+    assert (args.epochs, args.batch_size, args.report, args.json) == (2, 10, "out", True)
+    assert args.func is run

@@ -81,7 +81,7 @@ def test_epoch_advances_without_a_call_and_set_epoch_reproduces() -> None:
     loader = evenly.DataLoader(ds, batch_size=8, num_workers=2)
     e0, e1, e2 = (epoch_batches(loader) for _ in range(3))
     assert e0 != e1 != e2 and e0 != e2
-    assert all(sorted(sum(e, [])) == list(range(64)) for e in (e0, e1, e2))
+    assert all(sorted(x for b in e for x in b) == list(range(64)) for e in (e0, e1, e2))
     loader.set_epoch(1)
     assert epoch_batches(loader) == e1
     assert epoch_batches(loader) == e2  # automatic passes continue from there
@@ -219,7 +219,7 @@ def test_bad_arguments_say_what_is_wrong() -> None:
         evenly.Dataset([1, 2], rank=2, world_size=2)
     with pytest.raises(TypeError, match="seed must be an integer"):
         evenly.Dataset([1, 2], seed="0")  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="needs an evenly.Dataset"):
+    with pytest.raises(TypeError, match=r"needs an evenly\.Dataset"):
         evenly.DataLoader(list(range(3)))  # type: ignore[arg-type]
 
 

@@ -58,7 +58,7 @@ def test_reads_row_groups_not_files(parquet_dir: str) -> None:
     src = es.from_parquet(parquet_dir)
     src.__getitems__([25, 26, 27])  # shard 1, rows 5..7: row groups 0 and 1 (7 rows each)
     assert sorted(src._groups) == [(1, 0), (1, 1)]
-    assert sum(t.num_rows for t in src._groups.values()) == 14
+    assert sum(rows for _, rows, _ in src._groups.values()) == 14
 
 
 @pytest.mark.parametrize("form", ["dir", "glob", "list", "url"])
@@ -73,6 +73,25 @@ def test_path_forms(parquet_dir: str, form: str) -> None:
     src = es.from_parquet(paths)
     assert len(src) == N
     assert [s["id"] for s in src.__getitems__([0, 50, 95])] == [0, 50, 95]
+
+
+def test_fingerprint_ignores_location(parquet_dir: str, tmp_path: Path) -> None:
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for f in Path(parquet_dir).glob("*.parquet"):
+        (copy / f.name).write_bytes(f.read_bytes())
+    a, b = es.from_parquet(parquet_dir), es.from_parquet(str(copy))
+    assert a.fingerprint == b.fingerprint and a.fingerprint.startswith("parquet:96:")
+    (copy / "shard-00004.parquet").unlink()
+    assert es.from_parquet(str(copy)).fingerprint != a.fingerprint
+
+
+def test_directory_skips_hidden_and_underscore_paths(parquet_dir: str) -> None:
+    hidden = Path(parquet_dir) / ".cache" / "shards"
+    hidden.mkdir(parents=True)
+    (hidden / "copy.parquet").write_bytes((Path(parquet_dir) / "shard-00000.parquet").read_bytes())
+    (Path(parquet_dir) / "_tmp.parquet").write_bytes(b"partial")
+    assert len(es.from_parquet(parquet_dir)) == N
 
 
 def test_columns(parquet_dir: str) -> None:

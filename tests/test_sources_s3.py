@@ -16,9 +16,12 @@ import pytest
 import evenly.sources as es
 from evenly.sources._cache import ShardCache
 from evenly.sources._jsonl import JsonlSource
-from tests.s3server import S3Endpoint, s3, s3_prefix  # noqa: F401
+from tests import s3server
+from tests.s3server import S3Endpoint
 from tests.sources_helpers import check_exactly_once, epoch_over_ranks
 
+s3 = s3server.s3  # the fixtures: a real moto server and a fresh key prefix per test
+s3_prefix = s3server.s3_prefix
 N = 64
 READERS = {"parquet": es.from_parquet, "webdataset": es.from_webdataset, "jsonl": es.from_jsonl}
 
@@ -45,6 +48,11 @@ def test_exactly_once_remote(s3: S3Endpoint, s3_prefix: str, tmp_path: Path, fmt
         assert src.cache is not None and src.cache.downloads == 0
     assert src.shard_sizes == (16, 16, 16, 16)
     assert src.locate(17) == f"{url}/shard-00001{src.extensions[0]} row 1"
+    # a batch over several shards in the parent starts prefetch threads; forked workers
+    # must not wait on them
+    assert [
+        s["id"] if fmt != "webdataset" else int(s["id"]) for s in src.__getitems__([0, 20, 40])
+    ] == [0, 20, 40]
     (ranks,) = epoch_over_ranks(src, world_size=2, batch_size=4, num_workers=2, block_shards=2)
     key = sample_id if fmt != "webdataset" else (lambda s: int(s["id"]))
     check_exactly_once(ranks, list(range(N)), key=key)
@@ -84,7 +92,7 @@ def test_two_processes_never_download_one_shard_twice(
 ) -> None:
     url = upload(s3, s3_prefix, tmp_path, "parquet")
     urls = [f"{url}/shard-{k:05d}.parquet" for k in range(4)]
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("fork")
     barrier = ctx.Manager().Barrier(2)
     with ctx.Pool(2) as pool:
         args = (str(tmp_path / "c"), s3.storage_options, urls, barrier)
@@ -147,21 +155,16 @@ def test_cache_paths_stay_inside_the_cache_dir(tmp_path: Path) -> None:
         assert not os.path.basename(path).startswith(".")
 
 
-def test_prefetch_downloads_upcoming_shards(
-    s3: S3Endpoint, s3_prefix: str, tmp_path: Path
-) -> None:
+def test_prefetch_downloads_upcoming_shards(s3: S3Endpoint, s3_prefix: str, tmp_path: Path) -> None:
     url = upload(s3, s3_prefix, tmp_path, "parquet")
     src = es.from_parquet(url, storage_options=s3.storage_options, cache_dir=str(tmp_path / "c"))
     assert src.cache is not None and src.cache.downloads == 0  # footers read in place
     src.prefetch([40, 50, 33])  # shard 2 only
     src.prefetch([60])  # shard 3
-    for k in (2, 3):
-        src.cache.wait(src.urls[k])
+    local = [os.path.basename(src.local_path(k)) for k in (2, 3)]  # joins the prefetches
     assert src.cache.downloads == 2
     assert sorted(os.listdir(src.cache.cache_dir)) == sorted(
-        [os.path.basename(src.cache.path_for(src.urls[k])) for k in (2, 3)]
-        + [os.path.basename(src.cache.path_for(src.urls[k])) + ".lock" for k in (2, 3)]
-        + [".evict.lock"]
+        [*local, *(name + ".lock" for name in local), ".evict.lock"]
     )
     assert src[41]["id"] == 41 and src.cache.downloads == 2  # read from the prefetched copy
 

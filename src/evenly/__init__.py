@@ -11,7 +11,9 @@ from ._dataset import Dataset, EvenlyWarning, Source
 from ._loader import DataLoader
 from ._permutation import FeistelPermutation
 from ._plan import EpochPlan
+from ._state import StateError
 from ._topology import Topology, detect_topology
+from .audit import audit
 
 __all__ = [
     "DataLoader",
@@ -20,8 +22,10 @@ __all__ = [
     "EvenlyWarning",
     "FeistelPermutation",
     "Source",
+    "StateError",
     "Topology",
     "__version__",
+    "audit",
     "detect_topology",
 ]
 

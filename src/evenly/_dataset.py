@@ -12,6 +12,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from ._plan import EpochPlan, check_int
 from ._rng import RngState, seed_all
+from ._state import StateError, check_state, make_state
 from ._topology import Topology, detect_topology
 
 __all__ = ["Dataset", "EvenlyWarning", "Source"]
@@ -103,6 +104,10 @@ class Dataset(IterableDataset[Any], Generic[T_co]):
         self._pending: tuple[int, int] | None = None
         #: True once an evenly.DataLoader drives this dataset (it warns, not __iter__).
         self._loader_managed = False
+        #: Samples this process's iterator has yielded in the current pass, and samples
+        #: the next iterator must skip (a worker restored by a StatefulDataLoader).
+        self._yielded = 0
+        self._skip = 0
 
     # ---- configuration ---------------------------------------------------------
     def topology(self) -> Topology:
@@ -171,13 +176,84 @@ class Dataset(IterableDataset[Any], Generic[T_co]):
         rank = self._current_rank()
         if info is None and not self._loader_managed:
             warn_about(plan, num_workers, rank)
-        return self._read(plan, rank, num_workers, worker_id)
+        skip, self._skip = self._skip, 0
+        self._yielded = skip
+        return self._read(plan, rank, num_workers, worker_id, skip)
 
-    def _read(self, plan: EpochPlan, rank: int, num_workers: int, worker_id: int) -> Iterator[Any]:
+    # ---- checkpoints -----------------------------------------------------------
+    def fingerprint(self) -> dict[str, Any]:
+        """What a checkpoint state must agree on: N, seed, shuffle, drop_last, source."""
+        fp: dict[str, Any] = {
+            "num_samples": len(self.source),
+            "seed": self.seed,
+            "shuffle": "global" if self.shuffle else "none",
+            "drop_last": bool(self._shared[_DROP]),
+        }
+        source = getattr(self.source, "fingerprint", None)
+        if isinstance(source, str):
+            fp["source"] = source
+        return fp
+
+    def state_dict(self, samples_received: int | None = None) -> dict[str, Any]:
+        """The position in the current pass as a small JSON-serialisable dict.
+
+        With ``evenly.DataLoader`` use ``loader.state_dict()``.  Here, the position is
+        ``samples_received`` (samples this rank's loop received in the pass), by default
+        the samples this process's iterator yielded, which is exact with
+        ``num_workers=0``.  Inside a DataLoader worker (as torchdata's
+        ``StatefulDataLoader`` calls it) the state also records that worker's progress.
+        """
+        plan = self.plan()
+        info = get_worker_info()
+        received = self._yielded if samples_received is None else samples_received
+        received = check_int("samples_received", received, minimum=0)
+        if info is not None:
+            state = make_state(self.fingerprint(), plan.epoch, plan.start)
+            state["worker"] = {
+                "id": info.id,
+                "num_workers": info.num_workers,
+                "yielded": self._yielded,
+            }
+            return state
+        position = plan.consumed_after(received // plan.batch_size)
+        if received >= plan.samples_per_rank:
+            position = plan.end
+        return self._state_at(plan.epoch, position, plan.end)
+
+    def _state_at(self, epoch: int, position: int, end: int) -> dict[str, Any]:
+        if position >= end:  # the pass is over: the state points at the next epoch
+            epoch, position = epoch + 1, 0
+        return make_state(self.fingerprint(), epoch, position)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from ``state``: the next pass continues with the first sample not yet
+        consumed, under any number of ranks, workers or batch size.
+
+        Raises ``evenly.StateError`` naming every field that does not match.
+        """
+        epoch, position = check_state(state, self.fingerprint())
+        worker = state.get("worker")
+        info = get_worker_info()
+        if isinstance(worker, dict) and info is not None:
+            if (worker.get("id"), worker.get("num_workers")) != (info.id, info.num_workers):
+                raise StateError(
+                    f"worker state of worker {worker.get('id')} of {worker.get('num_workers')} "
+                    f"loaded into worker {info.id} of {info.num_workers}"
+                )
+            self._skip = check_int("state['worker']['yielded']", worker.get("yielded"), minimum=0)
+        self._shared[_EPOCH] = epoch
+        self._shared[_START] = position
+        self._pending = (epoch, position)
+
+    def _read(
+        self, plan: EpochPlan, rank: int, num_workers: int, worker_id: int, skip: int = 0
+    ) -> Iterator[Any]:
         source = self.source
         getitems = getattr(source, "__getitems__", None)
         transform = self.transform
-        for positions, length in plan.iter_worker_chunks(rank, num_workers, worker_id):
+        first, drop = divmod(skip, plan.batch_size)
+        chunks = plan.iter_worker_chunks(rank, num_workers, worker_id, first=first)
+        for positions, length in chunks:
             indices = plan.indices(positions).tolist()
             where = positions.tolist()
             seeds = plan.seeds(positions).tolist() if transform is not None else []
@@ -202,7 +278,11 @@ class Dataset(IterableDataset[Any], Generic[T_co]):
                         failed = None if getitems is not None else len(samples)
                     _note(exc, plan, rank, worker_id, batch, where[lo : lo + length], failed)
                     raise
-                yield from samples
+                if drop:
+                    samples, drop = samples[drop:], 0
+                for sample in samples:
+                    self._yielded += 1
+                    yield sample
 
 
 def _note(

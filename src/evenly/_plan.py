@@ -43,6 +43,7 @@ class Order(Protocol):
 
     def __call__(self, positions: npt.ArrayLike) -> I64: ...
 
+
 #: Positions computed per numpy call when walking a worker's share.
 CHUNK = 8192
 
@@ -189,14 +190,15 @@ class EpochPlan:
         return range(worker_id, self.num_batches, workers)
 
     def iter_worker_chunks(
-        self, rank: int, num_workers: int, worker_id: int, chunk: int = CHUNK
+        self, rank: int, num_workers: int, worker_id: int, chunk: int = CHUNK, first: int = 0
     ) -> Iterator[tuple[I64, int]]:
-        """Yield ``(virtual positions, batch length)`` for runs of this worker's batches.
+        """Yield ``(virtual positions, batch length)`` for runs of this worker's batches,
+        from its ``first``-th batch on.
 
         Each chunk holds whole batches; all batches in a chunk have the given length
         (the short last batch always comes in a chunk of its own).
         """
-        batches = self.worker_batches(num_workers, worker_id)
+        batches = self.worker_batches(num_workers, worker_id)[first:]
         per = max(1, chunk // self.batch_size)
         full_end = min(len(batches), len(range(batches.start, self.num_full_steps, batches.step)))
         for i in range(0, full_end, per):

@@ -94,7 +94,7 @@ class AuditResult:
 def _encode(ids: list[Any]) -> tuple[I64, list[str] | None, list[Any]]:
     """Integer codes for the ids, their labels (None if the ids are ints) and the
     distinct id values indexed by code (for shard_fn)."""
-    if all(type(i) is int for i in ids):
+    if all(isinstance(i, int | np.integer) and not isinstance(i, bool) for i in ids):
         codes = np.asarray(ids, dtype=np.int64)
         return codes, None, []
     distinct = sorted(set(ids), key=lambda v: (type(v).__name__, str(v)))
@@ -104,17 +104,17 @@ def _encode(ids: list[Any]) -> tuple[I64, list[str] | None, list[Any]]:
 
 
 def _shards(codes: I64, distinct: list[Any], shard_fn: Callable[[Any], Any]) -> I64:
+    """The shard of each row, as small integer codes, calling ``shard_fn`` once per id."""
     if distinct:
-        values = distinct
-        groups = [shard_fn(v) for v in values]
-        table = {g: k for k, g in enumerate(dict.fromkeys(groups))}
-        lookup = np.asarray([table[g] for g in groups], dtype=np.int64)
-        return lookup[codes]
-    uniq, inverse = np.unique(codes, return_inverse=True)
-    groups = [shard_fn(int(v)) for v in uniq]
+        values, inverse = distinct, codes
+    else:
+        uniq, inv = np.unique(codes, return_inverse=True)
+        values, inverse = [int(v) for v in uniq], inv.reshape(-1)
+    groups = [shard_fn(v) for v in values]
     table = {g: k for k, g in enumerate(dict.fromkeys(groups))}
     lookup = np.asarray([table[g] for g in groups], dtype=np.int64)
-    return lookup[inverse.reshape(-1)]
+    out: I64 = lookup[inverse]
+    return out
 
 
 def build_records(
@@ -138,7 +138,7 @@ def build_records(
     rank0 = ranks[0]
     reference, source = rank0.expected, rank0.expected_source
     if expected is not None:
-        reference, source = expected, "expected="
+        reference, source = expected, "given count"
     elif source.endswith("on rank 0") and reference is not None:
         # An iterable's len() may be global or per rank: take whichever is larger, it or
         # the distinct ids seen over all epochs (pass expected= to be exact).

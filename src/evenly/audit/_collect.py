@@ -15,6 +15,7 @@ import functools
 import importlib
 import multiprocessing
 import os
+import pickle
 import queue as queue_mod
 import socket
 import time
@@ -109,15 +110,15 @@ class Job:
 
 @dataclass
 class RankResult:
-    """Everything one rank delivered for one job, in delivery order."""
+    """Everything one rank delivered for one job, in delivery order (one row a sample)."""
 
     rank: int
     ids: list[Any] = field(default_factory=list)
-    worker: list[int] = field(default_factory=list)
-    epoch: list[int] = field(default_factory=list)
-    batch: list[int] = field(default_factory=list)
-    pos: list[int] = field(default_factory=list)
-    draws: list[tuple[float, float, float]] = field(default_factory=list)
+    worker: I64 = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    epoch: I64 = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    batch: I64 = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    pos: I64 = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    draws: F64 = field(default_factory=lambda: np.zeros((0, 3), dtype=np.float64))
     per_rank: list[RankEpoch] = field(default_factory=list)
     expected: int | None = None
     expected_source: str = "unknown"
@@ -125,9 +126,11 @@ class RankResult:
 
     def arrays(self) -> tuple[I64, I64, I64, I64, F64]:
         """(worker, epoch, batch, pos, draws) as numpy arrays."""
-        as_int = [np.asarray(v, dtype=np.int64) for v in (self.worker, self.epoch, self.batch)]
+        as_int = [
+            np.asarray(v, dtype=np.int64) for v in (self.worker, self.epoch, self.batch, self.pos)
+        ]
         draws = np.asarray(self.draws, dtype=np.float64).reshape(-1, 3)
-        return as_int[0], as_int[1], as_int[2], np.asarray(self.pos, dtype=np.int64), draws
+        return as_int[0], as_int[1], as_int[2], as_int[3], draws
 
 
 def _length(obj: Any) -> int | None:
@@ -236,6 +239,10 @@ def run_job(job: Job, settings: Settings, rank: int) -> RankResult:
     factory = resolve(job.factory) if isinstance(job.factory, str) else job.factory
     result = RankResult(rank=rank)
     log = _WarningLog()
+    metas: list[tuple[Any, ...]] = []
+    epochs: list[int] = []
+    batches_col: list[int] = []
+    positions: list[int] = []
     with warnings.catch_warnings():
         warnings.simplefilter("always")
         warnings.showwarning = log
@@ -252,19 +259,25 @@ def run_job(job: Job, settings: Settings, rank: int) -> RankResult:
                 reported = _length(getattr(loader.batch_sampler, "sampler", None))
             reported_batches = _length(loader)
             samples = batches = 0
-            for b, (_, metas) in enumerate(loader):
-                for p, (worker, sample_id, r, n, t) in enumerate(metas):
-                    result.ids.append(sample_id)
-                    result.worker.append(worker)
-                    result.draws.append((r, n, t))
-                    result.pos.append(p)
-                samples += len(metas)
-                result.epoch.extend([epoch] * len(metas))
-                result.batch.extend([b] * len(metas))
+            for b, (_, batch_metas) in enumerate(loader):
+                k = len(batch_metas)
+                metas.extend(batch_metas)
+                epochs.extend([epoch] * k)
+                batches_col.extend([b] * k)
+                positions.extend(range(k))
+                samples += k
                 batches += 1
             result.per_rank.append(
                 RankEpoch(rank, epoch, samples, batches, reported, reported_batches)
             )
+    if metas:
+        workers, ids, *draws = zip(*metas, strict=True)
+        result.ids = list(ids)
+        result.worker = np.asarray(workers, dtype=np.int64)
+        result.draws = np.asarray(draws, dtype=np.float64).T.copy()
+    result.epoch = np.asarray(epochs, dtype=np.int64)
+    result.batch = np.asarray(batches_col, dtype=np.int64)
+    result.pos = np.asarray(positions, dtype=np.int64)
     result.warnings = log.lines()
     return result
 
@@ -315,8 +328,19 @@ def collect(jobs: list[Job], settings: Settings) -> list[list[RankResult]]:
         ctx.Process(target=_rank_main, args=(r, settings, port, jobs, out))
         for r in range(settings.world_size)
     ]
-    for p in procs:
-        p.start()
+    try:
+        for p in procs:
+            p.start()
+    except (pickle.PicklingError, AttributeError, TypeError) as exc:
+        for p in procs:
+            if p.pid is not None:
+                p.kill()
+                p.join()
+        raise AuditError(
+            f"the factory and id_fn travel to the rank processes by pickle and must be "
+            f"module-level functions (or functools.partial of one), not lambdas or local "
+            f"functions: {exc}"
+        ) from exc
     results: dict[int, list[RankResult]] = {}
     deadline = time.monotonic() + settings.timeout
     try:

@@ -96,19 +96,25 @@ def _legend(ax: Any, rec: Records) -> None:
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
 
 
-def _columns(rec: Records) -> I64:
-    """The ids to draw as columns: all seen, plus [0, expected) when ids are 0-based ints."""
+def _columns(rec: Records) -> tuple[I64, bool]:
+    """The ids to draw as columns, and whether column ``k`` is id ``k``.
+
+    Integer ids that are non-negative and dense enough (at least half of
+    ``[0, max(expected, max id + 1))`` seen) are drawn at their own position, so ids never
+    delivered show as white gaps; other ids are drawn in sorted order.
+    """
     seen = np.unique(rec.ids)
-    ints = rec.labels is None and rec.expected is not None and len(seen) > 0
-    if ints and rec.expected is not None and seen.min() >= 0 and seen.max() < rec.expected:
-        full: I64 = np.arange(rec.expected, dtype=np.int64)
-        return full
-    return seen.astype(np.int64)
+    if rec.labels is None and len(seen) and seen.min() >= 0:
+        width = max(int(seen.max()) + 1, rec.expected or 0)
+        if width <= 2 * len(seen):
+            full: I64 = np.arange(width, dtype=np.int64)
+            return full, True
+    return seen.astype(np.int64), False
 
 
 def plot_delivery(rec: Records, path: Path) -> None:
     fig, axes = _figure("delivery", rec.epochs, nrows=rec.epochs)
-    columns = _columns(rec)
+    columns, by_id = _columns(rec)
     n_streams = rec.world_size * max(rec.num_workers, 1)
     cmap = _colors(n_streams)
     stream = _stream(rec)
@@ -130,7 +136,7 @@ def plot_delivery(rec: Records, path: Path) -> None:
         )
         ax.set_yticks(range(depth), [f"{k + 1}x" for k in range(depth)], fontsize=8)
         ax.set_title(f"epoch {e}: who delivered each id (white: never)", fontsize=10)
-    axes[-1][0].set_xlabel("sample id (sorted)")
+    axes[-1][0].set_xlabel("sample id" if by_id else "sample (in sorted id order)")
     _legend(axes[0][0], rec)
     fig.subplots_adjust(left=0.06, right=0.84, top=0.92, bottom=0.1, hspace=0.6)
     _save(fig, path)

@@ -3,7 +3,9 @@ batched reads grouped by shard, and error messages that name the file and the sa
 
 from __future__ import annotations
 
+import hashlib
 import os
+import posixpath
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any, ClassVar
@@ -89,6 +91,18 @@ class ShardedSource:
         return tuple(int(n) for n in np.diff(self._starts))
 
     @property
+    def fingerprint(self) -> str:
+        """Identity of the data for checkpoints: format, shard file names and row counts.
+
+        Paths and mtimes are left out, so a copy of the shards elsewhere (another mount,
+        an upload to S3) resumes from the same checkpoint.
+        """
+        digest = hashlib.sha256(self.format.encode())
+        for url, n in zip(self.urls, self.shard_sizes, strict=True):
+            digest.update(f"\n{posixpath.basename(url)}:{n}".encode())
+        return f"{self.format}:{len(self)}:{digest.hexdigest()[:16]}"
+
+    @property
     def preferred_shuffle(self) -> str:
         """``"block"`` for remote shards (reads stay within a few shards), else ``"global"``."""
         return "block" if self.cache is not None else "global"
@@ -160,6 +174,8 @@ class ShardedSource:
             self._handles.move_to_end(k)
             return handle
         path = self.local_path(k)
+        if self.cache is not None and not os.path.exists(path):
+            path = self.local_path(k)  # evicted by another process just now: fetch again
         if not os.path.exists(path):
             raise FileNotFoundError(f"shard not found: {self.urls[k]}")
         handle = self._open(k, path)

@@ -80,6 +80,7 @@ class ShardCache:
         self._pool: ThreadPoolExecutor | None = None
         self._pending: dict[str, Future[str]] = {}
         self._mutex: threading.Lock | None = None
+        self._pid = os.getpid()
         #: shards this process downloaded (a hit, or a wait on another process, is not one)
         self.downloads = 0
 
@@ -87,6 +88,17 @@ class ShardCache:
         state = self.__dict__.copy()
         state.update(_pool=None, _pending={}, _mutex=None, downloads=0)
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._pid = os.getpid()
+
+    def _after_fork(self) -> None:
+        """A forked worker inherits the parent's pool object but none of its threads:
+        start afresh rather than wait on futures no thread will ever run."""
+        if os.getpid() != self._pid:
+            self._pool, self._pending, self._mutex = None, {}, None
+            self._pid = os.getpid()
 
     # ---- paths -----------------------------------------------------------------
     def path_for(self, url: str, fingerprint: str = "") -> str:
@@ -128,6 +140,7 @@ class ShardCache:
 
     def prefetch(self, items: Iterable[tuple[str, str]]) -> None:
         """Start background downloads of ``(url, fingerprint)`` pairs not cached yet."""
+        self._after_fork()
         if self._mutex is None:
             self._mutex = threading.Lock()
         with self._mutex:
@@ -144,6 +157,7 @@ class ShardCache:
 
     def wait(self, url: str, fingerprint: str = "") -> str:
         """``fetch``, joining a background download of ``url`` if one is running."""
+        self._after_fork()
         future = self._pending.pop(url, None)
         if future is not None:
             with contextlib.suppress(Exception):  # fetch again below, raising in this thread

@@ -142,10 +142,11 @@ def resolve(
             raise FileNotFoundError(f"{what}: file not found: {item!r}") from None
         if info.get("type") == "directory":
             found = item_fs.find(path, detail=True)
+            root = path.rstrip("/")
             matched = {
                 k: v
                 for k, v in found.items()
-                if k.endswith(extensions) and not posixpath.basename(k).startswith(".")
+                if k.endswith(extensions) and not _hidden(posixpath.relpath(k, root))
             }
             if not matched:
                 raise FileNotFoundError(
@@ -163,6 +164,11 @@ def resolve(
         storage_options=options,
         sizes=tuple(int(infos[n].get("size") or 0) for n in names),
     )
+
+
+def _hidden(relative: str) -> bool:
+    """Skipped in a directory, as pyarrow does: a part starting with '.' or '_'."""
+    return any(part.startswith((".", "_")) for part in relative.split("/"))
 
 
 def _cache_file(kind: str, urls: Sequence[str], cache_dir: str | None) -> str:
@@ -215,7 +221,6 @@ def _matches(entry: dict[str, Any], fingerprint: str) -> bool:
         return True
     md5 = entry.get("md5")
     return bool(md5) and fingerprint == f'{entry.get("size")}:"{md5}"'
-
 
 
 def load_entries(

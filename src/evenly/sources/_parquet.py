@@ -51,7 +51,10 @@ class ParquetSource(ShardedSource):
     ) -> None:
         self.columns = None if columns is None else list(columns)
         self.row_group_cache_bytes = int(row_group_cache_bytes)
-        self._groups: OrderedDict[tuple[int, int], pa.Table] = OrderedDict()
+        #: (shard, row group) -> (column lists, rows, Arrow bytes), least recent first
+        self._groups: OrderedDict[tuple[int, int], tuple[dict[str, list[Any]], int, int]] = (
+            OrderedDict()
+        )
         self._group_bytes = 0
         super().__init__(paths, **kwargs)
 
@@ -93,37 +96,37 @@ class ParquetSource(ShardedSource):
     def _open(self, k: int, path: str) -> Any:
         return pq.ParquetFile(path)
 
-    def _row_group(self, k: int, g: int, handle: Any) -> pa.Table:
+    def _row_group(self, k: int, g: int, handle: Any) -> tuple[dict[str, list[Any]], int]:
+        """Row group ``g`` of shard ``k`` as Python column lists (converted once, kept in
+        an LRU: a random read is then a list lookup, not an Arrow take + conversion)."""
         key = (k, g)
-        table = self._groups.get(key)
-        if table is not None:
+        hit = self._groups.get(key)
+        if hit is not None:
             self._groups.move_to_end(key)
-            return table
+            return hit[0], hit[1]
         table = handle.read_row_group(g, columns=self.columns)
-        self._groups[key] = table
-        self._group_bytes += table.nbytes
+        entry = (table.to_pydict(), table.num_rows, int(table.nbytes))
+        self._groups[key] = entry
+        self._group_bytes += entry[2]
         while self._group_bytes > self.row_group_cache_bytes and len(self._groups) > 1:
             _, old = self._groups.popitem(last=False)
-            self._group_bytes -= old.nbytes
-        return table
+            self._group_bytes -= old[2]
+        return entry[0], entry[1]
 
     def _read(self, k: int, handle: Any, rows: npt.NDArray[np.int64]) -> list[Any]:
         starts = self._group_starts[k]
         groups = np.searchsorted(starts, rows, side="right") - 1
+        local = (rows - starts[groups]).tolist()
         out: list[Any] = [None] * rows.size
-        for g in np.unique(groups).tolist():
-            where = np.flatnonzero(groups == g)
-            table = self._row_group(k, g, handle)
-            local = rows[where] - starts[g]
-            if table.num_rows != int(starts[g + 1] - starts[g]):
+        for pos, (g, r) in enumerate(zip(groups.tolist(), local, strict=True)):
+            columns, num_rows = self._row_group(k, g, handle)
+            expected = int(starts[g + 1] - starts[g])
+            if num_rows != expected:
                 raise ValueError(
-                    f"row group {g} has {table.num_rows} rows, the manifest says "
-                    f"{int(starts[g + 1] - starts[g])}: the file changed since it was opened"
+                    f"row group {g} has {num_rows} rows, the manifest says {expected}: the "
+                    f"file changed since it was opened"
                 )
-            for pos, row in zip(
-                where.tolist(), table.take(pa.array(local)).to_pylist(), strict=True
-            ):
-                out[pos] = row
+            out[pos] = {name: values[r] for name, values in columns.items()}
         return out
 
     def __getstate__(self) -> dict[str, Any]:

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Install the peer libraries that bench/bench_formats.py compares evenly with, into the
+# active venv (default: ./.venv), never touching torch: every install is constrained by
+# constraints.txt.  litdata and mosaicml-streaming are installed --no-deps (their full
+# requirement lists pull in cloud SDKs and, for streaming, torchvision, which has no wheel
+# matching the local CPU torch), with the requirements they need to import listed by hand.
+# Never install torchvision here.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [[ -z "${VIRTUAL_ENV:-}" && -f .venv/bin/activate ]]; then
+    # shellcheck disable=SC1091
+    . .venv/bin/activate
+fi
+PIP=(python -m pip install --quiet -c constraints.txt)
+
+# HF datasets, webdataset, psutil (the bench extra of pyproject.toml)
+"${PIP[@]}" "psutil>=5.9" "datasets>=2.18" "webdataset>=0.2.86"
+
+# litdata: its import-time requirements, then litdata itself without dependencies
+"${PIP[@]}" lightning-utilities filelock boto3 requests tifffile
+"${PIP[@]}" --no-deps "litdata==0.2.76"
+
+# mosaicml-streaming: compression codecs, PIL (MDS encodings), xxhash, and transformers
+# (streaming.base.dataloader imports it); then streaming itself without dependencies
+"${PIP[@]}" Brotli python-snappy zstd zstandard pillow xxhash catalogue transformers
+"${PIP[@]}" --no-deps "mosaicml-streaming==0.13.0"
+
+python - <<'PY'
+import importlib
+for name in ("datasets", "webdataset", "litdata", "streaming", "psutil"):
+    try:
+        mod = importlib.import_module(name)
+        print(f"ok   {name} {getattr(mod, '__version__', '?')}")
+    except Exception as exc:  # report, do not fail: the bench skips what is missing
+        print(f"FAIL {name}: {type(exc).__name__}: {exc}")
+PY

@@ -1,0 +1,81 @@
+"""Checkpoint states: where an epoch stands, as a small JSON-serialisable dict.
+
+Because every epoch's order is a pure function of (seed, epoch), and what all ranks have
+consumed is always a prefix of that order, a position in training is two integers:
+``epoch`` and ``position`` (how many positions of the epoch's order are consumed).  They
+do not depend on the rank, the number of workers or the batch size, so a state saved
+under one topology resumes exactly under another.
+
+Format (version 1)::
+
+    {"format": "evenly.state", "version": 1, "epoch": 3, "position": 40960,
+     "num_samples": 1000000, "seed": 0, "shuffle": "global", "drop_last": false}
+
+A state stays loadable by every evenly release that reads its version; an unknown
+version is refused with an error, never guessed at.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._plan import check_int
+
+__all__ = ["FORMAT", "VERSION", "StateError", "check_state", "make_state"]
+
+FORMAT = "evenly.state"
+VERSION = 1
+#: The plan fields a state must agree on with the dataset it is loaded into.
+FINGERPRINT = ("num_samples", "seed", "shuffle", "drop_last")
+
+
+class StateError(ValueError):
+    """A checkpoint state that cannot be loaded into this dataset or loader."""
+
+
+def make_state(fingerprint: dict[str, Any], epoch: int, position: int) -> dict[str, Any]:
+    """Build a state dict from the dataset's fingerprint and the consumed prefix."""
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "epoch": epoch,
+        "position": position,
+        **fingerprint,
+    }
+
+
+def check_state(state: object, fingerprint: dict[str, Any]) -> tuple[int, int]:
+    """Validate ``state`` against the dataset's ``fingerprint``; return (epoch, position).
+
+    Every field that differs is named in one error, with the saved and current values.
+    """
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise StateError(
+            f"not an evenly state dict (expected a dict with format={FORMAT!r}); got "
+            f"{type(state).__name__}"
+            + (f" with keys {sorted(state)}" if isinstance(state, dict) else "")
+        )
+    version = state.get("version")
+    if version != VERSION:
+        raise StateError(
+            f"unknown evenly state version {version!r}: this evenly reads version {VERSION}; "
+            f"load it with the evenly release that saved it"
+        )
+    mismatches = [
+        f"{key}: saved {state.get(key)!r}, dataset has {fingerprint.get(key)!r}"
+        for key in sorted(set(FINGERPRINT) | set(fingerprint))
+        if state.get(key) != fingerprint.get(key)
+    ]
+    if mismatches:
+        raise StateError(
+            "this state was saved for a different plan, so resuming would repeat or skip "
+            "samples; mismatched: " + "; ".join(mismatches)
+        )
+    epoch = check_int("state['epoch']", state.get("epoch"), minimum=0)
+    position = check_int("state['position']", state.get("position"), minimum=0)
+    if position > fingerprint["num_samples"]:
+        raise StateError(
+            f"state['position']={position} is past the end of the epoch "
+            f"({fingerprint['num_samples']} samples)"
+        )
+    return epoch, position

@@ -24,6 +24,7 @@ fastest peer, and how many sample ids were missing or repeated in the epoch.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import inspect
 import json
@@ -255,10 +256,8 @@ def run_one(name: str, args: argparse.Namespace) -> dict[str, Any]:
             total = 0
             try:
                 for p in [root, *root.children(recursive=True)]:
-                    try:
+                    with contextlib.suppress(psutil.NoSuchProcess):
                         total += p.memory_info().rss
-                    except psutil.NoSuchProcess:
-                        pass
             except psutil.NoSuchProcess:
                 break
             peak = max(peak, total)

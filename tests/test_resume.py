@@ -227,3 +227,23 @@ def test_plain_dataloader_users_resume_through_the_dataset() -> None:
     fresh.load_state_dict(state)
     got += [x for b in tud.DataLoader(fresh, batch_size=8, num_workers=2) for x in b.tolist()]
     assert sorted(got) == list(range(N)) and got[:16] == order(0)[:16]
+
+
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
+@pytest.mark.parametrize("workers", [0, 2])
+def test_works_under_torchdata_stateful_dataloader(workers: int) -> None:
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    def make() -> StatefulDataLoader:
+        ds = evenly.Dataset(list(range(N)), shuffle=True, seed=4)
+        return StatefulDataLoader(ds, batch_size=8, num_workers=workers)
+
+    first = make()
+    it = iter(first)
+    got = [x for _ in range(5) for x in next(it).tolist()]
+    state = first.state_dict()
+    del it
+    second = make()
+    second.load_state_dict(state)
+    rest = [x for b in second for x in b.tolist()]
+    assert Counter(got + rest) == Counter(range(N))  # exactly once, no fast-forward replay

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 from typing import Any
 
 import numpy as np
@@ -72,12 +73,12 @@ class JsonlSource(ShardedSource):
 
     def _read(self, k: int, handle: Any, rows: npt.NDArray[np.int64]) -> list[Any]:
         starts, ends = self._lines[k]
+        fd = handle.fileno()
         out: list[Any] = [None] * rows.size
         for pos in np.argsort(rows, kind="stable").tolist():
             row = int(rows[pos])
             lo, hi = int(starts[row]), int(ends[row])
-            handle.seek(lo)
-            data = handle.read(hi - lo)
+            data = os.pread(fd, hi - lo, lo)
             if len(data) != hi - lo:
                 raise ValueError(
                     f"the file is truncated: line {self._line_number(handle, lo)} ends at byte "

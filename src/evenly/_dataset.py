@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from ._plan import EpochPlan, check_int
-from ._rng import RngState, seed_all
+from ._reader import ReadContext, read_share
 from ._state import StateError, check_state, make_state
 from ._topology import Topology, detect_topology
 
@@ -21,8 +21,11 @@ T_co = TypeVar("T_co", covariant=True)
 
 # Slots of the shared state tensor, seen by the main process and every worker, so that
 # persistent workers pick up a new epoch or a resume position.
-_EPOCH, _START, _BATCH, _DROP, _RANK, _WORLD = range(6)
+_EPOCH, _START, _BATCH, _DROP, _RANK, _WORLD, _NUM = range(7)
 _UNSET = -1
+#: Per-worker counters of samples replaced under on_error="skip".
+_SKIP_SLOTS = 64
+SHUFFLE_MODES = ("none", "global", "block")
 
 
 class Source(Protocol[T_co]):
@@ -73,12 +76,14 @@ class Dataset(IterableDataset[Any], Generic[T_co]):
         self,
         source: Source[T_co],
         *,
-        shuffle: bool = False,
+        shuffle: bool | str = False,
         seed: int = 0,
         drop_last: bool = False,
         transform: Callable[[Any], Any] | None = None,
         rank: int | None = None,
         world_size: int | None = None,
+        block_shards: int = 8,
+        on_error: str = "raise",
     ) -> None:
         if not (hasattr(source, "__len__") and hasattr(source, "__getitem__")):
             raise TypeError(
@@ -87,7 +92,12 @@ class Dataset(IterableDataset[Any], Generic[T_co]):
                 f"samples to shards with evenly.write()"
             )
         self.source = source
-        self.shuffle = bool(shuffle)
+        self.shuffle_mode = _shuffle_mode(shuffle, source)
+        self.shuffle = self.shuffle_mode != "none"
+        self.block_shards = check_int("block_shards", block_shards, minimum=1)
+        if on_error not in ("raise", "skip"):
+            raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+        self.on_error = on_error
         self.seed = check_int("seed", seed)
         self.drop_last = bool(drop_last)
         self.transform = transform
@@ -98,8 +108,9 @@ class Dataset(IterableDataset[Any], Generic[T_co]):
         if self._rank is not None and self._world_size is not None:
             Topology(self._rank, self._world_size)
         self._shared = torch.tensor(
-            [0, 0, 1, int(self.drop_last), _UNSET, _UNSET], dtype=torch.int64
+            [0, 0, 1, int(self.drop_last), _UNSET, _UNSET, _UNSET], dtype=torch.int64
         ).share_memory_()  # type: ignore[no-untyped-call]
+        self._skipped = torch.zeros(_SKIP_SLOTS, dtype=torch.int64).share_memory_()  # type: ignore[no-untyped-call]
         #: (epoch, start) the next pass of an evenly.DataLoader must use, if set.
         self._pending: tuple[int, int] | None = None
         #: True once an evenly.DataLoader drives this dataset (it warns, not __iter__).
@@ -128,6 +139,7 @@ class Dataset(IterableDataset[Any], Generic[T_co]):
         epoch = check_int("epoch", epoch, minimum=0)
         self._shared[_EPOCH] = epoch
         self._shared[_START] = 0
+        self._shared[_NUM] = _UNSET
         self._pending = (epoch, 0)
 
     def _configure(self, *, batch_size: int, drop_last: bool) -> None:
@@ -141,14 +153,23 @@ class Dataset(IterableDataset[Any], Generic[T_co]):
         self._shared[_START] = start
         self._shared[_RANK] = topo.rank
         self._shared[_WORLD] = topo.world_size
+        self._shared[_NUM] = len(self.source)
+        self._skipped.zero_()
         return self.plan()
+
+    @property
+    def num_skipped(self) -> int:
+        """Samples replaced in the current pass because the source could not read them
+        (``on_error="skip"``, all workers of this rank)."""
+        return int(self._skipped.sum())
 
     def plan(self) -> EpochPlan:
         """The plan of the current pass, as every worker of this rank will follow it."""
         state = self._shared.tolist()
         world = state[_WORLD] if state[_WORLD] != _UNSET else self.topology().world_size
-        n = len(self.source)
+        n = state[_NUM] if state[_NUM] != _UNSET else len(self.source)
         start = min(state[_START], n)
+        block = self.shuffle_mode == "block"
         return EpochPlan(
             num_samples=n,
             world_size=world,
@@ -158,6 +179,8 @@ class Dataset(IterableDataset[Any], Generic[T_co]):
             seed=self.seed,
             epoch=state[_EPOCH],
             start=start,
+            shard_sizes=tuple(self.source.shard_sizes) if block else None,  # type: ignore[attr-defined]
+            block_shards=self.block_shards if block else 0,
         )
 
     def _current_rank(self) -> int:
@@ -176,9 +199,30 @@ class Dataset(IterableDataset[Any], Generic[T_co]):
         rank = self._current_rank()
         if info is None and not self._loader_managed:
             warn_about(plan, num_workers, rank)
+        if info is not None and len(self.source) != plan.num_samples:
+            raise RuntimeError(
+                f"evenly: len(source) is {len(self.source)} in worker {worker_id} but was "
+                f"{plan.num_samples} when epoch {plan.epoch} started: the source changed "
+                f"length during the epoch"
+            )
         skip, self._skip = self._skip, 0
         self._yielded = skip
-        return self._read(plan, rank, num_workers, worker_id, skip)
+        ctx = ReadContext(
+            self.source,
+            plan,
+            rank,
+            num_workers,
+            worker_id,
+            self.transform,
+            self.on_error,
+            self._skipped,
+        )
+        return self._count(read_share(ctx, skip))
+
+    def _count(self, samples: Iterator[Any]) -> Iterator[Any]:
+        for sample in samples:
+            self._yielded += 1
+            yield sample
 
     # ---- checkpoints -----------------------------------------------------------
     def fingerprint(self) -> dict[str, Any]:
@@ -186,9 +230,11 @@ class Dataset(IterableDataset[Any], Generic[T_co]):
         fp: dict[str, Any] = {
             "num_samples": len(self.source),
             "seed": self.seed,
-            "shuffle": "global" if self.shuffle else "none",
+            "shuffle": self.shuffle_mode,
             "drop_last": bool(self._shared[_DROP]),
         }
+        if self.shuffle_mode == "block":
+            fp["block_shards"] = self.block_shards
         source = getattr(self.source, "fingerprint", None)
         if isinstance(source, str):
             fp["source"] = source
@@ -245,83 +291,24 @@ class Dataset(IterableDataset[Any], Generic[T_co]):
         self._shared[_START] = position
         self._pending = (epoch, position)
 
-    def _read(
-        self, plan: EpochPlan, rank: int, num_workers: int, worker_id: int, skip: int = 0
-    ) -> Iterator[Any]:
-        source = self.source
-        getitems = getattr(source, "__getitems__", None)
-        transform = self.transform
-        first, drop = divmod(skip, plan.batch_size)
-        chunks = plan.iter_worker_chunks(rank, num_workers, worker_id, first=first)
-        for positions, length in chunks:
-            indices = plan.indices(positions).tolist()
-            where = positions.tolist()
-            seeds = plan.seeds(positions).tolist() if transform is not None else []
-            for lo in range(0, len(indices), length):
-                batch = indices[lo : lo + length]
-                samples: list[Any] = []
-                done: list[Any] = []
-                read = False
-                try:
-                    if getitems is not None:
-                        samples = list(getitems(batch))
-                    else:
-                        for index in batch:
-                            samples.append(source[index])
-                    read = True
-                    if transform is not None:
-                        samples = _transform(transform, samples, seeds[lo : lo + length], done)
-                except Exception as exc:
-                    if read:
-                        failed: int | None = len(done)
-                    else:
-                        failed = None if getitems is not None else len(samples)
-                    _note(exc, plan, rank, worker_id, batch, where[lo : lo + length], failed)
-                    raise
-                if drop:
-                    samples, drop = samples[drop:], 0
-                for sample in samples:
-                    self._yielded += 1
-                    yield sample
 
-
-def _note(
-    exc: BaseException,
-    plan: EpochPlan,
-    rank: int,
-    worker: int,
-    batch: list[int],
-    positions: list[int],
-    failed: int | None,
-) -> None:
-    """Name the failing sample (global index, position, epoch, rank, worker) on ``exc``."""
-    if not hasattr(exc, "add_note"):  # Python 3.10
-        return
-    if failed is None:
-        what = f"the batch of samples {batch} (positions {positions[0]}..{positions[-1]})"
+def _shuffle_mode(shuffle: bool | str, source: object) -> str:
+    """'none', 'global' or 'block'; ``True`` takes the source's preferred mode."""
+    if shuffle is True:
+        mode = getattr(source, "preferred_shuffle", "global")
+    elif shuffle is False:
+        mode = "none"
     else:
-        what = f"sample {batch[failed]} (position {positions[failed]})"
-    exc.add_note(
-        f"evenly: while reading {what} of epoch {plan.epoch}, rank {rank}, worker {worker}"
-    )
-
-
-def _transform(
-    transform: Callable[[Any], Any], samples: list[Any], seeds: list[int], out: list[Any]
-) -> list[Any]:
-    """Apply ``transform`` to each sample under its own seed, appending to ``out``.
-
-    The user's RNG state is put back before any sample leaves, so the training loop (and
-    a collate_fn) never sees the per-sample streams.
-    """
-    saved = RngState()
-    try:
-        for sample, seed in zip(samples, seeds, strict=True):
-            seed_all(seed)
-            out.append(transform(sample))
-    finally:
-        saved.restore()
-    return out
+        mode = shuffle
+    if mode not in SHUFFLE_MODES:
+        raise ValueError(f"shuffle must be True, False, 'global' or 'block', got {shuffle!r}")
+    if mode == "block" and not hasattr(source, "shard_sizes"):
+        raise ValueError(
+            f"shuffle='block' needs a sharded source with shard_sizes (evenly.from_parquet, "
+            f"from_webdataset, from_jsonl); {type(source).__name__} has none: use "
+            f"shuffle='global'"
+        )
+    return str(mode)
 
 
 def warn_about(plan: EpochPlan, num_workers: int, rank: int) -> None:

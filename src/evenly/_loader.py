@@ -3,16 +3,36 @@ epoch by itself and knows how much of the epoch the training loop has received."
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
+import torch.distributed
 import torch.utils.data
 
-from ._dataset import Dataset, warn_about
+from ._agreement import check_agreement
+from ._dataset import Dataset, EvenlyWarning, warn_about
 from ._plan import EpochPlan, check_int
 
 __all__ = ["DataLoader"]
+
+
+def _distributed() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def warn_skipped(dataset: Dataset[Any], plan: EpochPlan) -> None:
+    """At the end of a pass, report samples replaced under on_error="skip"."""
+    skipped = dataset.num_skipped
+    if skipped:
+        warnings.warn(
+            f"evenly: on_error='skip' replaced {skipped} unreadable sample(s) in epoch "
+            f"{plan.epoch} on this rank with other samples, so every rank kept its "
+            f"{plan.num_batches} batches; each is logged by the 'evenly' logger",
+            EvenlyWarning,
+            stacklevel=3,
+        )
 
 
 class _Pass:
@@ -29,9 +49,10 @@ class _Pass:
 class _PassIterator(Iterator[Any]):
     """Counts the batches handed to the training loop (not those prefetched)."""
 
-    def __init__(self, inner: Iterator[Any], current: _Pass) -> None:
+    def __init__(self, inner: Iterator[Any], current: _Pass, dataset: Dataset[Any]) -> None:
         self._inner = inner
         self._pass = current
+        self._dataset = dataset
 
     def __iter__(self) -> _PassIterator:
         return self
@@ -40,7 +61,9 @@ class _PassIterator(Iterator[Any]):
         try:
             batch = next(self._inner)
         except StopIteration:
-            self._pass.finished = True
+            if not self._pass.finished:
+                self._pass.finished = True
+                warn_skipped(self._dataset, self._pass.plan)
             raise
         self._pass.received += 1
         return batch
@@ -79,6 +102,8 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         batch_size: int | None = 1,
         num_workers: int = 0,
         drop_last: bool | None = None,
+        *,
+        check_plan: bool = True,
         **kwargs: Any,
     ) -> None:
         if not isinstance(dataset, Dataset):
@@ -102,7 +127,10 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         dataset._configure(batch_size=self._plan_batch, drop_last=effective_drop)
         dataset._loader_managed = True
         self._last_epoch: int | None = None
+        self._last_num_samples: int | None = None
         self._pass: _Pass | None = None
+        #: Check at each epoch that all DDP ranks agree on the plan (one collective).
+        self.check_plan = check_plan
 
     # ---- epochs ----------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
@@ -187,7 +215,28 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         self.dataset._pending = None
         self.dataset._configure(batch_size=self._plan_batch, drop_last=self._drop)
         plan = self.dataset._begin_pass(epoch, start)
+        if self.check_plan and _distributed():
+            check_agreement(self._view(plan))
         warn_about(plan, self.num_workers, self.dataset._current_rank())
+        if self._last_num_samples not in (None, plan.num_samples):
+            warnings.warn(
+                f"evenly: the source had {self._last_num_samples} samples last epoch and has "
+                f"{plan.num_samples} now; epoch {epoch} is planned over the new length",
+                EvenlyWarning,
+                stacklevel=2,
+            )
+        self._last_num_samples = plan.num_samples
         self._last_epoch = epoch
         self._pass = _Pass(plan)
-        return _PassIterator(super().__iter__(), self._pass)
+        return _PassIterator(super().__iter__(), self._pass, self.dataset)
+
+    def _view(self, plan: EpochPlan) -> dict[str, Any]:
+        """This rank's view of the plan, for the agreement check."""
+        return {
+            **self.dataset.fingerprint(),
+            "batch_size": plan.batch_size,
+            "epoch": plan.epoch,
+            "start": plan.start,
+            "world_size": plan.world_size,
+            "rank": self.dataset._current_rank(),
+        }

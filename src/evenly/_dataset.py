@@ -62,14 +62,22 @@ class Dataset(IterableDataset[Any], Generic[T_co]):
     True
 
     Args:
-        source: the samples: a list, numpy array, map-style torch Dataset, HF Dataset...
-        shuffle: shuffle globally, before sharding, with a new order each epoch.
+        source: the samples: a list, numpy array, map-style torch Dataset, HF Dataset, or
+            a sharded file source (``evenly.from_parquet`` ...).
+        shuffle: ``False``; ``"global"`` (one permutation of all samples per epoch);
+            ``"block"`` (sharded sources: shard order permuted per epoch, uniform shuffle
+            inside windows of ``block_shards`` shards); ``True`` takes the source's
+            preferred mode ("block" for remote shards, else "global").
         seed: the seed of the shuffle and of the per-sample random streams.
         drop_last: drop the epoch's remainder instead of padding it (see ``EpochPlan``).
         transform: called on each sample after ``random``, ``numpy.random`` and torch's
             default generator were seeded from (seed, epoch, the sample's global position).
         rank, world_size: override what is detected from ``torch.distributed`` or the
             ``RANK``/``WORLD_SIZE`` environment variables.
+        block_shards: shards per shuffle window in ``"block"`` mode.
+        on_error: ``"raise"`` (default): a sample the source cannot read raises, naming
+            it; ``"skip"``: it is replaced by another sample (so every rank keeps its
+            batch count), logged, counted in ``num_skipped`` and reported at epoch end.
     """
 
     def __init__(

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import glob
-import inspect
 import json
 import os
 import statistics
@@ -136,27 +135,6 @@ def _collate(batch: list[dict[str, Any]]) -> dict[str, Any]:
     return {"id": np.array([int(s["id"]) for s in batch]), "payload": [s["payload"] for s in batch]}
 
 
-class _Block:
-    """``evenly.Dataset`` with the block shuffle, until ``Dataset`` takes ``block_shards``."""
-
-    @staticmethod
-    def dataset(source: Any, k: int) -> Any:
-        import dataclasses
-
-        import evenly
-
-        if "block_shards" in inspect.signature(evenly.Dataset).parameters:
-            return evenly.Dataset(source, shuffle="block", block_shards=k)  # type: ignore[call-arg]
-
-        class BlockDataset(evenly.Dataset):  # type: ignore[type-arg]
-            def plan(self) -> evenly.EpochPlan:
-                return dataclasses.replace(
-                    super().plan(), shard_sizes=tuple(source.shard_sizes), block_shards=k
-                )
-
-        return BlockDataset(source, shuffle=True)
-
-
 def loader_for(name: str, data_dir: str, workers: int, batch: int) -> Iterable[Any]:
     import torch.utils.data as tud
 
@@ -170,9 +148,8 @@ def loader_for(name: str, data_dir: str, workers: int, batch: int) -> Iterable[A
             if "parquet" in name
             else es.from_webdataset(os.path.join(data_dir, "tar"))
         )
-        ds = (
-            _Block.dataset(src, 8) if name.endswith("block8") else evenly.Dataset(src, shuffle=True)
-        )
+        mode = "block" if name.endswith("block8") else "global"
+        ds = evenly.Dataset(src, shuffle=mode, block_shards=8)
         return evenly.DataLoader(ds, batch_size=batch, num_workers=workers, collate_fn=_collate)
     if name == "hf-datasets":
         import datasets

@@ -1,9 +1,8 @@
-"""Helpers shared by the file-format source tests: epochs over simulated ranks, the
-exactly-once check, and the block-shuffle bridge until ``Dataset`` takes ``block_shards``."""
+"""Helpers shared by the file-format source tests: epochs over simulated ranks and the
+exactly-once check."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections import Counter
 from typing import Any
 
@@ -15,41 +14,30 @@ def as_list(batch: list[Any]) -> list[Any]:
     return batch
 
 
-class BlockDataset(evenly.Dataset):  # type: ignore[type-arg]
-    """``evenly.Dataset`` with the block shuffle (the lead's ``shuffle="block"`` API will
-    replace this): the plan gets the source's shard sizes and ``block_shards``."""
-
-    def __init__(self, source: Any, *, block_shards: int, **kwargs: Any) -> None:
-        super().__init__(source, shuffle=True, **kwargs)
-        self.block_shards = block_shards
-
-    def plan(self) -> evenly.EpochPlan:
-        return dataclasses.replace(
-            super().plan(),
-            shard_sizes=tuple(self.source.shard_sizes),
-            block_shards=self.block_shards,
-        )
-
-
 def epoch_over_ranks(
     source: Any,
     *,
     world_size: int,
     batch_size: int,
     num_workers: int,
-    block_shards: int = 0,
+    shuffle: bool | str = True,
+    block_shards: int = 8,
     epochs: int = 1,
     seed: int = 0,
 ) -> list[list[list[list[Any]]]]:
     """``[epoch][rank] -> list of batches`` with ranks simulated by explicit args."""
     out: list[list[list[list[Any]]]] = [[] for _ in range(epochs)]
     for rank in range(world_size):
-        if block_shards:
-            ds: evenly.Dataset[Any] = BlockDataset(
-                source, block_shards=block_shards, seed=seed, rank=rank, world_size=world_size
-            )
-        else:
-            ds = evenly.Dataset(source, shuffle=True, seed=seed, rank=rank, world_size=world_size)
+        ds: evenly.Dataset[Any] = evenly.Dataset(
+            source,
+            shuffle=shuffle,
+            block_shards=block_shards,
+            seed=seed,
+            rank=rank,
+            world_size=world_size,
+        )
+        if shuffle == "block" or (shuffle is True and source.preferred_shuffle == "block"):
+            assert ds.plan().block_shards == block_shards  # the block shuffle is in use
         loader = evenly.DataLoader(
             ds,
             batch_size=batch_size,

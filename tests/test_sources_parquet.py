@@ -151,11 +151,11 @@ def test_pickle_drops_open_files(parquet_dir: str) -> None:
     assert copy[30] == src[30]
 
 
-@pytest.mark.parametrize("block_shards", [0, 2])
-def test_exactly_once_two_ranks_two_workers(parquet_dir: str, block_shards: int) -> None:
+@pytest.mark.parametrize("shuffle", ["global", "block"])
+def test_exactly_once_two_ranks_two_workers(parquet_dir: str, shuffle: str) -> None:
     src = es.from_parquet(parquet_dir)
     epochs = epoch_over_ranks(
-        src, world_size=2, batch_size=4, num_workers=2, block_shards=block_shards, epochs=2
+        src, world_size=2, batch_size=4, num_workers=2, shuffle=shuffle, block_shards=2, epochs=2
     )
     for ranks in epochs:
         check_exactly_once(ranks, list(range(N)), key=lambda s: s["id"])

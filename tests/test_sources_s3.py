@@ -53,6 +53,7 @@ def test_exactly_once_remote(s3: S3Endpoint, s3_prefix: str, tmp_path: Path, fmt
     assert [
         s["id"] if fmt != "webdataset" else int(s["id"]) for s in src.__getitems__([0, 20, 40])
     ] == [0, 20, 40]
+    # shuffle=True: the source's preferred mode, the block shuffle for remote shards
     (ranks,) = epoch_over_ranks(src, world_size=2, batch_size=4, num_workers=2, block_shards=2)
     key = sample_id if fmt != "webdataset" else (lambda s: int(s["id"]))
     check_exactly_once(ranks, list(range(N)), key=key)

@@ -82,11 +82,11 @@ def test_pickle_round_trip(wds_dir: str) -> None:
     assert not copy._handles and copy[40] == src[40]
 
 
-@pytest.mark.parametrize("block_shards", [0, 2])
-def test_exactly_once_two_ranks_two_workers(wds_dir: str, block_shards: int) -> None:
+@pytest.mark.parametrize("shuffle", ["global", "block"])
+def test_exactly_once_two_ranks_two_workers(wds_dir: str, shuffle: str) -> None:
     src = es.from_webdataset(wds_dir)
     (ranks,) = epoch_over_ranks(
-        src, world_size=2, batch_size=4, num_workers=2, block_shards=block_shards
+        src, world_size=2, batch_size=4, num_workers=2, shuffle=shuffle, block_shards=2
     )
     check_exactly_once(ranks, [f"s{i:04d}" for i in range(N)], key=lambda s: s["__key__"])
 

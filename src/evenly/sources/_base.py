@@ -58,6 +58,7 @@ class ShardedSource:
         self._starts = np.concatenate([[0], np.cumsum([e.num_rows for e in entries])]).astype(
             np.int64
         )
+        self._sizes = tuple(int(n) for n in np.diff(self._starts))
         self._handles: OrderedDict[int, Any] = OrderedDict()
         self._pid = os.getpid()
         #: the manifest entries (main process only: not pickled)
@@ -88,7 +89,7 @@ class ShardedSource:
     @property
     def shard_sizes(self) -> tuple[int, ...]:
         """Samples per shard, in index order (for the block shuffle)."""
-        return tuple(int(n) for n in np.diff(self._starts))
+        return self._sizes
 
     @property
     def fingerprint(self) -> str:

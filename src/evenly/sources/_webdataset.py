@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import re
 import tarfile
+from dataclasses import dataclass
 from posixpath import isabs
 from typing import Any
 
@@ -113,7 +114,7 @@ class WebDatasetSource(ShardedSource):
         return len(samples), {"samples": samples}
 
     def _setup(self, entries: list[FileEntry]) -> None:
-        self._samples = [e.meta["samples"] for e in entries]
+        self._tables = [_Members.build(e.meta["samples"]) for e in entries]
         if not self.check_fields:
             return
         fields = [sorted({f[0] for s in e.meta["samples"] for f in s[1]}) for e in entries]
@@ -130,26 +131,71 @@ class WebDatasetSource(ShardedSource):
         return open(path, "rb")
 
     def _read(self, k: int, handle: Any, rows: npt.NDArray[np.int64]) -> list[Any]:
-        table = self._samples[k]
+        t = self._tables[k]
         url = self.urls[k]
         fd = handle.fileno()
         out: list[Any] = [None] * rows.size
-        for pos in np.argsort(rows, kind="stable").tolist():
-            key, fields = table[int(rows[pos])]
+        order = np.argsort(rows, kind="stable")
+        r = rows[order]
+        # every member of the batch's samples, gathered in one go
+        counts = t.first[r + 1] - t.first[r]
+        starts = np.cumsum(counts) - counts
+        members = np.repeat(t.first[r] - starts, counts) + np.arange(int(counts.sum()))
+        names = [t.names[e] for e in t.ext[members].tolist()]
+        offsets = t.offset[members].tolist()
+        sizes = t.size[members].tolist()
+        m = 0
+        for pos, row, n in zip(order.tolist(), r.tolist(), counts.tolist(), strict=True):
             # a sample's members are consecutive in the tar: one read for all its fields
-            lo = fields[0][1]
-            hi = fields[-1][1] + fields[-1][2]
+            lo, hi = offsets[m], offsets[m + n - 1] + sizes[m + n - 1]
             span = os.pread(fd, hi - lo, lo)
+            key = t.keys[row]
             if len(span) != hi - lo:
                 raise ValueError(
                     f"the tar is truncated: sample {key!r} needs bytes {lo}..{hi}, the file "
                     f"ends at byte {lo + len(span)}"
                 )
             sample: dict[str, Any] = {"__key__": key, "__url__": url}
-            for ext, offset, size in fields:
-                sample[ext] = span[offset - lo : offset - lo + size]
+            for j in range(m, m + n):
+                sample[names[j]] = span[offsets[j] - lo : offsets[j] - lo + sizes[j]]
             out[pos] = sample
+            m += n
         return out
+
+
+@dataclass(frozen=True)
+class _Members:
+    """One shard's samples in compact arrays: sample ``r`` is members
+    ``first[r]:first[r + 1]``, each with a field name index, a data offset and a size."""
+
+    keys: list[str]
+    first: npt.NDArray[np.int64]
+    names: tuple[str, ...]
+    ext: npt.NDArray[np.int16]
+    offset: npt.NDArray[np.int64]
+    size: npt.NDArray[np.int64]
+
+    @classmethod
+    def build(cls, samples: list[list[Any]]) -> _Members:
+        names: dict[str, int] = {}
+        ext: list[int] = []
+        offset: list[int] = []
+        size: list[int] = []
+        first = [0]
+        for _, fields in samples:
+            for name, off, n in fields:
+                ext.append(names.setdefault(name, len(names)))
+                offset.append(off)
+                size.append(n)
+            first.append(len(ext))
+        return cls(
+            keys=[key for key, _ in samples],
+            first=np.asarray(first, dtype=np.int64),
+            names=tuple(names),
+            ext=np.asarray(ext, dtype=np.int16),
+            offset=np.asarray(offset, dtype=np.int64),
+            size=np.asarray(size, dtype=np.int64),
+        )
 
 
 def from_webdataset(

@@ -215,8 +215,8 @@ def test_batch_b_goes_to_worker_b_mod_w_and_each_worker_yields_exactly_its_batch
             got = read_window(plan, rank, workers, worker, first, window, chunk)
             want = mine[first : first + window]
             assert len(got) == len(want)
-            for batch, positions in zip(want, got, strict=True):
-                assert positions == plan.batch_positions(rank, batch).tolist()
+            for batch, read in zip(want, got, strict=True):
+                assert read == plan.batch_positions(rank, batch).tolist()
         # reading from its last batch on yields exactly that batch, then stops
         tail = list(plan.iter_worker_chunks(rank, workers, worker, chunk, first=len(mine) - 1))
         if len(mine):

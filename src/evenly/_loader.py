@@ -3,6 +3,7 @@ epoch by itself and knows how much of the epoch the training loop has received."
 
 from __future__ import annotations
 
+import time
 import warnings
 from collections.abc import Iterator
 from dataclasses import replace
@@ -35,6 +36,18 @@ def warn_skipped(dataset: Dataset[Any], plan: EpochPlan) -> None:
         )
 
 
+def _dead_workers(iterator: Any, wait: float = 2.0) -> list[int]:
+    """Pids of the iterator's workers that died (waiting briefly: a worker killed an
+    instant ago closes its sockets a moment before it can be seen dead)."""
+    workers = getattr(iterator, "_workers", [])
+    deadline = time.monotonic() + wait
+    while True:
+        dead = [w.pid for w in workers if not w.is_alive()]
+        if dead or not workers or time.monotonic() > deadline:
+            return dead
+        time.sleep(0.02)
+
+
 class _Pass:
     """The pass in progress: its plan and how many batches the loop has received."""
 
@@ -60,6 +73,16 @@ class _PassIterator(Iterator[Any]):
     def __next__(self) -> Any:
         try:
             batch = next(self._inner)
+        except (ConnectionError, EOFError) as exc:
+            # a worker that died while the main process fetched its batch's shared
+            # memory surfaces as a bare connection error: name the worker instead
+            dead = _dead_workers(self._inner)
+            if dead:
+                raise RuntimeError(
+                    f"evenly: DataLoader worker(s) (pid {', '.join(map(str, dead))}) died "
+                    f"while handing over a batch (killed by a signal or out of memory?)"
+                ) from exc
+            raise
         except StopIteration:
             if not self._pass.finished:
                 self._pass.finished = True
@@ -215,7 +238,13 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         self.dataset._pending = None
         self.dataset._configure(batch_size=self._plan_batch, drop_last=self._drop)
         plan = self.dataset._begin_pass(epoch, start)
-        if self.check_plan and _distributed():
+        # only a plan split over the process group's ranks must agree across it (a
+        # dataset built with world_size=1 on purpose, e.g. for evaluation, is not)
+        if (
+            self.check_plan
+            and _distributed()
+            and plan.world_size == torch.distributed.get_world_size()
+        ):
             check_agreement(self._view(plan))
         warn_about(plan, self.num_workers, self.dataset._current_rank())
         if self._last_num_samples not in (None, plan.num_samples):

@@ -42,6 +42,7 @@ class ShardedSource:
         cache_dir: str | None = None,
         cache_bytes: int | None = None,
         use_manifest: bool = True,
+        keep_entries: bool = False,
     ) -> None:
         shards = resolve(paths, self.extensions, storage_options, what=self._what)
         self._shards: Shards = shards
@@ -61,9 +62,10 @@ class ShardedSource:
         self._sizes = tuple(int(n) for n in np.diff(self._starts))
         self._handles: OrderedDict[int, Any] = OrderedDict()
         self._pid = os.getpid()
-        #: the manifest entries (main process only: not pickled)
-        self.entries: list[FileEntry] | None = entries
         self._setup(entries)
+        #: the manifest entries, if asked for (``evenly.write`` saves them): they can be
+        #: large (offsets of every member or line), and ``_setup`` keeps a compact copy
+        self.entries: list[FileEntry] | None = entries if keep_entries else None
 
     @property
     def _what(self) -> str:

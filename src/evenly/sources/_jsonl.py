@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import base64
 import json
 import os
 from typing import Any
@@ -21,19 +20,11 @@ import numpy.typing as npt
 from fsspec.core import url_to_fs
 
 from ._base import Paths, ShardedSource
-from ._manifest import FileEntry
+from ._manifest import FileEntry, pack_array, unpack_array
 
 __all__ = ["JsonlSource", "from_jsonl"]
 
 _CHUNK = 8 << 20
-
-
-def _pack(a: npt.NDArray[np.int64]) -> str:
-    return base64.b64encode(a.astype("<i8").tobytes()).decode("ascii")
-
-
-def _unpack(s: str) -> npt.NDArray[np.int64]:
-    return np.frombuffer(base64.b64decode(s), dtype="<i8").astype(np.int64)
 
 
 class JsonlSource(ShardedSource):
@@ -63,10 +54,12 @@ class JsonlSource(ShardedSource):
         starts = np.concatenate([[0], ends[:-1] + 1]).astype(np.int64) if ends.size else ends
         keep = ends > starts
         starts, ends = starts[keep], ends[keep]
-        return int(starts.size), {"starts": _pack(starts), "ends": _pack(ends)}
+        return int(starts.size), {"starts": pack_array(starts), "ends": pack_array(ends)}
 
     def _setup(self, entries: list[FileEntry]) -> None:
-        self._lines = [(_unpack(e.meta["starts"]), _unpack(e.meta["ends"])) for e in entries]
+        self._lines = [
+            (unpack_array(e.meta["starts"]), unpack_array(e.meta["ends"])) for e in entries
+        ]
 
     def _open(self, k: int, path: str) -> Any:
         return open(path, "rb")

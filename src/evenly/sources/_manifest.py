@@ -13,6 +13,7 @@ Only new or changed files are scanned, so reopening 10,000 shards reads no foote
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import os
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import fsspec
+import numpy as np
 from fsspec.core import url_to_fs
 
 __all__ = [
@@ -31,12 +33,14 @@ __all__ = [
     "Shards",
     "default_cache_dir",
     "load_entries",
+    "pack_array",
     "resolve",
     "save_manifest",
+    "unpack_array",
 ]
 
 MANIFEST_NAME = ".evenly-manifest.json"
-_VERSION = 1
+_VERSION = 2
 
 
 def default_cache_dir() -> str:
@@ -111,8 +115,8 @@ def resolve(
     """Expand ``paths`` (a list, a glob, a directory or an fsspec URL) into shard URLs.
 
     A directory yields its files (recursively) ending in one of ``extensions``; a glob or
-    an explicit list is taken as given.  Raises ``FileNotFoundError`` naming the missing
-    path, or ``ValueError`` when nothing matches.
+    an explicit list is taken as given.  Raises ``FileNotFoundError`` naming a missing
+    path, a glob that matches nothing or a directory without such files.
     """
     options = dict(storage_options or {})
     items = (
@@ -252,6 +256,16 @@ def load_entries(
             {"version": _VERSION, "format": kind, "files": [e.to_json() for e in entries]},
         )
     return entries
+
+
+def pack_array(a: Any, dtype: str = "<i8") -> str:
+    """A numpy array as base64 text, for compact manifests."""
+    return base64.b64encode(np.ascontiguousarray(a, dtype=dtype).tobytes()).decode("ascii")
+
+
+def unpack_array(s: str, dtype: str = "<i8") -> Any:
+    """The inverse of :func:`pack_array` (a writable native-endian copy)."""
+    return np.frombuffer(base64.b64decode(s), dtype=dtype).astype(dtype.lstrip("<"))
 
 
 def _md5(path: str) -> str:

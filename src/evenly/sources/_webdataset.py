@@ -30,7 +30,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ._base import Paths, ShardedSource
-from ._manifest import FileEntry
+from ._manifest import FileEntry, pack_array, unpack_array
 
 __all__ = ["WebDatasetSource", "from_webdataset"]
 
@@ -111,13 +111,13 @@ class WebDatasetSource(ShardedSource):
                 f"the tar is truncated: no end-of-archive block after byte {end} "
                 f"(the file has {size} bytes)"
             )
-        return len(samples), {"samples": samples}
+        return len(samples), _Members.build(samples).to_meta()
 
     def _setup(self, entries: list[FileEntry]) -> None:
-        self._tables = [_Members.build(e.meta["samples"]) for e in entries]
+        self._tables = [_Members.from_meta(e.meta) for e in entries]
         if not self.check_fields:
             return
-        fields = [sorted({f[0] for s in e.meta["samples"] for f in s[1]}) for e in entries]
+        fields = [sorted(t.names) for t in self._tables]
         ref = next((k for k, f in enumerate(fields) if f), None)
         for k, f in enumerate(fields):
             if f and ref is not None and f != fields[ref]:
@@ -195,6 +195,27 @@ class _Members:
             ext=np.asarray(ext, dtype=np.int16),
             offset=np.asarray(offset, dtype=np.int64),
             size=np.asarray(size, dtype=np.int64),
+        )
+
+    def to_meta(self) -> dict[str, Any]:
+        return {
+            "keys": self.keys,
+            "names": list(self.names),
+            "first": pack_array(self.first),
+            "ext": pack_array(self.ext, "<i2"),
+            "offset": pack_array(self.offset),
+            "size": pack_array(self.size),
+        }
+
+    @classmethod
+    def from_meta(cls, meta: dict[str, Any]) -> _Members:
+        return cls(
+            keys=list(meta["keys"]),
+            first=unpack_array(meta["first"]),
+            names=tuple(meta["names"]),
+            ext=unpack_array(meta["ext"], "<i2"),
+            offset=unpack_array(meta["offset"]),
+            size=unpack_array(meta["size"]),
         )
 
 

@@ -220,5 +220,5 @@ def _write_manifest(out: str, format: str, paths: list[str]) -> None:
     if not paths:
         return
     cls = {"parquet": ParquetSource, "webdataset": WebDatasetSource, "jsonl": JsonlSource}[format]
-    source = cls(paths, use_manifest=False)
+    source = cls(paths, use_manifest=False, keep_entries=True)
     save_manifest(out, format, source.entries or [])

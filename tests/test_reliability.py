@@ -228,3 +228,13 @@ def test_bad_torchrun_variables_are_named(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setenv("RANK", "2")
     with pytest.raises(ValueError, match="rank 2 is out of range for world_size 2"):
         len(evenly.Dataset([1, 2]))
+
+
+def whole_dataset_on_each_rank(rank: int, world: int) -> int:
+    # deliberately not split over the group (e.g. every rank evaluates everything)
+    ds = evenly.Dataset(list(range(16)), rank=0, world_size=1)
+    return sum(len(b) for b in evenly.DataLoader(ds, batch_size=4))
+
+
+def test_a_plan_not_split_over_the_group_is_not_checked_against_it() -> None:
+    assert run_ranks(whole_dataset_on_each_rank, 2) == [16, 16]

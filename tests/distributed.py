@@ -11,12 +11,17 @@ from __future__ import annotations
 import multiprocessing
 import os
 import socket
+import subprocess
+import sys
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def free_port() -> int:
@@ -123,3 +128,41 @@ def in_fresh_process(fn: Callable[..., Any], *args: Any, timeout: float = 120.0)
     if not ok:
         raise AssertionError(f"the fresh process failed:\n{value}")
     return value
+
+
+def torchrun(
+    script: Path,
+    *args: object,
+    nproc: int,
+    port: int | None = None,
+    nnodes: int = 1,
+    node_rank: int = 0,
+) -> subprocess.Popen[bytes]:
+    """Launch ``script`` under torchrun on 127.0.0.1 in a session of its own (its ranks
+    run in sessions of their own too: tests kill them by the pids they record)."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        str(nnodes),
+        "--nproc-per-node",
+        str(nproc),
+        "--node-rank",
+        str(node_rank),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(port or free_port()),
+        str(script),
+        *map(str, args),
+    ]
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=env,
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )

@@ -7,57 +7,38 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections import Counter
 from pathlib import Path
 
 import torch
 
-from tests.distributed import free_port
+from tests.distributed import ROOT, torchrun
 
-ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "scripts" / "crash_train.py"
 N, BATCH, WORLD, EVERY = 640, 8, 2, 5
 
 
 def launch(tmp: Path, run: str, workers: int, sleep: float) -> subprocess.Popen[bytes]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        str(WORLD),
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(free_port()),
-        str(SCRIPT),
+    return torchrun(
+        SCRIPT,
         "--ckpt",
-        str(tmp / "ckpt.pt"),
+        tmp / "ckpt.pt",
         "--log-dir",
-        str(tmp),
+        tmp,
         "--tag",
         run,
         "--workers",
-        str(workers),
+        workers,
         "--every",
-        str(EVERY),
+        EVERY,
         "--samples",
-        str(N),
+        N,
         "--batch-size",
-        str(BATCH),
+        BATCH,
         "--sleep",
-        str(sleep),
-    ]
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(ROOT)}
-    return subprocess.Popen(
-        cmd,
-        cwd=ROOT,
-        env=env,
-        start_new_session=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
+        sleep,
+        nproc=WORLD,
     )
 
 

@@ -11,7 +11,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -20,9 +19,8 @@ from typing import Any
 import pytest
 
 import evenly
-from tests.distributed import free_port
+from tests.distributed import ROOT, free_port, torchrun
 
-ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "scripts" / "multinode_job.py"
 NODES, PER_NODE, WORKERS = 2, 2, 2
 WORLD = NODES * PER_NODE
@@ -33,42 +31,24 @@ TIMEOUT = 180.0
 
 
 def launch(tmp: Path, node: int, port: int) -> subprocess.Popen[bytes]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nnodes",
-        str(NODES),
-        "--nproc-per-node",
-        str(PER_NODE),
-        "--node-rank",
-        str(node),
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(port),
-        str(SCRIPT),
+    return torchrun(
+        SCRIPT,
         "--out",
-        str(tmp),
+        tmp,
         "--samples",
-        str(N),
+        N,
         "--batch-size",
-        str(BATCH),
+        BATCH,
         "--workers",
-        str(WORKERS),
+        WORKERS,
         "--epochs",
-        str(EPOCHS),
+        EPOCHS,
         "--seed",
-        str(SEED),
-    ]
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(ROOT)}
-    return subprocess.Popen(
-        cmd,
-        cwd=ROOT,
-        env=env,
-        start_new_session=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
+        SEED,
+        nproc=PER_NODE,
+        port=port,
+        nnodes=NODES,
+        node_rank=node,
     )
 
 

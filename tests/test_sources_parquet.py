@@ -54,6 +54,13 @@ def test_shards_sizes_and_random_access(parquet_dir: str) -> None:
         src[96]
 
 
+def test_prefers_block_shuffle_when_larger_than_the_row_group_cache(parquet_dir: str) -> None:
+    assert es.from_parquet(parquet_dir).preferred_shuffle == "global"
+    small = es.from_parquet(parquet_dir, row_group_cache_bytes=1024)
+    assert small.preferred_shuffle == "block"
+    assert evenly.Dataset(small, shuffle=True).plan().block_shards == 8
+
+
 def test_reads_row_groups_not_files(parquet_dir: str) -> None:
     src = es.from_parquet(parquet_dir)
     src.__getitems__([25, 26, 27])  # shard 1, rows 5..7: row groups 0 and 1 (7 rows each)

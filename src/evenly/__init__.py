@@ -14,6 +14,7 @@ from ._plan import EpochPlan
 from ._state import StateError
 from ._topology import Topology, detect_topology
 from .audit import audit
+from .sources import from_jsonl, from_parquet, from_webdataset, write
 
 __all__ = [
     "DataLoader",
@@ -27,6 +28,10 @@ __all__ = [
     "__version__",
     "audit",
     "detect_topology",
+    "from_jsonl",
+    "from_parquet",
+    "from_webdataset",
+    "write",
 ]
 
 __version__ = "0.1.0"

@@ -89,6 +89,14 @@ class EpochPlan:
         check_int("seed", self.seed)
         check_int("epoch", self.epoch, minimum=0)
         check_int("start", self.start, minimum=0)
+        if self.block_shards:
+            check_int("block_shards", self.block_shards, minimum=1)
+            if self.shard_sizes is None or sum(self.shard_sizes) != self.num_samples:
+                got = None if self.shard_sizes is None else sum(self.shard_sizes)
+                raise ValueError(
+                    f"a block shuffle needs shard sizes that add up to num_samples="
+                    f"{self.num_samples}, got {got}"
+                )
         if self.start > self.num_samples:
             raise ValueError(
                 f"start position {self.start} is past the end of the epoch "
@@ -233,10 +241,8 @@ class EpochPlan:
         if self.block_shards:
             from ._block import BlockPermutation
 
-            if self.shard_sizes is None:
-                raise ValueError("a block shuffle needs the source's shard sizes")
             return BlockPermutation(
-                self.shard_sizes, self.block_shards, seed=self.seed, epoch=self.epoch
+                self.shard_sizes or (), self.block_shards, seed=self.seed, epoch=self.epoch
             )
         return FeistelPermutation(self.num_samples, seed=self.seed, epoch=self.epoch)
 

@@ -66,13 +66,18 @@ def read_share(ctx: ReadContext, skip: int = 0) -> Iterator[Any]:
     getitems = getattr(ctx.source, "__getitems__", None)
     prefetch = getattr(ctx.source, "prefetch", None)
     first, drop = divmod(skip, plan.batch_size)
-    for positions, length in plan.iter_worker_chunks(
-        ctx.rank, ctx.num_workers, ctx.worker_id, first=first
-    ):
-        indices = plan.indices(positions).tolist()
+    chunks = plan.iter_worker_chunks(ctx.rank, ctx.num_workers, ctx.worker_id, first=first)
+    upcoming = _with_indices(plan, chunks)
+    current = next(upcoming, None)
+    if current is not None and prefetch is not None:
+        prefetch(current[1])
+    while current is not None:
+        positions, indices, length = current
+        following = next(upcoming, None)
+        if following is not None and prefetch is not None:
+            prefetch(following[1])  # the shards needed next download while we read
+        current = following
         where = positions.tolist()
-        if prefetch is not None:
-            prefetch(indices)
         seeds = plan.seeds(positions).tolist() if ctx.transform is not None else []
         for lo in range(0, len(indices), length):
             batch, pos = indices[lo : lo + length], where[lo : lo + length]
@@ -82,6 +87,13 @@ def read_share(ctx: ReadContext, skip: int = 0) -> Iterator[Any]:
             if drop:
                 samples, drop = samples[drop:], 0
             yield from samples
+
+
+def _with_indices(
+    plan: EpochPlan, chunks: Iterator[tuple[Any, int]]
+) -> Iterator[tuple[Any, list[int], int]]:
+    for positions, length in chunks:
+        yield positions, plan.indices(positions).tolist(), length
 
 
 def _fetch(

@@ -93,6 +93,15 @@ class ParquetSource(ShardedSource):
             np.concatenate([[0], np.cumsum(e.meta["row_groups"])]).astype(np.int64) for e in entries
         ]
 
+    @property
+    def preferred_shuffle(self) -> str:
+        """``"block"`` for remote shards, and for local ones larger than the row-group cache
+        (a global shuffle would then decode a whole row group for almost every sample);
+        else ``"global"``."""
+        if self.cache is not None or sum(self._shards.sizes) > self.row_group_cache_bytes:
+            return "block"
+        return "global"
+
     def _open(self, k: int, path: str) -> Any:
         return pq.ParquetFile(path)
 

@@ -125,9 +125,10 @@ class ParquetSource(ShardedSource):
     def _read(self, k: int, handle: Any, rows: npt.NDArray[np.int64]) -> list[Any]:
         starts = self._group_starts[k]
         groups = np.searchsorted(starts, rows, side="right") - 1
-        local = (rows - starts[groups]).tolist()
+        local = rows - starts[groups]
         out: list[Any] = [None] * rows.size
-        for pos, (g, r) in enumerate(zip(groups.tolist(), local, strict=True)):
+        # one row-group lookup per group present, then plain list indexing per row
+        for g in np.unique(groups).tolist():
             columns, num_rows = self._row_group(k, g, handle)
             expected = int(starts[g + 1] - starts[g])
             if num_rows != expected:
@@ -135,7 +136,12 @@ class ParquetSource(ShardedSource):
                     f"row group {g} has {num_rows} rows, the manifest says {expected}: the "
                     f"file changed since it was opened"
                 )
-            out[pos] = {name: values[r] for name, values in columns.items()}
+            where = np.flatnonzero(groups == g).tolist()
+            picked = local[where].tolist()
+            names = list(columns)
+            values = [[columns[name][r] for r in picked] for name in names]
+            for pos, row in zip(where, zip(*values, strict=True), strict=True):
+                out[pos] = dict(zip(names, row, strict=True))
         return out
 
     def __getstate__(self) -> dict[str, Any]:

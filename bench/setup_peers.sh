@@ -13,8 +13,8 @@ if [[ -z "${VIRTUAL_ENV:-}" && -f .venv/bin/activate ]]; then
 fi
 PIP=(python -m pip install --quiet -c constraints.txt)
 
-# HF datasets, webdataset, psutil (the bench extra of pyproject.toml)
-"${PIP[@]}" "psutil>=5.9" "datasets>=2.18" "webdataset>=0.2.86"
+# HF datasets, webdataset, torchdata, psutil (the bench extra of pyproject.toml)
+"${PIP[@]}" "psutil>=5.9" "datasets>=2.18" "webdataset>=0.2.86" "torchdata>=0.10"
 
 # litdata: its import-time requirements, then litdata itself without dependencies
 "${PIP[@]}" lightning-utilities filelock boto3 requests tifffile

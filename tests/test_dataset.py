@@ -237,3 +237,13 @@ def test_a_failing_transform_names_the_sample(workers: int) -> None:
         epoch_batches(loader)
     text = str(info.value) + "".join(getattr(info.value, "__notes__", []))
     assert "sample 7 (position 7) of epoch 0, rank 0" in text
+
+
+def test_a_hugging_face_dataset_is_a_source() -> None:
+    import datasets
+
+    hf = datasets.Dataset.from_dict({"idx": list(range(30)), "text": [f"t{i}" for i in range(30)]})
+    ds = evenly.Dataset(hf, shuffle=True)
+    loader = evenly.DataLoader(ds, batch_size=4, num_workers=2)
+    got = [int(i) for batch in loader for i in batch["idx"]]
+    assert sorted(got) == list(range(30)) and got != list(range(30))

@@ -181,13 +181,15 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
             return self._pass.plan
         epoch, start = self._next_pass()
         current = self.dataset.plan()
+        n = len(self.dataset.source)  # the next pass is planned over the length it has then
         return replace(
             current,
+            num_samples=n,
             world_size=self.dataset.topology().world_size,
             batch_size=self._plan_batch,
             drop_last=self._drop,
             epoch=epoch,
-            start=min(start, current.num_samples),
+            start=min(start, n),
         )
 
     def __len__(self) -> int:

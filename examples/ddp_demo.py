@@ -165,8 +165,13 @@ def main(argv: list[str] | None = None) -> int:
     loader = evenly.DataLoader(ds, batch_size=args.batch_size, num_workers=args.workers)
     ours = run_epochs(loader, model, args.epochs, args.samples, args.batch_size)
 
+    # persistent workers here too: like evenly.DataLoader, fork the workers once rather
+    # than right after each epoch's last all_reduce (see RELIABILITY.md, fork and gloo)
     naive_loader = tud.DataLoader(
-        Naive(args.samples), batch_size=args.batch_size, num_workers=args.workers
+        Naive(args.samples),
+        batch_size=args.batch_size,
+        num_workers=args.workers,
+        persistent_workers=args.workers > 0,
     )
     naive = run_epochs(naive_loader, model, args.epochs, args.samples, args.batch_size)
 

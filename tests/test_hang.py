@@ -89,6 +89,7 @@ def train_matrix(
     rank received.  The all_reduce carries (config, epoch, batch) so a rank that ran
     ahead or behind would be caught, not just blocked.  A config with a resume position
     loads ``states[name]``, saved by an earlier run."""
+    multiprocessing.get_context("forkserver").set_forkserver_preload(["torch", "evenly"])
     out: dict[str, Any] = {}
     for c, name in enumerate(names):
         n, batch, workers, drop_last, kind, _ = CONFIGS[name]
@@ -96,7 +97,14 @@ def train_matrix(
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", evenly.EvenlyWarning)
             ds = evenly.Dataset(source, shuffle=True, seed=SEED, drop_last=drop_last)
-            loader = evenly.DataLoader(ds, batch_size=batch, num_workers=workers)
+            # Workers come from a fork server: this loop starts a new loader right after
+            # an all_reduce, and forking while gloo's thread finishes a collective can
+            # hang inside os.fork (CPython 3.11; see RELIABILITY.md). That race is not
+            # what this matrix tests.
+            context = "forkserver" if workers else None
+            loader = evenly.DataLoader(
+                ds, batch_size=batch, num_workers=workers, multiprocessing_context=context
+            )
             state = states.get(name)
             if state is not None:
                 loader.load_state_dict(state)

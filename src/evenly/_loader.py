@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 import warnings
+import weakref
 from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
@@ -34,6 +35,28 @@ def warn_skipped(dataset: Dataset[Any], plan: EpochPlan) -> None:
             EvenlyWarning,
             stacklevel=3,
         )
+
+
+def settle(inner: Any, shut_down: bool = False) -> None:
+    """Wait until a finished torch iterator's queue feeder threads have exited.
+
+    A Python thread that is exiting while the next epoch forks its workers can leave
+    CPython's thread-state lock held in the child, which then hangs forever inside
+    ``os.fork`` (seen with CPython 3.11: the new worker never starts, its rank waits for
+    data and every other rank waits in a collective).  Torch closes those queues when
+    an epoch ends but does not wait for their threads; evenly does, before any new fork.
+    With ``shut_down``, an iterator abandoned mid-epoch is shut down first.
+    """
+    if shut_down and not getattr(inner, "_persistent_workers", True):
+        shutdown = getattr(inner, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
+    if not getattr(inner, "_shutdown", False):
+        return
+    for queue in getattr(inner, "_index_queues", []):
+        thread = getattr(queue, "_thread", None)
+        if thread is not None:
+            thread.join(timeout=10)
 
 
 def _dead_workers(iterator: Any, wait: float = 2.0) -> list[int]:
@@ -86,6 +109,7 @@ class _PassIterator(Iterator[Any]):
         except StopIteration:
             if not self._pass.finished:
                 self._pass.finished = True
+                settle(self._inner)
                 warn_skipped(self._dataset, self._pass.plan)
             raise
         self._pass.received += 1
@@ -102,7 +126,8 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
     rank's batches come out as a map-style DataLoader would give them (at most one
     partial batch per epoch); it passes ``drop_last`` to the plan (an explicit value here
     wins over the dataset's); and every ``iter(loader)`` starts the next epoch, with or
-    without ``persistent_workers``.
+    without ``persistent_workers`` (which defaults to ``True`` when ``num_workers > 0``:
+    workers are forked once rather than every epoch).
 
     >>> import evenly
     >>> ds = evenly.Dataset(list(range(10)), shuffle=True, rank=0, world_size=1)
@@ -138,6 +163,9 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
             check_int("batch_size", batch_size, minimum=1)
         check_int("num_workers", num_workers, minimum=0)
         effective_drop = dataset.drop_last if drop_last is None else bool(drop_last)
+        # workers are forked once, not every epoch (faster epochs; and a process with
+        # communication threads, as under DDP, forks as rarely as possible)
+        kwargs.setdefault("persistent_workers", num_workers > 0)
         self._plan_batch = 1 if batch_size is None else batch_size
         self._drop = effective_drop
         super().__init__(
@@ -152,6 +180,7 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         self._last_epoch: int | None = None
         self._last_num_samples: int | None = None
         self._pass: _Pass | None = None
+        self._pass_iterator: weakref.ref[_PassIterator] | None = None
         #: Check at each epoch that all DDP ranks agree on the plan (one collective).
         self.check_plan = check_plan
 
@@ -240,14 +269,6 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         self.dataset._pending = None
         self.dataset._configure(batch_size=self._plan_batch, drop_last=self._drop)
         plan = self.dataset._begin_pass(epoch, start)
-        # only a plan split over the process group's ranks must agree across it (a
-        # dataset built with world_size=1 on purpose, e.g. for evaluation, is not)
-        if (
-            self.check_plan
-            and _distributed()
-            and plan.world_size == torch.distributed.get_world_size()
-        ):
-            check_agreement(self._view(plan))
         warn_about(plan, self.num_workers, self.dataset._current_rank())
         if self._last_num_samples not in (None, plan.num_samples):
             warnings.warn(
@@ -259,7 +280,22 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         self._last_num_samples = plan.num_samples
         self._last_epoch = epoch
         self._pass = _Pass(plan)
-        return _PassIterator(super().__iter__(), self._pass, self.dataset)
+        previous = self._pass_iterator() if self._pass_iterator is not None else None
+        if previous is not None:  # the previous pass, finished or abandoned
+            settle(previous._inner, shut_down=True)
+        # workers fork before the agreement collective, never right after it: a process
+        # forked while a gloo thread is finishing a collective can hang in os.fork
+        iterator = _PassIterator(super().__iter__(), self._pass, self.dataset)
+        self._pass_iterator = weakref.ref(iterator)  # a weak one: do not keep workers alive
+        # only a plan split over the process group's ranks must agree across it (a
+        # dataset built with world_size=1 on purpose, e.g. for evaluation, is not)
+        if (
+            self.check_plan
+            and _distributed()
+            and plan.world_size == torch.distributed.get_world_size()
+        ):
+            check_agreement(self._view(plan))
+        return iterator
 
     def _view(self, plan: EpochPlan) -> dict[str, Any]:
         """This rank's view of the plan, for the agreement check."""

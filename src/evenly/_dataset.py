@@ -125,7 +125,7 @@ class Dataset(IterableDataset[Any], Generic[T_co]):
         self._loader_managed = False
         #: Samples this process's iterator has yielded in the current pass, and samples
         #: the next iterator must skip (a worker restored by a StatefulDataLoader).
-        self._yielded = 0
+        self._progress = [0]
         self._skip = 0
 
     # ---- configuration ---------------------------------------------------------
@@ -214,7 +214,7 @@ class Dataset(IterableDataset[Any], Generic[T_co]):
                 f"length during the epoch"
             )
         skip, self._skip = self._skip, 0
-        self._yielded = skip
+        self._progress[0] = skip
         ctx = ReadContext(
             self.source,
             plan,
@@ -224,13 +224,15 @@ class Dataset(IterableDataset[Any], Generic[T_co]):
             self.transform,
             self.on_error,
             self._skipped,
+            self._progress,
         )
-        return self._count(read_share(ctx, skip))
+        return read_share(ctx, skip)
 
-    def _count(self, samples: Iterator[Any]) -> Iterator[Any]:
-        for sample in samples:
-            self._yielded += 1
-            yield sample
+    @property
+    def _yielded(self) -> int:
+        """Samples this process's iterator has handed out in the current pass (counted a
+        batch at a time, as the batch starts: exact at batch boundaries)."""
+        return self._progress[0]
 
     # ---- checkpoints -----------------------------------------------------------
     def fingerprint(self) -> dict[str, Any]:

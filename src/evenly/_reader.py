@@ -38,6 +38,7 @@ class ReadContext:
     transform: Callable[[Any], Any] | None = None
     on_error: str = "raise"
     skipped: torch.Tensor | None = None  # shared per-worker counters
+    progress: list[int] | None = None  # samples handed out so far in this pass
 
     def locate(self, index: int) -> str:
         locate = getattr(self.source, "locate", None)
@@ -86,6 +87,8 @@ def read_share(ctx: ReadContext, skip: int = 0) -> Iterator[Any]:
                 samples = _transform(ctx, samples, seeds[lo : lo + length], batch, pos)
             if drop:
                 samples, drop = samples[drop:], 0
+            if ctx.progress is not None:
+                ctx.progress[0] += len(samples)
             yield from samples
 
 
@@ -102,19 +105,20 @@ def _fetch(
     batch: list[int],
     positions: list[int],
 ) -> list[Any]:
-    if getitems is not None:
-        try:
+    """Read a batch in one go; on an error, read it again one sample at a time to name
+    (or, with on_error="skip", replace) the sample at fault."""
+    try:
+        if getitems is not None:
             return list(getitems(batch))
-        except IndexError as exc:
-            raise _lying_len(ctx, batch, exc) from exc
-        except Exception as exc:
-            if ctx.on_error != "skip":
-                ctx.note(exc, None, None)
-                raise
-            # find the unreadable ones one by one
-    return [
-        _fetch_one(ctx, index, position) for index, position in zip(batch, positions, strict=True)
-    ]
+        source = ctx.source
+        return [source[index] for index in batch]
+    except IndexError as exc:
+        raise _lying_len(ctx, batch, exc) from exc
+    except Exception as exc:
+        if getitems is not None and ctx.on_error != "skip":
+            ctx.note(exc, None, None)
+            raise
+    return [_fetch_one(ctx, i, p) for i, p in zip(batch, positions, strict=True)]
 
 
 def _fetch_one(ctx: ReadContext, index: int, position: int) -> Any:

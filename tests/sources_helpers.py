@@ -37,7 +37,9 @@ def epoch_over_ranks(
             world_size=world_size,
         )
         if shuffle == "block" or (shuffle is True and source.preferred_shuffle == "block"):
-            assert ds.plan().block_shards == block_shards  # the block shuffle is in use
+            plan = ds.plan()  # the block shuffle is in use, with this window
+            window = getattr(plan, "block_shards", None) or getattr(plan.order, "window", None)
+            assert window == block_shards, (window, block_shards)
         loader = evenly.DataLoader(
             ds,
             batch_size=batch_size,

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from evenly import EpochPlan
 from evenly._block import BlockPermutation
+from tests.plans import make_plan
 
 sizes_st = st.lists(st.integers(min_value=0, max_value=40), min_size=0, max_size=30)
 
@@ -102,7 +102,7 @@ def test_argument_errors() -> None:
 
 def test_epoch_plan_uses_block_permutation() -> None:
     sizes = (5, 7, 0, 4, 8)
-    plan = EpochPlan(
+    plan = make_plan(
         num_samples=24, world_size=2, batch_size=3, shuffle=True, shard_sizes=sizes, block_shards=2
     )
     got = np.concatenate([plan.indices(plan.rank_positions(r)) for r in range(2)])

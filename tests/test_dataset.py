@@ -17,6 +17,7 @@ import torch.utils.data as tud
 
 import evenly
 from evenly import EvenlyWarning
+from tests.plans import make_plan
 
 
 def epoch_batches(loader: tud.DataLoader[Any]) -> list[list[int]]:
@@ -37,7 +38,7 @@ def run_ranks_inline(
 
 def map_style_batches(n: int, world: int, rank: int, batch: int, **plan: Any) -> list[list[int]]:
     """What a map-style DataLoader gives when its sampler yields this rank's plan."""
-    p = evenly.EpochPlan(num_samples=n, world_size=world, batch_size=batch, **plan)
+    p = make_plan(num_samples=n, world_size=world, batch_size=batch, **plan)
     sampler = p.indices(p.rank_positions(rank)).tolist()
     loader = tud.DataLoader(list(range(n)), batch_size=batch, sampler=sampler)
     return [b.tolist() for b in loader]
@@ -73,7 +74,9 @@ def test_drop_last_on_the_loader_wins_and_keeps_batches_full() -> None:
     batches = epoch_batches(loader)
     assert [len(b) for b in batches] == [4] * 6 and len(loader) == 6
     assert loader.plan.num_dropped == 2 and loader.plan.num_padded == 0
-    assert len(ds) == 24
+    # the loader's settings stay with the loader: the dataset's own passes (under any
+    # other loader) keep the dataset's drop_last and are planned sample by sample
+    assert len(ds) == 25
 
 
 def test_epoch_advances_without_a_call_and_set_epoch_reproduces() -> None:

@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from evenly._plan import EpochPlan
+from tests.plans import make_plan
 
 #: Largest set of positions a single check may build (keeps each example fast).
 MAX_POSITIONS = 1 << 17
@@ -48,7 +49,7 @@ def plans(draw: st.DrawFn, max_step: int | None = None) -> EpochPlan:
             st.integers(max(0, n - 3 * step), n),
         )
     )
-    return EpochPlan(
+    return make_plan(
         num_samples=n,
         world_size=world,
         batch_size=batch,

@@ -31,6 +31,7 @@ import torch.multiprocessing as mp
 
 import evenly
 from tests.distributed import free_port, in_fresh_process, run_ranks
+from tests.plans import make_plan
 
 SEED = 3
 
@@ -110,7 +111,10 @@ def train_matrix(
                 loader.load_state_dict(state)
             epochs, lengths = [], []
             for epoch in range(EPOCHS):
-                lengths.append(len(loader))
+                lengths.append(loader.remaining_batches)
+                # after a load, len() also counts what the saved run had received
+                prior = state["batches"] if state is not None and epoch == 0 else 0
+                assert len(loader) == prior + loader.remaining_batches, name
                 batches = []
                 for i, ids in enumerate(loader):
                     batches.append(ids.tolist())
@@ -129,7 +133,7 @@ def train_matrix(
 
 def planned(name: str, world: int, epoch: int) -> evenly.EpochPlan:
     n, batch, _, drop_last, _, resume = CONFIGS[name]
-    return evenly.EpochPlan(
+    return make_plan(
         num_samples=n,
         world_size=world,
         batch_size=batch,
@@ -278,7 +282,7 @@ FAIL_N, FAIL_BATCH, FAIL_RANK, FAIL_AT_BATCH = 40, 4, 1, 3
 
 def failing_sample() -> tuple[int, int]:
     """(sample index, position) of the first sample of rank 1's batch 3 in epoch 0."""
-    plan = evenly.EpochPlan(
+    plan = make_plan(
         num_samples=FAIL_N, world_size=2, batch_size=FAIL_BATCH, shuffle=True, seed=SEED
     )
     position = int(plan.batch_positions(FAIL_RANK, FAIL_AT_BATCH)[0])

@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
-import evenly
 from tests.distributed import ROOT, free_port, torchrun
+from tests.plans import make_plan
 
 SCRIPT = ROOT / "tests" / "scripts" / "multinode_job.py"
 NODES, PER_NODE, WORKERS = 2, 2, 2
@@ -87,7 +87,7 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
 
 
 def plan_batches(rank: int, epoch: int) -> list[list[int]]:
-    plan = evenly.EpochPlan(
+    plan = make_plan(
         num_samples=N, world_size=WORLD, batch_size=BATCH, shuffle=True, seed=SEED, epoch=epoch
     )
     ids = plan.indices(plan.batches_positions(rank, range(plan.num_batches))).tolist()

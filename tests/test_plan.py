@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from evenly._plan import EpochPlan
+from tests.plans import make_plan
 
 
 def worker_batches(plan: EpochPlan, rank: int, workers: int) -> list[list[list[int]]]:
@@ -36,7 +37,7 @@ def dataloader_order(per_worker: list[list[list[int]]]) -> list[list[int]]:
 
 
 plans = st.builds(
-    EpochPlan,
+    make_plan,
     num_samples=st.integers(0, 5000),
     world_size=st.integers(1, 8),
     batch_size=st.integers(1, 64),
@@ -86,7 +87,7 @@ def test_exactly_once_equal_counts_one_partial_batch(plan: EpochPlan, workers: i
 @settings(max_examples=200, deadline=None)
 def test_a_resumed_plan_covers_exactly_the_rest(plan: EpochPlan, data: st.DataObject) -> None:
     start = data.draw(st.integers(0, plan.num_samples))
-    resumed = EpochPlan(
+    resumed = make_plan(
         num_samples=plan.num_samples,
         world_size=plan.world_size,
         batch_size=plan.batch_size,
@@ -117,8 +118,8 @@ def test_consumed_batches_are_a_prefix_of_the_order(plan: EpochPlan, batches: in
 
 
 def test_shuffle_is_one_global_permutation_per_epoch() -> None:
-    a = EpochPlan(num_samples=1000, world_size=4, batch_size=8, shuffle=True, seed=1, epoch=0)
-    b = EpochPlan(num_samples=1000, world_size=4, batch_size=8, shuffle=True, seed=1, epoch=1)
+    a = make_plan(num_samples=1000, world_size=4, batch_size=8, shuffle=True, seed=1, epoch=0)
+    b = make_plan(num_samples=1000, world_size=4, batch_size=8, shuffle=True, seed=1, epoch=1)
     pos = np.arange(1000)
     order_a, order_b = a.indices(pos), b.indices(pos)
     assert sorted(order_a.tolist()) == list(range(1000))
@@ -126,14 +127,14 @@ def test_shuffle_is_one_global_permutation_per_epoch() -> None:
     # the shuffle mixes across what would be any rank's or worker's contiguous shard
     first_batch = a.indices(a.batch_positions(0, 0))
     assert np.ptp(first_batch) > 250
-    unshuffled = EpochPlan(num_samples=1000, world_size=4, batch_size=8)
+    unshuffled = make_plan(num_samples=1000, world_size=4, batch_size=8)
     assert unshuffled.indices(pos).tolist() == list(range(1000))
 
 
 @pytest.mark.parametrize("n", [10**9, 2**40 + 7])
 @pytest.mark.parametrize("drop_last", [False, True])
 def test_huge_plans_have_exact_sizes_and_disjoint_batches(n: int, drop_last: bool) -> None:
-    plan = EpochPlan(
+    plan = make_plan(
         num_samples=n, world_size=8, batch_size=32, drop_last=drop_last, shuffle=True, seed=5
     )
     assert plan.samples_per_rank * 8 == n - plan.num_dropped + plan.num_padded
@@ -148,18 +149,18 @@ def test_huge_plans_have_exact_sizes_and_disjoint_batches(n: int, drop_last: boo
 
 
 def test_fewer_samples_than_ranks_pads_every_rank_to_one_sample() -> None:
-    plan = EpochPlan(num_samples=3, world_size=8, batch_size=4)
+    plan = make_plan(num_samples=3, world_size=8, batch_size=4)
     assert (plan.num_batches, plan.samples_per_rank, plan.num_padded) == (1, 1, 5)
     assert plan.idle_workers(4) == 3
     assert sorted(
         plan.indices(np.concatenate([plan.rank_positions(r) for r in range(8)])).tolist()
     ) == [0, 0, 0, 1, 1, 1, 2, 2]
-    dropped = EpochPlan(num_samples=3, world_size=8, batch_size=4, drop_last=True)
+    dropped = make_plan(num_samples=3, world_size=8, batch_size=4, drop_last=True)
     assert (dropped.num_batches, dropped.num_dropped) == (0, 3)
 
 
 def test_empty_source_plans_zero_batches() -> None:
-    plan = EpochPlan(num_samples=0, world_size=3, batch_size=4, shuffle=True)
+    plan = make_plan(num_samples=0, world_size=3, batch_size=4, shuffle=True)
     assert (plan.num_batches, plan.samples_per_rank, plan.num_padded) == (0, 0, 0)
     assert plan.rank_positions(2).size == 0
 
@@ -175,6 +176,6 @@ def test_empty_source_plans_zero_batches() -> None:
 )
 def test_bad_settings_name_the_setting(kwargs: dict[str, object], message: str) -> None:
     with pytest.raises((ValueError, TypeError), match=message):
-        EpochPlan(num_samples=10, **kwargs)  # type: ignore[arg-type]
+        make_plan(num_samples=10, **kwargs)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"rank must lie in \[0, 2\), got 2"):
-        EpochPlan(num_samples=10, world_size=2).rank_positions(2)
+        make_plan(num_samples=10, world_size=2).rank_positions(2)

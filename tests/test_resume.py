@@ -14,6 +14,7 @@ import pytest
 import evenly
 from evenly import StateError
 from tests.distributed import in_fresh_process, run_ranks
+from tests.plans import make_plan
 
 N = 120
 
@@ -52,7 +53,10 @@ def second_part(state: dict[str, Any], world: int, workers: int, batch: int) -> 
         warnings.simplefilter("ignore", evenly.EvenlyWarning)
         for loader in loaders(world, workers, batch):
             loader.load_state_dict(state)
-            length = len(loader)
+            length = loader.remaining_batches
+            # len() counts what the interrupted run received in this epoch (Lightning's
+            # and StatefulDataLoader's convention) plus what is left
+            assert len(loader) == state["batches"] + length
             resumed.append([b.tolist() for b in loader])
             assert len(resumed[-1]) == length
             following.append([b.tolist() for b in loader])
@@ -61,7 +65,7 @@ def second_part(state: dict[str, Any], world: int, workers: int, batch: int) -> 
 
 
 def order(epoch: int) -> list[int]:
-    plan = evenly.EpochPlan(num_samples=N, shuffle=True, seed=4, epoch=epoch)
+    plan = make_plan(num_samples=N, shuffle=True, seed=4, epoch=epoch)
     return plan.indices(np.arange(N)).tolist()
 
 

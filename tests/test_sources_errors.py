@@ -176,3 +176,35 @@ def test_tar_member_names_with_dotdot_or_absolute_are_rejected(tmp_path: Path, n
 def test_write_rejects_unsafe_keys(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="unsafe member name"):
         es.write([{"__key__": "../x", "txt": "a"}], tmp_path, "webdataset", progress=False)
+
+
+def test_bad_jsonl_line_in_a_batch_names_its_own_sample(tmp_path: Path) -> None:
+    (tmp_path / "a.jsonl").write_text("".join(f'{{"id": {i}}}\n' for i in range(4)))
+    bad = tmp_path / "b.jsonl"
+    bad.write_text('{"id": 4}\n{"id": 5}\n\n{"id": 6, oops}\n{"id": 7}\n')
+    source = es.from_jsonl(str(tmp_path))
+    # samples 5, 6, 7 of the batch live in b.jsonl; 6 (row 2, line 4) is the bad one
+    match = rf"cannot read sample 6 \({re.escape(str(bad))} row 2\): line 4 is not valid JSON"
+    with pytest.raises(ValueError, match=match):
+        source.__getitems__([0, 5, 7, 6])
+    # through the loader (batches [0..3], [4..7]), with a worker: the same sample named
+    ds = evenly.Dataset(source, shuffle=False, rank=0, world_size=1)
+    loader = evenly.DataLoader(ds, batch_size=4, num_workers=1, collate_fn=as_list)
+    with pytest.raises(ValueError, match=match):
+        list(loader)
+
+
+def test_bad_tar_member_in_a_batch_names_its_own_sample(tmp_path: Path) -> None:
+    path = tmp_path / "a.tar"
+    with tarfile.open(path, "w") as tar:
+        for i in range(4):
+            info = tarfile.TarInfo(f"k{i}.txt")
+            info.size = 1
+            tar.addfile(info, io.BytesIO(b"x"))
+    source = es.from_webdataset(str(path))
+    data = bytearray(path.read_bytes())
+    data[2 * 1024 : 2 * 1024 + 8] = b"garbage!"  # the header of k2.txt
+    path.write_bytes(bytes(data))
+    match = rf"cannot read sample 2 \({re.escape(str(path))} row 2\): the file changed"
+    with pytest.raises(ValueError, match=match):
+        source.__getitems__([0, 1, 2, 3])

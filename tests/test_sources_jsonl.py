@@ -91,3 +91,25 @@ def test_output_readable_without_evenly(jsonl_dir: str) -> None:
     for f in sorted(Path(jsonl_dir).glob("*.jsonl")):
         ids += [json.loads(line)["id"] for line in f.read_text("utf-8").splitlines()]
     assert ids == list(range(N))
+
+
+def test_blank_lines_with_crlf_spaces_or_tabs_are_not_samples(tmp_path: Path) -> None:
+    path = tmp_path / "blank.jsonl"
+    path.write_bytes(b'\r\n  \n{"a": 1}\r\n\r\n   \r\n\t \n{"a": 2}\r\n \t\r\n\n  ')
+    src = es.from_jsonl(str(path))
+    assert len(src) == 2 and src.__getitems__([0, 1]) == [{"a": 1}, {"a": 2}]
+    assert src.locate(1) == f"{path} row 1"
+
+
+def test_blank_lines_across_scan_chunk_boundaries(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Lines and blank lines that straddle the scan's chunk boundaries."""
+    import evenly.sources._jsonl as jsonl_module
+
+    monkeypatch.setattr(jsonl_module, "_CHUNK", 5)  # many chunks, boundaries everywhere
+    lines = [b'{"i": 0}', b"   ", b"", b" [1, 2] ", b"\t\r", b'"s"', b"  ", b"7"]
+    path = tmp_path / "chunks.jsonl"
+    path.write_bytes(b"\n".join(lines))  # no final newline after "7"
+    src = es.from_jsonl(str(path))
+    assert src.__getitems__(range(len(src))) == [{"i": 0}, [1, 2], "s", 7]

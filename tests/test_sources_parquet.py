@@ -54,18 +54,52 @@ def test_shards_sizes_and_random_access(parquet_dir: str) -> None:
         src[96]
 
 
-def test_prefers_block_shuffle_when_larger_than_the_row_group_cache(parquet_dir: str) -> None:
-    assert es.from_parquet(parquet_dir).preferred_shuffle == "global"
-    small = es.from_parquet(parquet_dir, row_group_cache_bytes=1024)
-    assert small.preferred_shuffle == "block"
-    assert evenly.Dataset(small, shuffle=True).plan().block_shards == 8
+def test_shuffle_true_is_global_for_local_parquet_whatever_the_cache(parquet_dir: str) -> None:
+    default = es.from_parquet(parquet_dir)
+    small = es.from_parquet(parquet_dir, row_group_cache_bytes=1024)  # far below the data
+    assert default.preferred_shuffle == small.preferred_shuffle == "global"
+    plans = [evenly.Dataset(s, shuffle=True, seed=5).plan() for s in (default, small)]
+    assert all(isinstance(p.order, evenly.FeistelPermutation) for p in plans)  # no block
+    assert plans[0].indices(np.arange(N)).tolist() == plans[1].indices(np.arange(N)).tolist()
+
+
+class CountingParquet(ParquetSource):
+    """A real ParquetSource that records each row-group lookup."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.chunks: list[tuple[int, int]] = []
+        super().__init__(*args, **kwargs)
+
+    def _chunk(self, k: int, g: int, handle: Any) -> pa.Table:
+        self.chunks.append((k, g))
+        return super()._chunk(k, g, handle)
 
 
 def test_reads_row_groups_not_files(parquet_dir: str) -> None:
-    src = es.from_parquet(parquet_dir)
-    src.__getitems__([25, 26, 27])  # shard 1, rows 5..7: row groups 0 and 1 (7 rows each)
-    assert sorted(src._groups) == [(1, 0), (1, 1)]
-    assert sum(rows for _, rows, _ in src._groups.values()) == 14
+    src = CountingParquet(parquet_dir)
+    # shard 1 rows 5..7 (row groups 0 and 1 of 7 rows each) and shard 3 row 0, mixed
+    rows = src.__getitems__([27, 60, 25, 26, 61])
+    assert [r["id"] for r in rows] == [27, 60, 25, 26, 61]
+    assert src.chunks == [(1, 0), (1, 1), (3, 0)]  # one lookup per row group present
+    assert sorted(src._groups) == [(1, 0), (1, 1), (3, 0)]
+    assert sum(t.num_rows for t, _ in src._groups.values()) == 21
+
+
+def test_row_group_cache_holds_arrow_tables_budgeted_by_their_memory(tmp_path: Path) -> None:
+    out = tmp_path / "big"
+    rows = [{"id": i, "text": f"sample number {i}", "x": i / 7} for i in range(6000)]
+    es.write(rows, out, rows_per_shard=3000, row_group_size=500, progress=False)
+    budget = 200_000
+    src = es.from_parquet(str(out), row_group_cache_bytes=budget)
+    for lo in range(0, 6000, 250):
+        src.__getitems__(list(range(lo, lo + 250)))
+        for table, size in src._groups.values():
+            assert isinstance(table, pa.Table)  # Arrow data, not Python objects
+            assert size == table.get_total_buffer_size()
+        assert src._group_bytes <= budget
+    # the budget counts the memory the cache really holds, and more than one group fits
+    held = sum(t.get_total_buffer_size() for t, _ in src._groups.values())
+    assert held == src._group_bytes and len(src._groups) > 1
 
 
 @pytest.mark.parametrize("form", ["dir", "glob", "list", "url"])
@@ -204,7 +238,9 @@ def test_write_map_style_tuples_and_tensors(tmp_path: Path) -> None:
     es.write(data, tmp_path / "t", rows_per_shard=4, progress=False)
     src = es.from_parquet(str(tmp_path / "t"))
     assert src.shard_sizes == (4, 4, 2)
-    assert src[7] == {"0": [7, 8], "1": 7}
+    row = src[7]
+    assert row["1"] == 7 and isinstance(row["0"], np.ndarray)  # a list of numbers: 1-D numpy
+    assert row["0"].tolist() == [7, 8]
 
 
 def test_write_rejects_bad_arguments_and_mixed_schemas(tmp_path: Path) -> None:
@@ -213,7 +249,7 @@ def test_write_rejects_bad_arguments_and_mixed_schemas(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="rows_per_shard must be an integer >= 1, got 0"):
         es.write([{"a": 1}], tmp_path / "x", rows_per_shard=0)
     rows = [{"a": 1}, {"a": 2}, {"a": "three"}]
-    with pytest.raises(ValueError, match=r"samples 2\.\.2 do not fit the schema"):
+    with pytest.raises(ValueError, match=r"sample 2: field 'a' holds str 'three'"):
         es.write(rows, tmp_path / "y", rows_per_shard=2, progress=False)
 
 

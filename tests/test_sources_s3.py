@@ -164,9 +164,9 @@ def test_prefetch_downloads_upcoming_shards(s3: S3Endpoint, s3_prefix: str, tmp_
     src.prefetch([60])  # shard 3
     local = [os.path.basename(src.local_path(k)) for k in (2, 3)]  # joins the prefetches
     assert src.cache.downloads == 2
-    assert sorted(os.listdir(src.cache.cache_dir)) == sorted(
-        [*local, *(name + ".lock" for name in local), ".evict.lock"]
-    )
+    # lock files may stay or go (filelock versions differ); nothing else is there
+    held = sorted(n for n in os.listdir(src.cache.cache_dir) if not n.endswith(".lock"))
+    assert held == sorted(local)
     assert src[41]["id"] == 41 and src.cache.downloads == 2  # read from the prefetched copy
 
 

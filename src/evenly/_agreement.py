@@ -1,17 +1,36 @@
-"""Plan agreement across DDP ranks: one small collective at the start of each epoch.
+"""Plan agreement across DDP ranks: one small exchange at the start of each epoch.
 
 Ranks that disagree on the seed, the dataset size or the batch size do not fail: they
 silently train on overlapping data, or hang when one of them has an extra batch.  So at
-the start of each epoch every rank shares its view of the plan, and every rank raises
-the same error naming the fields and ranks that differ.
+the start of each pass whose plan is split over the data-parallel group, every rank
+posts its view of the plan to the process group's store and waits, with evenly's own
+bounded timeout, for the views of the others; every rank then raises the same error
+naming the fields and ranks that differ.  A rank that never posts (it built its loader
+with another world size, or not at all) makes the others raise naming it, instead of
+hanging until the process group's timeout.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections import defaultdict
+from datetime import timedelta
 from typing import Any
 
-__all__ = ["PlanMismatchError", "check_agreement", "disagreements"]
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "PlanMismatchError",
+    "check_agreement",
+    "disagreements",
+    "group_ranks",
+]
+
+#: Seconds a rank waits for the others' views of a pass (``agreement_timeout=``).
+DEFAULT_TIMEOUT = 30.0
+#: Exchanges held in the store per group before old keys are deleted.
+_KEEP = 2
+_rounds: dict[str, int] = {}
 
 
 class PlanMismatchError(RuntimeError):
@@ -54,13 +73,50 @@ def _ranks(ranks: list[int]) -> str:
     return f"ranks {', '.join(map(str, ranks))} have"
 
 
-def check_agreement(view: dict[str, Any]) -> None:
-    """Gather every rank's view of the plan (all_gather_object on the default group) and
-    raise ``PlanMismatchError`` on every rank if they differ."""
+def group_ranks(group: Any = None) -> list[int]:
+    """Global ranks of ``group`` (the default group when None), in group-rank order."""
     import torch.distributed as dist
 
-    views: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(views, view)
+    if group is None:
+        return list(range(dist.get_world_size()))
+    return list(dist.get_process_group_ranks(group))
+
+
+def check_agreement(
+    view: dict[str, Any], *, group: Any = None, timeout: float = DEFAULT_TIMEOUT
+) -> None:
+    """Exchange every rank's view of the plan through the default store and raise
+    ``PlanMismatchError`` on every rank if they differ, or if a rank of ``group`` does not
+    post its view within ``timeout`` seconds."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    ranks = group_ranks(group)
+    me = dist.get_rank(group) if group is not None else dist.get_rank()
+    tag = hashlib.blake2b(repr(ranks).encode(), digest_size=6).hexdigest()
+    round_ = _rounds.get(tag, 0)
+    _rounds[tag] = round_ + 1
+    store = distributed_c10d._get_default_store()
+    prefix = f"evenly/agree/{tag}"
+    keys = [f"{prefix}/{round_}/{r}" for r in range(len(ranks))]
+    store.set(keys[me], json.dumps(view, sort_keys=True, default=str))
+    try:
+        store.wait(keys, timedelta(seconds=timeout))
+    except RuntimeError as exc:  # DistStoreError: the wait timed out
+        missing = [r for r, key in enumerate(keys) if not store.check([key])]
+        raise PlanMismatchError(
+            f"evenly: rank(s) {missing} of the data-parallel group (global ranks "
+            f"{[ranks[r] for r in missing]}) did not start epoch {view.get('epoch')} within "
+            f"{timeout:g} s, so this rank would wait for data that never comes. Likely "
+            f"causes: that rank built its dataset with another world_size (e.g. "
+            f"world_size=1) or process_group; the loader exists on some ranks only (a "
+            f"rank-local loader needs world_size=1 or check_plan=False); or that rank is "
+            f"still busy (raise evenly.DataLoader(..., agreement_timeout=...))"
+        ) from exc
+    finally:
+        if round_ >= _KEEP:  # every rank has read those: they all reached this round
+            store.delete_key(f"{prefix}/{round_ - _KEEP}/{me}")
+    views = [json.loads(store.get(key)) for key in keys]
     problems = disagreements(views)
     if problems:
         raise PlanMismatchError(

@@ -1,47 +1,50 @@
 """``evenly.Dataset``: an IterableDataset over any sized, indexable source that reads each
-sample exactly once per epoch across DDP ranks and DataLoader workers."""
+sample exactly once per epoch across DDP ranks and DataLoader workers.
+
+The dataset reads its share of a pass described by a :class:`~evenly._pass.PassSpec`.
+Under ``evenly.DataLoader`` the loader owns the pass (and its batch size); under any
+other loader (a plain torch DataLoader, one that Accelerate or Lightning rebuilt,
+StatefulDataLoader) the dataset owns it: its topology is fixed in the main process (at
+the latest when it is pickled for the workers), ``set_epoch`` marks a pass start, and
+every further pass of a worker is the next epoch.
+"""
 
 from __future__ import annotations
 
-import warnings
+import hashlib
+import itertools
 from collections.abc import Callable, Iterator
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, TypeVar
 
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from ._plan import EpochPlan, check_int
-from ._reader import ReadContext, read_share
+from ._channel import PassCounter
+from ._checks import EvenlyWarning, Source, check_source, shuffle_mode, warn_about
+from ._interop import Wrapped, accelerate_wrapper, resharded_in_worker
+from ._order import make_order
+from ._pass import PassSpec
+from ._plan import EpochPlan, Order, check_int
+from ._reader import ReadContext, read_batches
+from ._rng import GENERATORS, check_generators
+from ._stream import StreamPlan
 from ._state import StateError, check_state, make_state
-from ._topology import Topology, detect_topology
+from ._topology import (
+    Topology,
+    group_of,
+    is_detected_from_environment,
+    resolve_topology,
+)
 
-__all__ = ["Dataset", "EvenlyWarning", "Source"]
+__all__ = ["Dataset", "EvenlyWarning", "Source", "warn_about"]
 
 T_co = TypeVar("T_co", covariant=True)
 
-# Slots of the shared state tensor, seen by the main process and every worker, so that
-# persistent workers pick up a new epoch or a resume position.
-_EPOCH, _START, _BATCH, _DROP, _RANK, _WORLD, _NUM = range(7)
-_UNSET = -1
+#: Stamps ordering set_epoch / load_state_dict calls on datasets and loaders.
+STAMPS = itertools.count(1)
 #: Per-worker counters of samples replaced under on_error="skip".
 _SKIP_SLOTS = 64
-SHUFFLE_MODES = ("none", "global", "block")
-
-
-class Source(Protocol[T_co]):
-    """What ``evenly.Dataset`` reads: anything with ``__len__`` and ``__getitem__``.
-
-    A source may also define ``__getitems__(indices)`` (torch's batched-fetch hook) to
-    read a whole batch at once.
-    """
-
-    def __len__(self) -> int: ...
-
-    def __getitem__(self, index: int) -> T_co: ...
-
-
-class EvenlyWarning(UserWarning):
-    """Something about the epoch the user should know: padding, idle workers, no data."""
+_UNSET = -1
 
 
 class Dataset(IterableDataset[Any], Generic[T_co]):
@@ -58,7 +61,7 @@ class Dataset(IterableDataset[Any], Generic[T_co]):
     (5, 2)
     >>> first = [int(x) for batch in loader for x in batch]
     >>> second = [int(x) for batch in loader for x in batch]   # the next epoch, reshuffled
-    >>> sorted(first) != sorted(second) or first != second
+    >>> first != second
     True
 
     Args:
@@ -67,13 +70,19 @@ class Dataset(IterableDataset[Any], Generic[T_co]):
         shuffle: ``False``; ``"global"`` (one permutation of all samples per epoch);
             ``"block"`` (sharded sources: shard order permuted per epoch, uniform shuffle
             inside windows of ``block_shards`` shards); ``True`` takes the source's
-            preferred mode ("block" for remote shards, else "global").
+            preferred mode: "block" for remote shards, else "global" (logged once).
         seed: the seed of the shuffle and of the per-sample random streams.
         drop_last: drop the epoch's remainder instead of padding it (see ``EpochPlan``).
-        transform: called on each sample after ``random``, ``numpy.random`` and torch's
-            default generator were seeded from (seed, epoch, the sample's global position).
-        rank, world_size: override what is detected from ``torch.distributed`` or the
-            ``RANK``/``WORLD_SIZE`` environment variables.
+        transform: called on each sample after the generators in ``seed_generators`` were
+            seeded from (seed, epoch, the sample's global position).
+        seed_generators: which global generators to seed per sample: any of ``"random"``,
+            ``"numpy"``, ``"torch"`` (default: all three).  ``()`` seeds none: build your
+            own generator from :func:`evenly.sample_seed` inside the transform.
+        rank, world_size: override what is detected.
+        process_group: the data-parallel group (a torch ProcessGroup or a DeviceMesh
+            dimension): rank and world size are taken within it, the plan agreement runs
+            in it, and ranks outside it with the same group rank (tensor/pipeline peers of
+            one replica) get identical batches.
         block_shards: shards per shuffle window in ``"block"`` mode.
         on_error: ``"raise"`` (default): a sample the source cannot read raises, naming
             it; ``"skip"``: it is replaced by another sample (so every rank keeps its
@@ -88,82 +97,236 @@ class Dataset(IterableDataset[Any], Generic[T_co]):
         seed: int = 0,
         drop_last: bool = False,
         transform: Callable[[Any], Any] | None = None,
+        seed_generators: tuple[str, ...] | list[str] = GENERATORS,
         rank: int | None = None,
         world_size: int | None = None,
+        process_group: Any = None,
         block_shards: int = 8,
         on_error: str = "raise",
     ) -> None:
-        if not (hasattr(source, "__len__") and hasattr(source, "__getitem__")):
-            raise TypeError(
-                f"evenly.Dataset needs a source with __len__ and __getitem__, got "
-                f"{type(source).__name__}; wrap a generator in a list, or write its "
-                f"samples to shards with evenly.write()"
-            )
-        self.source = source
-        self.shuffle_mode = _shuffle_mode(shuffle, source)
-        self.shuffle = self.shuffle_mode != "none"
+        check_source(source)
+        self._generation = 0
+        self._source = source
+        self._transform = transform
+        self.shuffle_mode = shuffle_mode(shuffle, source)
         self.block_shards = check_int("block_shards", block_shards, minimum=1)
         if on_error not in ("raise", "skip"):
             raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
         self.on_error = on_error
         self.seed = check_int("seed", seed)
         self.drop_last = bool(drop_last)
-        self.transform = transform
+        self.seed_generators = check_generators(seed_generators)
         self._rank = None if rank is None else check_int("rank", rank, minimum=0)
         self._world_size = (
             None if world_size is None else check_int("world_size", world_size, minimum=1)
         )
+        self.process_group = group_of(process_group)
         if self._rank is not None and self._world_size is not None:
             Topology(self._rank, self._world_size)
-        self._shared = torch.tensor(
-            [0, 0, 1, int(self.drop_last), _UNSET, _UNSET, _UNSET], dtype=torch.int64
-        ).share_memory_()  # type: ignore[no-untyped-call]
+        #: the topology as fixed in the main process (None until it can be detected)
+        self._fixed: Topology | None = None
+        self._counter = PassCounter()
+        #: what the main process saw last (len, fingerprint, generation), for workers
+        self._seen = torch.tensor([_UNSET, 0, 0], dtype=torch.int64).share_memory_()  # type: ignore[no-untyped-call]
         self._skipped = torch.zeros(_SKIP_SLOTS, dtype=torch.int64).share_memory_()  # type: ignore[no-untyped-call]
-        #: (epoch, start) the next pass of an evenly.DataLoader must use, if set.
-        self._pending: tuple[int, int] | None = None
-        #: True once an evenly.DataLoader drives this dataset (it warns, not __iter__).
-        self._loader_managed = False
-        #: Samples this process's iterator has yielded in the current pass, and samples
-        #: the next iterator must skip (a worker restored by a StatefulDataLoader).
+        #: samples this process's iterator has handed out in the current pass
         self._progress = [0]
-        self._skip = 0
+        #: (epoch, start, skip) for the next pass of this process only (a worker restored
+        #: by StatefulDataLoader)
+        self._local_resume: tuple[int, int, int] | None = None
+        #: (stamp, epoch) of the last set_epoch call, for an evenly.DataLoader to follow
+        self.epoch_request: tuple[int, int] | None = None
+        #: a framework wrapper driving the dataset's own passes (Accelerate), if seen
+        self._wrapped: Wrapped | None = None
+        self.topology()
+        self._note_main_view()
 
-    # ---- configuration ---------------------------------------------------------
-    def topology(self) -> Topology:
-        """This process's (rank, world_size): explicit, else torch.distributed, else env."""
-        return detect_topology(self._rank, self._world_size)
+    # ---- what may change between passes ------------------------------------------
+    @property
+    def source(self) -> Source[T_co]:
+        """The samples.  Replacing it starts a new generation: a DataLoader's persistent
+        workers holding the old one raise instead of reading it (evenly.DataLoader
+        restarts them)."""
+        return self._source
+
+    @source.setter
+    def source(self, value: Source[T_co]) -> None:
+        check_source(value)
+        self._source = value
+        self._new_generation()
 
     @property
+    def transform(self) -> Callable[[Any], Any] | None:
+        """The per-sample transform (replacing it starts a new generation, as ``source``)."""
+        return self._transform
+
+    @transform.setter
+    def transform(self, value: Callable[[Any], Any] | None) -> None:
+        self._transform = value
+        self._new_generation()
+
+    def _new_generation(self) -> None:
+        self._generation += 1
+        self._note_main_view()
+
+    @property
+    def generation(self) -> int:
+        """How many times ``source`` or ``transform`` was replaced."""
+        return self._generation
+
+    def source_fingerprint(self) -> int:
+        """A 63-bit digest of ``source.fingerprint`` (0 if the source has none)."""
+        fp = getattr(self._source, "fingerprint", None)
+        if not isinstance(fp, str):
+            return 0
+        return int.from_bytes(hashlib.blake2b(fp.encode(), digest_size=8).digest(), "little") >> 1
+
+    def _note_main_view(self) -> None:
+        """Record, for workers, the source length, fingerprint and generation seen now."""
+        if get_worker_info() is None:
+            self._seen[0] = len(self._source)
+            self._seen[1] = self.source_fingerprint()
+            self._seen[2] = self._generation
+
+    # ---- topology ----------------------------------------------------------------
+    def topology(self) -> Topology:
+        """This process's data-parallel (rank, world_size): explicit, else the given
+        process group, else torch.distributed, else torchrun's variables, else 0 of 1.
+
+        In the main process it is resolved and fixed as soon as it can be detected; a
+        DataLoader worker uses the value fixed in the main process (spawn/forkserver
+        workers have no process group of their own).
+        """
+        if self._wrapped is not None and self._wrapped.mode == "dispatch":
+            return Topology(0, 1)  # rank 0 reads for all; the wrapper deals the batches
+        if self._fixed is not None:
+            return self._fixed
+        explicit = self._rank is not None and self._world_size is not None
+        if get_worker_info() is None and (
+            explicit or is_detected_from_environment(self.process_group)
+        ):
+            self._fixed = resolve_topology(self._rank, self._world_size, self.process_group)
+            return self._fixed
+        return resolve_topology(self._rank, self._world_size, self.process_group)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled for the workers (spawn/forkserver): fix the topology here, in the main
+        process, and leave the process group object behind."""
+        if get_worker_info() is None:
+            self._fixed = resolve_topology(self._rank, self._world_size, self.process_group)
+            self._note_main_view()
+        state = self.__dict__.copy()
+        state["process_group"] = None
+        return state
+
+    # ---- the dataset's own passes (under a loader that is not evenly's) ------------
+    @property
     def epoch(self) -> int:
-        """The epoch of the pass in progress (or of the last one)."""
-        return int(self._shared[_EPOCH])
+        """The epoch of the dataset's own pass in progress (or of the next one)."""
+        return self._counter.current()[0]
 
     def set_epoch(self, epoch: int) -> None:
-        """Make the next pass epoch ``epoch``, from its start.
+        """Make the next pass epoch ``epoch``, from its start; later passes follow it.
 
-        ``evenly.DataLoader`` advances epochs by itself; with a plain torch DataLoader,
-        call this before each epoch, as with ``DistributedSampler``.
+        Under any loader the epoch advances by itself with every pass; call this to
+        replay an epoch or to follow a framework's epoch counter (as with
+        ``DistributedSampler``).  An ``evenly.DataLoader`` over this dataset follows the
+        call too, unless its own ``set_epoch``/``load_state_dict`` came later.
         """
         epoch = check_int("epoch", epoch, minimum=0)
-        self._shared[_EPOCH] = epoch
-        self._shared[_START] = 0
-        self._shared[_NUM] = _UNSET
-        self._pending = (epoch, 0)
-
-    def _configure(self, *, batch_size: int, drop_last: bool) -> None:
-        self._shared[_BATCH] = check_int("batch_size", batch_size, minimum=1)
-        self._shared[_DROP] = int(drop_last)
-
-    def _begin_pass(self, epoch: int, start: int) -> EpochPlan:
-        """Fix this pass's plan in the shared state (main process, before workers read)."""
-        topo = self.topology()
-        self._shared[_EPOCH] = epoch
-        self._shared[_START] = start
-        self._shared[_RANK] = topo.rank
-        self._shared[_WORLD] = topo.world_size
-        self._shared[_NUM] = len(self.source)
+        if get_worker_info() is None:
+            self._wrapped = accelerate_wrapper(self) or self._wrapped
+        self.epoch_request = (next(STAMPS), epoch)
+        start = 0
+        base = self._counter.base()
+        if self._counter.started() == 0 and base[0] == epoch:
+            start = base[1]  # a loaded state of this very epoch keeps its position
+        self._counter.reset(epoch, start)
         self._skipped.zero_()
-        return self.plan()
+        self._note_main_view()
+        self.topology()
+
+    def _own_spec(self, worker_id: int, num_workers: int, count: bool) -> PassSpec:
+        if self._local_resume is not None:
+            epoch, start = self._local_resume[:2]
+        elif count:
+            epoch, start = self._counter.begin(worker_id, num_workers)
+        else:
+            epoch, start = self._counter.current()
+        topo = self.topology()
+        n = len(self._source)
+        return PassSpec(
+            epoch=epoch,
+            start=min(start, n),
+            num_samples=n,
+            batch_size=self._wrapped.batch_size if self._wrapped is not None else 1,
+            drop_last=self.drop_last,
+            rank=topo.rank,
+            world_size=topo.world_size,
+            generation=self._generation,
+        )
+
+    def plan(self) -> EpochPlan:
+        """The plan of the dataset's own pass in progress, or of the next one."""
+        return self.plan_for(self._own_spec(0, 1, count=False))
+
+    def plan_for(self, spec: PassSpec) -> EpochPlan:
+        """The epoch plan a pass spec describes (the one code path that builds plans;
+        ``stream_plan_for`` for an infinite pass)."""
+        if spec.infinite:
+            raise ValueError("an infinite pass has a stream plan: use stream_plan_for")
+        return EpochPlan(
+            num_samples=spec.num_samples,
+            world_size=spec.world_size,
+            batch_size=spec.batch_size,
+            drop_last=spec.drop_last,
+            seed=self.seed,
+            epoch=spec.epoch,
+            start=spec.start,
+            order=self.order_for(
+                spec.epoch, spec.num_samples, spec.world_size * spec.batch_size, spec.start
+            ),
+        )
+
+    def stream_plan_for(self, spec: PassSpec) -> StreamPlan:
+        """The endless plan over consecutive epochs of an infinite pass."""
+        step = spec.world_size * spec.batch_size
+        return StreamPlan(
+            num_samples=spec.num_samples,
+            world_size=spec.world_size,
+            batch_size=spec.batch_size,
+            seed=self.seed,
+            start=spec.start,
+            orders=lambda epoch: self.order_for(epoch, spec.num_samples, step, 0),
+        )
+
+    def order_for(self, epoch: int, num_samples: int, step: int, start: int) -> Order | None:
+        """Epoch ``epoch``'s order.  A source that plans its own (``evenly.Mix``:
+        ``epoch_order``) gets the global step and the pass's start; any other source is
+        ordered by the shuffle mode."""
+        epoch_order = getattr(self._source, "epoch_order", None)
+        if epoch_order is not None:
+            order: Order | None = epoch_order(
+                self.seed, epoch, shuffle=self.shuffle_mode != "none", step=step, start=start
+            )
+            return order
+        return make_order(
+            self.shuffle_mode,
+            num_samples,
+            seed=self.seed,
+            epoch=epoch,
+            shard_sizes=getattr(self._source, "shard_sizes", None),
+            block_shards=self.block_shards,
+        )
+
+    def __len__(self) -> int:
+        """Samples this rank yields in the dataset's own pass (in progress or next)."""
+        if get_worker_info() is None:
+            self._note_main_view()
+            wrapped = accelerate_wrapper(self, search_stack=True)
+            if wrapped is not None:
+                self._wrapped = wrapped
+        return self.plan().samples_per_rank
 
     @property
     def num_skipped(self) -> int:
@@ -171,62 +334,95 @@ class Dataset(IterableDataset[Any], Generic[T_co]):
         (``on_error="skip"``, all workers of this rank)."""
         return int(self._skipped.sum())
 
-    def plan(self) -> EpochPlan:
-        """The plan of the current pass, as every worker of this rank will follow it."""
-        state = self._shared.tolist()
-        world = state[_WORLD] if state[_WORLD] != _UNSET else self.topology().world_size
-        n = state[_NUM] if state[_NUM] != _UNSET else len(self.source)
-        start = min(state[_START], n)
-        block = self.shuffle_mode == "block"
-        return EpochPlan(
-            num_samples=n,
-            world_size=world,
-            batch_size=state[_BATCH],
-            drop_last=bool(state[_DROP]),
-            shuffle=self.shuffle,
-            seed=self.seed,
-            epoch=state[_EPOCH],
-            start=start,
-            shard_sizes=tuple(self.source.shard_sizes) if block else None,  # type: ignore[attr-defined]
-            block_shards=self.block_shards if block else 0,
-        )
-
-    def _current_rank(self) -> int:
-        rank = int(self._shared[_RANK])
-        return rank if rank != _UNSET else self.topology().rank
-
-    def __len__(self) -> int:
-        """Samples this rank yields in the current pass."""
-        return self.plan().samples_per_rank
-
-    # ---- iteration -------------------------------------------------------------
     def __iter__(self) -> Iterator[Any]:
+        """Single samples of this worker's share of the next pass (a generator: errors
+        are raised on the first ``next()``, where the DataLoader passes them on)."""
         info = get_worker_info()
         num_workers, worker_id = (info.num_workers, info.id) if info is not None else (1, 0)
-        plan = self.plan()
-        rank = self._current_rank()
-        if info is None and not self._loader_managed:
-            warn_about(plan, num_workers, rank)
-        if info is not None and len(self.source) != plan.num_samples:
+        wrapper = resharded_in_worker(self, info.dataset) if info is not None else None
+        if wrapper is not None:
             raise RuntimeError(
-                f"evenly: len(source) is {len(self.source)} in worker {worker_id} but was "
-                f"{plan.num_samples} when epoch {plan.epoch} started: the source changed "
-                f"length during the epoch"
+                f"evenly: {wrapper}: samples would be lost. With HF Accelerate, pass the "
+                f"evenly.DataLoader to accelerator.prepare() (it is kept as it is), or let "
+                f"the wrapper call dataset.set_epoch() before iterating"
             )
-        skip, self._skip = self._skip, 0
+        spec = self._own_spec(worker_id, num_workers, count=True)
+        skip = 0
+        if self._local_resume is not None:
+            skip, self._local_resume = self._local_resume[2], None
+        if info is None:
+            self._skipped.zero_()
+            warn_about(self.plan_for(spec), num_workers, spec.rank)
+        yield from self.read(spec, worker_id, num_workers, skip=skip)
+
+    # ---- reading a pass (both owners) --------------------------------------------
+    def read(
+        self,
+        spec: PassSpec,
+        worker_id: int,
+        num_workers: int,
+        *,
+        skip: int = 0,
+        collate: Callable[[list[Any]], Any] | None = None,
+        columnar: bool = False,
+        skipped: torch.Tensor | None = None,
+    ) -> Iterator[Any]:
+        """This worker's share of the pass ``spec``: single samples, or with ``collate``
+        (or ``columnar``) one collated batch per plan batch.  A generator: every check
+        runs on the first ``next()``."""
+        self._check_current(spec, own=not spec.handoff)
+        plan = self.stream_plan_for(spec) if spec.infinite else self.plan_for(spec)
         self._progress[0] = skip
         ctx = ReadContext(
-            self.source,
+            self._source,
             plan,
-            rank,
+            spec.rank,
             num_workers,
             worker_id,
-            self.transform,
+            self._transform,
             self.on_error,
-            self._skipped,
+            self._skipped if skipped is None else skipped,
             self._progress,
+            self.seed_generators,
+            columnar,
         )
-        return read_share(ctx, skip)
+        batches = read_batches(ctx, skip)
+        if columnar:
+            yield from batches
+        elif collate is None:
+            for batch in batches:
+                yield from batch
+        else:
+            for batch in batches:
+                yield collate(batch)
+
+    def _check_current(self, spec: PassSpec, own: bool = False) -> None:
+        """Raise if this process's copy of the source or transform is not the one the
+        pass was planned over (a persistent worker that outlived a change): checked
+        against the spec, and for the dataset's own passes against what the main process
+        last saw (its ``set_epoch``, ``len()`` or pickling)."""
+        n = len(self._source)
+        stale = ""
+        if n != spec.num_samples:
+            stale = f"len(source) is {n} here but {spec.num_samples} when the pass started"
+        elif spec.generation != self._generation:
+            stale = "dataset.source or dataset.transform was replaced in the main process"
+        elif own:
+            seen_n, seen_fp, seen_gen = self._seen.tolist()
+            if seen_gen != self._generation:
+                stale = "dataset.source or dataset.transform was replaced in the main process"
+            elif seen_n != _UNSET and n != seen_n:
+                stale = f"len(source) is {n} here but {seen_n} in the main process"
+            elif seen_n != _UNSET and self.source_fingerprint() != seen_fp:
+                stale = "the source's fingerprint differs from the main process's"
+        if stale:
+            where = "this DataLoader worker" if get_worker_info() is not None else "here"
+            raise RuntimeError(
+                f"evenly: the source changed since {where} got its copy of the dataset "
+                f"(epoch {spec.epoch}): {stale}.  Persistent DataLoader workers keep the "
+                f"dataset they started with: use evenly.DataLoader (it restarts them), or "
+                f"build a new DataLoader after changing the data"
+            )
 
     @property
     def _yielded(self) -> int:
@@ -235,23 +431,28 @@ class Dataset(IterableDataset[Any], Generic[T_co]):
         return self._progress[0]
 
     # ---- checkpoints -----------------------------------------------------------
-    def fingerprint(self) -> dict[str, Any]:
-        """What a checkpoint state must agree on: N, seed, shuffle, drop_last, source."""
+    def fingerprint(self, drop_last: bool | None = None) -> dict[str, Any]:
+        """What a checkpoint state must agree on: N, seed, shuffle, drop_last (the
+        loader's, when a loader owns the passes), source."""
         fp: dict[str, Any] = {
-            "num_samples": len(self.source),
+            "num_samples": len(self._source),
             "seed": self.seed,
             "shuffle": self.shuffle_mode,
-            "drop_last": bool(self._shared[_DROP]),
+            "drop_last": self.drop_last if drop_last is None else bool(drop_last),
         }
         if self.shuffle_mode == "block":
             fp["block_shards"] = self.block_shards
-        source = getattr(self.source, "fingerprint", None)
+        source = getattr(self._source, "fingerprint", None)
         if isinstance(source, str):
             fp["source"] = source
+        if hasattr(self._source, "source_state"):
+            # a planned source (a Mix) checks its own state: its length may change at an
+            # epoch boundary (new samples_per_epoch)
+            del fp["num_samples"]
         return fp
 
     def state_dict(self, samples_received: int | None = None) -> dict[str, Any]:
-        """The position in the current pass as a small JSON-serialisable dict.
+        """The position in the dataset's own pass as a small JSON-serialisable dict.
 
         With ``evenly.DataLoader`` use ``loader.state_dict()``.  Here, the position is
         ``samples_received`` (samples this rank's loop received in the pass), by default
@@ -259,11 +460,10 @@ class Dataset(IterableDataset[Any], Generic[T_co]):
         ``num_workers=0``.  Inside a DataLoader worker (as torchdata's
         ``StatefulDataLoader`` calls it) the state also records that worker's progress.
         """
-        plan = self.plan()
         info = get_worker_info()
-        received = self._yielded if samples_received is None else samples_received
-        received = check_int("samples_received", received, minimum=0)
         if info is not None:
+            spec = self._own_spec(info.id, info.num_workers, count=False)
+            plan = self.plan_for(spec)
             state = make_state(self.fingerprint(), plan.epoch, plan.start)
             state["worker"] = {
                 "id": info.id,
@@ -271,23 +471,56 @@ class Dataset(IterableDataset[Any], Generic[T_co]):
                 "yielded": self._yielded,
             }
             return state
+        plan = self.plan()
+        received = self._yielded if samples_received is None else samples_received
+        received = check_int("samples_received", received, minimum=0)
         position = plan.consumed_after(received // plan.batch_size)
         if received >= plan.samples_per_rank:
             position = plan.end
-        return self._state_at(plan.epoch, position, plan.end)
+        return self.state_at(plan.epoch, position, plan.end)
 
-    def _state_at(self, epoch: int, position: int, end: int) -> dict[str, Any]:
+    def state_at(
+        self,
+        epoch: int,
+        position: int,
+        end: int,
+        batches: int = 0,
+        drop_last: bool | None = None,
+    ) -> dict[str, Any]:
+        """A state at ``position`` of ``epoch`` (the next epoch's start once past ``end``);
+        ``batches``: what this rank's loop had received in that epoch."""
         if position >= end:  # the pass is over: the state points at the next epoch
-            epoch, position = epoch + 1, 0
-        return make_state(self.fingerprint(), epoch, position)
+            epoch, position, batches = epoch + 1, 0, 0
+        state = make_state(self.fingerprint(drop_last), epoch, position, batches)
+        source_state = getattr(self._source, "source_state", None)
+        if source_state is not None:
+            state["source_state"] = source_state(epoch, position)
+        return state
+
+    def check_state(
+        self, state: dict[str, Any], drop_last: bool | None = None
+    ) -> tuple[int, int, int]:
+        """Validate ``state`` for this dataset: (epoch, position, batches received).
+
+        A planned source (a Mix) validates and takes its part (``source_state``)."""
+        fingerprint = self.fingerprint(drop_last)
+        load = getattr(self._source, "load_source_state", None)
+        if load is not None:
+            fingerprint["num_samples"] = len(self._source)
+            state = {**state, "num_samples": len(self._source)}
+        epoch, position, batches = check_state(state, fingerprint)
+        if load is not None:
+            load(state.get("source_state"), epoch, position)
+        return epoch, position, batches
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume from ``state``: the next pass continues with the first sample not yet
-        consumed, under any number of ranks, workers or batch size.
+        """Resume the dataset's own passes from ``state``: the next pass continues with
+        the first sample not yet consumed, under any number of ranks, workers or batch
+        size (``evenly.DataLoader`` users: ``loader.load_state_dict``).
 
         Raises ``evenly.StateError`` naming every field that does not match.
         """
-        epoch, position = check_state(state, self.fingerprint())
+        epoch, position, _ = self.check_state(state)
         worker = state.get("worker")
         info = get_worker_info()
         if isinstance(worker, dict) and info is not None:
@@ -296,47 +529,8 @@ class Dataset(IterableDataset[Any], Generic[T_co]):
                     f"worker state of worker {worker.get('id')} of {worker.get('num_workers')} "
                     f"loaded into worker {info.id} of {info.num_workers}"
                 )
-            self._skip = check_int("state['worker']['yielded']", worker.get("yielded"), minimum=0)
-        self._shared[_EPOCH] = epoch
-        self._shared[_START] = position
-        self._pending = (epoch, position)
-
-
-def _shuffle_mode(shuffle: bool | str, source: object) -> str:
-    """'none', 'global' or 'block'; ``True`` takes the source's preferred mode."""
-    if shuffle is True:
-        mode = getattr(source, "preferred_shuffle", "global")
-    elif shuffle is False:
-        mode = "none"
-    else:
-        mode = shuffle
-    if mode not in SHUFFLE_MODES:
-        raise ValueError(f"shuffle must be True, False, 'global' or 'block', got {shuffle!r}")
-    if mode == "block" and not hasattr(source, "shard_sizes"):
-        raise ValueError(
-            f"shuffle='block' needs a sharded source with shard_sizes (evenly.from_parquet, "
-            f"from_webdataset, from_jsonl); {type(source).__name__} has none: use "
-            f"shuffle='global'"
-        )
-    return str(mode)
-
-
-def warn_about(plan: EpochPlan, num_workers: int, rank: int) -> None:
-    """Warn, in the main process, about padding, idle workers and empty sources."""
-    if plan.num_samples == 0:
-        warnings.warn(
-            "evenly: the source is empty, so every rank yields 0 batches this epoch",
-            EvenlyWarning,
-            stacklevel=3,
-        )
-        return
-    if plan.num_padded:
-        warnings.warn(f"evenly: {plan.describe()}", EvenlyWarning, stacklevel=3)
-    idle = plan.idle_workers(num_workers)
-    if idle:
-        warnings.warn(
-            f"evenly: rank {rank} has {plan.num_batches} batch(es) this epoch for "
-            f"{max(num_workers, 1)} workers: {idle} worker(s) idle",
-            EvenlyWarning,
-            stacklevel=3,
-        )
+            skip = check_int("state['worker']['yielded']", worker.get("yielded"), minimum=0)
+            self._local_resume = (epoch, position, skip)
+            return
+        self._counter.reset(epoch, position)
+        self._skipped.zero_()

@@ -18,7 +18,7 @@ import hashlib
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["FeistelPermutation", "derive_keys", "mix64", "sample_seeds"]
+__all__ = ["FeistelPermutation", "as_int64", "derive_keys", "mix64", "sample_seeds"]
 
 U64 = npt.NDArray[np.uint64]
 
@@ -78,19 +78,32 @@ class FeistelPermutation:
         return (left << self._shift) | right
 
     def __call__(self, positions: npt.ArrayLike) -> npt.NDArray[np.int64]:
-        """Map positions in ``[0, n)`` to sample indices in ``[0, n)``."""
-        pos = np.asarray(positions, dtype=np.int64)
+        """Map positions in ``[0, n)`` to sample indices in ``[0, n)`` (any shape: a
+        scalar gives a 0-d array, a 2-D array a 2-D array)."""
+        pos = as_int64(positions)
         if pos.size and (int(pos.min()) < 0 or int(pos.max()) >= self.n):
-            raise IndexError(f"positions must lie in [0, {self.n})")
+            bad = int(pos.min()) if int(pos.min()) < 0 else int(pos.max())
+            raise IndexError(f"positions must lie in [0, {self.n}), got {bad}")
         if self.n <= 1:
             return pos.copy()
-        out = self._encrypt(pos.astype(np.uint64))
+        flat = pos.reshape(-1).astype(np.uint64)
+        out = self._encrypt(flat)
         bound = np.uint64(self.n)
         outside = np.flatnonzero(out >= bound)
         while outside.size:
             out[outside] = self._encrypt(out[outside])
             outside = outside[out[outside] >= bound]
-        return out.astype(np.int64)
+        return out.astype(np.int64).reshape(pos.shape)
+
+
+def as_int64(values: npt.ArrayLike) -> npt.NDArray[np.int64]:
+    """Integer positions as int64 (any shape); a clear error for floats or bools."""
+    arr = np.asarray(values)
+    if arr.dtype == np.bool_ or not (arr.size == 0 or np.issubdtype(arr.dtype, np.integer)):
+        raise TypeError(f"positions must be integers, got an array of {arr.dtype}")
+    if arr.dtype == np.uint64 and arr.size and int(arr.max()) >= 2**63:
+        raise IndexError(f"position {int(arr.max())} is out of range")
+    return arr.astype(np.int64, copy=False)
 
 
 def sample_seeds(seed: int, epoch: int, positions: npt.ArrayLike) -> U64:
@@ -100,5 +113,6 @@ def sample_seeds(seed: int, epoch: int, positions: npt.ArrayLike) -> U64:
     the shuffle.
     """
     (key,) = derive_keys("sample", seed, epoch, 1)
-    pos = np.asarray(positions, dtype=np.int64).astype(np.uint64)
-    return mix64(mix64(pos * _GOLDEN) ^ np.uint64(key))
+    pos = as_int64(positions)
+    flat = pos.reshape(-1).astype(np.uint64)
+    return mix64(mix64(flat * _GOLDEN) ^ np.uint64(key)).reshape(pos.shape)

@@ -5,7 +5,8 @@ Pure Python and numpy: no torch, no I/O, and nothing of size ``num_samples``.
 Vocabulary
 ----------
 - *position*: an index into the epoch's global order, ``0 <= p < N``.  The sample at
-  position ``p`` is ``order(p)``: the keyed permutation when shuffling, else ``p``.
+  position ``p`` is ``order(p)``: the plan is *given* its order (a keyed permutation, a
+  block shuffle, a mixture; ``None`` is the identity) and never chooses one itself.
 - *virtual position*: the plan hands out positions ``>= N`` only as padding; virtual
   position ``v >= N`` reads position ``(v - N) % N`` (it wraps to the start of the
   epoch's order, as ``DistributedSampler`` does).  Per-sample random seeds use the
@@ -25,21 +26,21 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from functools import cached_property
 from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
 
-from ._permutation import FeistelPermutation, sample_seeds
+from ._permutation import as_int64 as as_positions
+from ._permutation import sample_seeds
 
-__all__ = ["EpochPlan", "Order", "check_int"]
+__all__ = ["EpochPlan", "Order", "as_positions", "check_int"]
 
 I64 = npt.NDArray[np.int64]
 
 
 class Order(Protocol):
-    """A bijection of ``[0, N)``: position -> sample index, vectorised."""
+    """Position -> sample index, vectorised (a permutation of ``[0, N)`` for a shuffle)."""
 
     def __call__(self, positions: npt.ArrayLike) -> I64: ...
 
@@ -67,20 +68,24 @@ class EpochPlan:
     [[0, 1, 2], [6, 8]]
     >>> [plan.batch_positions(rank=1, batch=i).tolist() for i in range(plan.num_batches)]
     [[3, 4, 5], [7, 9]]
+    >>> from evenly import FeistelPermutation
+    >>> shuffled = EpochPlan(num_samples=10, order=FeistelPermutation(10, seed=0, epoch=0))
+    >>> sorted(shuffled.indices(range(10)).tolist()) == list(range(10))
+    True
+
+    ``seed`` and ``epoch`` key the per-sample random streams (:meth:`seeds`); the order
+    is built by the caller (``evenly._order.make_order``) from the same values.
     """
 
     num_samples: int
     world_size: int = 1
     batch_size: int = 1
     drop_last: bool = False
-    shuffle: bool = False
     seed: int = 0
     epoch: int = 0
     start: int = 0
-    #: Block shuffle (sharded sources): shard sizes in index order, and K, the number of
-    #: shards in a shuffle window.  ``block_shards == 0`` is the global shuffle.
-    shard_sizes: tuple[int, ...] | None = None
-    block_shards: int = 0
+    #: position -> sample index; ``None`` is the identity (no shuffle).
+    order: Order | None = None
 
     def __post_init__(self) -> None:
         check_int("num_samples", self.num_samples, minimum=0)
@@ -89,14 +94,6 @@ class EpochPlan:
         check_int("seed", self.seed)
         check_int("epoch", self.epoch, minimum=0)
         check_int("start", self.start, minimum=0)
-        if self.block_shards:
-            check_int("block_shards", self.block_shards, minimum=1)
-            if self.shard_sizes is None or sum(self.shard_sizes) != self.num_samples:
-                got = None if self.shard_sizes is None else sum(self.shard_sizes)
-                raise ValueError(
-                    f"a block shuffle needs shard sizes that add up to num_samples="
-                    f"{self.num_samples}, got {got}"
-                )
         if self.start > self.num_samples:
             raise ValueError(
                 f"start position {self.start} is past the end of the epoch "
@@ -223,28 +220,25 @@ class EpochPlan:
         return self.batches_positions(rank, np.arange(self.num_batches))
 
     # ---- positions -> samples ----------------------------------------------------
+    @property
+    def shuffle(self) -> bool:
+        """Whether the order is a shuffle (not the identity)."""
+        return self.order is not None
+
     def indices(self, positions: npt.ArrayLike) -> I64:
-        """Sample indices at the given virtual positions."""
-        v = np.asarray(positions, dtype=np.int64)
+        """Sample indices at the given virtual positions (any shape; the same shape back)."""
+        v = as_positions(positions)
         n = self.num_samples
         if n == 0:
             if v.size:
                 raise IndexError("the epoch has no samples")
             return v.copy()
+        if v.size and int(v.min()) < 0:
+            raise IndexError(f"positions must be >= 0, got {int(v.min())}")
         p = np.where(v >= n, (v - n) % n, v)
-        if not self.shuffle:
+        if self.order is None:
             return p
-        return self._permutation(p)
-
-    @cached_property
-    def _permutation(self) -> Order:
-        if self.block_shards:
-            from ._block import BlockPermutation
-
-            return BlockPermutation(
-                self.shard_sizes or (), self.block_shards, seed=self.seed, epoch=self.epoch
-            )
-        return FeistelPermutation(self.num_samples, seed=self.seed, epoch=self.epoch)
+        return np.asarray(self.order(p), dtype=np.int64).reshape(p.shape)
 
     def seeds(self, positions: npt.ArrayLike) -> npt.NDArray[np.uint64]:
         """Per-sample seeds at the given virtual positions (independent of the shuffle)."""

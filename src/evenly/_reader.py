@@ -1,24 +1,27 @@
-"""Reading one worker's share of an epoch: fetch samples from the source batch by batch,
+"""Reading one worker's share of a pass: fetch samples from the source batch by batch,
 transform them under their own seeds, and name the sample at fault when anything fails.
 
 With ``on_error="skip"`` a sample the source cannot read is replaced by another one (a
 fixed function of its position), so every rank keeps its batch count; replacements are
-counted in a shared slot per worker and logged.
+counted in a shared slot per worker and logged.  With ``on_error="raise"`` nothing is
+ever read twice: a failing read raises at once, naming the sample (or the batch, when
+the source reads a batch in one call and cannot say which sample failed).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from ._plan import EpochPlan
-from ._rng import RngState, seed_all
+from ._rng import RngState, SeedSpreader
+from ._stream import StreamPlan
 
-__all__ = ["ReadContext", "read_share"]
+__all__ = ["ReadContext", "read_batches"]
 
 logger = logging.getLogger("evenly")
 
@@ -31,14 +34,17 @@ class ReadContext:
     """Everything a worker needs to read its share."""
 
     source: Any
-    plan: EpochPlan
+    plan: EpochPlan | StreamPlan
     rank: int
     num_workers: int
     worker_id: int
     transform: Callable[[Any], Any] | None = None
     on_error: str = "raise"
     skipped: torch.Tensor | None = None  # shared per-worker counters
-    progress: list[int] | None = None  # samples handed out so far in this pass
+    progress: list[int] = field(default_factory=lambda: [0])  # samples handed out so far
+    generators: tuple[str, ...] = ("random", "numpy", "torch")
+    #: read batches with ``source.read_columns`` (a dict of columns per batch)
+    columnar: bool = False
 
     def locate(self, index: int) -> str:
         locate = getattr(self.source, "locate", None)
@@ -49,11 +55,10 @@ class ReadContext:
         except Exception:  # the note must never hide the original error
             return ""
 
-    def note(self, exc: BaseException, index: int | None, position: int | None) -> None:
-        """Name the failing sample (index, position, epoch, rank, worker, file/row)."""
+    def note(self, exc: BaseException, what: str, index: int | None = None) -> None:
+        """Name the failing sample or batch (epoch, rank, worker, file/row)."""
         if not hasattr(exc, "add_note"):  # Python 3.10
             return
-        what = "a batch" if index is None else f"sample {index} (position {position})"
         where = "" if index is None else self.locate(index)
         exc.add_note(
             f"evenly: while reading {what} of epoch {self.plan.epoch}, rank {self.rank}, "
@@ -61,14 +66,16 @@ class ReadContext:
         )
 
 
-def read_share(ctx: ReadContext, skip: int = 0) -> Iterator[Any]:
-    """Yield the samples of this worker's batches, in order, from sample ``skip`` on."""
+def read_batches(ctx: ReadContext, skip: int = 0) -> Iterator[Any]:
+    """Yield this worker's batches in order, from its sample ``skip`` on: a list of
+    samples per batch, or with ``ctx.columnar`` a dict of columns per batch."""
     plan = ctx.plan
     getitems = getattr(ctx.source, "__getitems__", None)
     prefetch = getattr(ctx.source, "prefetch", None)
     first, drop = divmod(skip, plan.batch_size)
     chunks = plan.iter_worker_chunks(ctx.rank, ctx.num_workers, ctx.worker_id, first=first)
-    upcoming = _with_indices(plan, chunks)
+    spreader = SeedSpreader(ctx.generators) if ctx.transform is not None else None
+    upcoming = ((p, plan.indices(p).tolist(), n) for p, n in chunks)
     current = next(upcoming, None)
     if current is not None and prefetch is not None:
         prefetch(current[1])
@@ -78,25 +85,38 @@ def read_share(ctx: ReadContext, skip: int = 0) -> Iterator[Any]:
         if following is not None and prefetch is not None:
             prefetch(following[1])  # the shards needed next download while we read
         current = following
+        seeds = plan.seeds(positions) if spreader is not None else None
         where = positions.tolist()
-        seeds = plan.seeds(positions).tolist() if ctx.transform is not None else []
         for lo in range(0, len(indices), length):
             batch, pos = indices[lo : lo + length], where[lo : lo + length]
+            if ctx.columnar:
+                columns, rows = _fetch_columns(ctx, batch), len(batch)
+                if drop:
+                    columns = {k: v[drop:] for k, v in columns.items()}
+                    rows, drop = rows - drop, 0
+                ctx.progress[0] += rows
+                yield columns
+                continue
             samples = _fetch(ctx, getitems, batch, pos)
-            if ctx.transform is not None:
-                samples = _transform(ctx, samples, seeds[lo : lo + length], batch, pos)
+            if spreader is not None and seeds is not None:
+                spreader.prepare(seeds[lo : lo + length])
+                samples = _transform(ctx, spreader, samples, batch, pos)
             if drop:
                 samples, drop = samples[drop:], 0
-            if ctx.progress is not None:
-                ctx.progress[0] += len(samples)
-            yield from samples
+            ctx.progress[0] += len(samples)
+            yield samples
 
 
-def _with_indices(
-    plan: EpochPlan, chunks: Iterator[tuple[Any, int]]
-) -> Iterator[tuple[Any, list[int], int]]:
-    for positions, length in chunks:
-        yield positions, plan.indices(positions).tolist(), length
+def _fetch_columns(ctx: ReadContext, batch: list[int]) -> dict[str, Any]:
+    try:
+        columns: dict[str, Any] = ctx.source.read_columns(batch)
+    except Exception as exc:
+        ctx.note(exc, f"a batch of samples {batch[:8]}{'...' if len(batch) > 8 else ''}")
+        raise
+    return {
+        name: torch.from_numpy(value) if hasattr(value, "__array_interface__") else value
+        for name, value in columns.items()
+    }
 
 
 def _fetch(
@@ -105,18 +125,17 @@ def _fetch(
     batch: list[int],
     positions: list[int],
 ) -> list[Any]:
-    """Read a batch in one go; on an error, read it again one sample at a time to name
-    (or, with on_error="skip", replace) the sample at fault."""
+    """Read a batch in one go.  With on_error="skip", a failing batch is read again one
+    sample at a time to find and replace the sample at fault."""
+    if getitems is None:
+        return [_fetch_one(ctx, i, p) for i, p in zip(batch, positions, strict=True)]
     try:
-        if getitems is not None:
-            return list(getitems(batch))
-        source = ctx.source
-        return [source[index] for index in batch]
+        return list(getitems(batch))
     except IndexError as exc:
         raise _lying_len(ctx, batch, exc) from exc
     except Exception as exc:
-        if getitems is not None and ctx.on_error != "skip":
-            ctx.note(exc, None, None)
+        if ctx.on_error != "skip":
+            ctx.note(exc, f"a batch of samples {batch[:8]}{'...' if len(batch) > 8 else ''}")
             raise
     return [_fetch_one(ctx, i, p) for i, p in zip(batch, positions, strict=True)]
 
@@ -128,7 +147,7 @@ def _fetch_one(ctx: ReadContext, index: int, position: int) -> Any:
         raise _lying_len(ctx, [index], exc) from exc
     except Exception as exc:
         if ctx.on_error != "skip":
-            ctx.note(exc, index, position)
+            ctx.note(exc, f"sample {index} (position {position})", index)
             raise
         return _replacement(ctx, index, position, exc)
 
@@ -157,7 +176,7 @@ def _replacement(ctx: ReadContext, index: int, position: int, error: Exception) 
             alternative,
         )
         return sample
-    ctx.note(error, index, position)
+    ctx.note(error, f"sample {index} (position {position})", index)
     if hasattr(error, "add_note"):
         error.add_note(
             f"evenly: on_error='skip' found no readable replacement in {MAX_REPLACEMENTS} tries"
@@ -174,24 +193,37 @@ def _lying_len(ctx: ReadContext, batch: list[int], exc: IndexError) -> IndexErro
 
 
 def _transform(
-    ctx: ReadContext, samples: list[Any], seeds: list[int], batch: list[int], positions: list[int]
+    ctx: ReadContext,
+    spreader: SeedSpreader,
+    samples: list[Any],
+    batch: list[int],
+    positions: list[int],
 ) -> list[Any]:
-    """Apply the transform to each sample under its own seed.
+    """Apply the transform to each sample under its own seeds.
 
-    The user's RNG state is put back before any sample leaves, so the training loop (and
-    a collate_fn) never sees the per-sample streams.
+    The user's state of the seeded generators is put back before any sample leaves, so
+    the training loop (and a collate_fn) never sees the per-sample streams.
     """
-    assert ctx.transform is not None
+    transform = ctx.transform
+    assert transform is not None
     out = []
-    saved = RngState()
+    saved = RngState(ctx.generators)
     try:
-        for i, (sample, seed) in enumerate(zip(samples, seeds, strict=True)):
-            seed_all(seed)
+        for i, sample in enumerate(samples):
+            spreader.seed(i)
             try:
-                out.append(ctx.transform(sample))
+                result = transform(sample)
             except Exception as exc:
-                ctx.note(exc, batch[i], positions[i])
+                ctx.note(exc, f"sample {batch[i]} (position {positions[i]})", batch[i])
                 raise
+            if result is None:
+                raise TypeError(
+                    f"evenly: the transform returned None for sample {batch[i]} (position "
+                    f"{positions[i]}) of epoch {ctx.plan.epoch}, rank {ctx.rank}, worker "
+                    f"{ctx.worker_id}{ctx.locate(batch[i])}: it must return the transformed "
+                    f"sample (a function that changes its argument in place must return it)"
+                )
+            out.append(result)
     finally:
         saved.restore()
     return out

@@ -1,41 +1,150 @@
 """Per-sample random streams for Python's ``random``, NumPy's global generator and torch's
 default generator, kept apart from the user's own state.
 
-Cost (measured in bench/bench_seeding.py): seeding the three generators is a few
-microseconds per sample; saving and restoring the user's state is paid once per batch.
+Each sample's 64-bit seed (a function of seed, epoch and position only) is spread into
+one seed per generator, so the three streams are unrelated to each other (Python's
+``random.seed(s)`` and ``numpy.random.seed([lo, hi])`` would otherwise build the same
+Mersenne Twister state):
+
+- ``random`` gets the full 64-bit seed;
+- NumPy's global generator gets another full 64-bit value (as two 32-bit words:
+  ``np.random.seed`` takes only 32 bits as an integer);
+- torch's CPU generator gets a third; torch's Mersenne Twister keeps only the low 32
+  bits of any seed, so about ``N**2 / 2**33`` pairs of samples of an N-sample epoch share
+  their torch draws (~116 pairs at N = 10**6).  That is torch's limit; if it matters,
+  draw from a ``torch.Generator`` seeded with :func:`evenly.sample_seed`.
+
+Seeding costs a few microseconds per sample and generator (``bench/bench_core.py``);
+name only the generators your transform uses (``seed_generators=``), or none and build
+your own generator from :func:`sample_seed`.  The user's state of the seeded generators
+is saved and restored once per batch.
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
-import torch
+import numpy.typing as npt
 
-__all__ = ["RngState", "seed_all"]
+__all__ = ["GENERATORS", "RngState", "SeedSpreader", "check_generators", "sample_seed"]
 
+GENERATORS = ("random", "numpy", "torch")
 _MASK32 = 0xFFFFFFFF
+_NUMPY_KEY = np.uint64(0x6A09E667F3BCC909)
+_TORCH_KEY = np.uint64(0xBB67AE8584CAA73B)
+
+_current: list[int | None] = [None]
 
 
-def seed_all(seed: int) -> None:
-    """Seed ``random``, NumPy's global generator and torch's default generator."""
-    random.seed(seed)
-    np.random.seed(seed & _MASK32)
-    torch.default_generator.manual_seed(seed)
+def sample_seed() -> int:
+    """The 64-bit seed of the sample being transformed (inside ``transform`` only).
+
+    It depends on (seed, epoch, position in the epoch's order), never on ranks or
+    workers.  Use it to seed your own generator instead of the global ones:
+
+    >>> import evenly, numpy as np
+    >>> def augment(x):
+    ...     rng = np.random.default_rng(evenly.sample_seed())
+    ...     return x + rng.integers(0, 10)
+    >>> ds = evenly.Dataset(list(range(4)), transform=augment, seed_generators=())
+    >>> len(list(ds))
+    4
+    """
+    seed = _current[0]
+    if seed is None:
+        raise RuntimeError(
+            "evenly.sample_seed() is only available inside an evenly.Dataset transform"
+        )
+    return seed
+
+
+def check_generators(names: Iterable[str]) -> tuple[str, ...]:
+    """Validate ``seed_generators``: a subset of ('random', 'numpy', 'torch')."""
+    if isinstance(names, str):
+        names = (names,)
+    chosen = tuple(dict.fromkeys(names))
+    unknown = [n for n in chosen if n not in GENERATORS]
+    if unknown:
+        raise ValueError(
+            f"seed_generators: unknown generator(s) {unknown}; choose from {list(GENERATORS)} "
+            f"(or () to seed none and use evenly.sample_seed())"
+        )
+    return chosen
+
+
+def _mix(x: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
+    from ._permutation import mix64
+
+    return mix64(x)
+
+
+class SeedSpreader:
+    """Seeds the chosen generators for each sample of a batch.
+
+    >>> spreader = SeedSpreader(("numpy",))
+    >>> spreader.prepare(np.array([1, 2], dtype=np.uint64))
+    >>> spreader.seed(0); a = np.random.random()
+    >>> spreader.seed(1); b = np.random.random()
+    >>> spreader.seed(0); a == np.random.random() != b
+    True
+    """
+
+    def __init__(self, generators: tuple[str, ...]) -> None:
+        import torch
+
+        self.generators = generators
+        self._random = "random" in generators
+        self._numpy = "numpy" in generators
+        self._torch = "torch" in generators
+        self._gen = torch.default_generator
+        self._py: list[int] = []
+        self._np: list[Any] = []
+        self._th: list[int] = []
+
+    def prepare(self, seeds: npt.NDArray[np.uint64]) -> None:
+        """Spread a batch's per-sample seeds into one seed per generator (vectorised)."""
+        self._py = seeds.tolist()
+        if self._numpy:
+            spread = _mix(seeds ^ _NUMPY_KEY)
+            words = np.stack([spread & _MASK32, spread >> np.uint64(32)], axis=1)
+            self._np = list(words.astype(np.uint32))
+        if self._torch:
+            self._th = _mix(seeds ^ _TORCH_KEY).tolist()
+
+    def seed(self, i: int) -> None:
+        """Seed the chosen generators for sample ``i`` of the prepared batch."""
+        seed = self._py[i]
+        _current[0] = seed
+        if self._random:
+            random.seed(seed)
+        if self._numpy:
+            np.random.seed(self._np[i])
+        if self._torch:
+            self._gen.manual_seed(self._th[i])
 
 
 class RngState:
-    """A snapshot of the three global generators, to put back after seeding them."""
+    """A snapshot of the chosen global generators, to put back after seeding them."""
 
     __slots__ = ("_numpy", "_python", "_torch")
 
-    def __init__(self) -> None:
-        self._python: Any = random.getstate()
-        self._numpy: Any = np.random.get_state()
-        self._torch = torch.default_generator.get_state()
+    def __init__(self, generators: tuple[str, ...] = GENERATORS) -> None:
+        import torch
+
+        self._python: Any = random.getstate() if "random" in generators else None
+        self._numpy: Any = np.random.get_state() if "numpy" in generators else None
+        self._torch = torch.default_generator.get_state() if "torch" in generators else None
 
     def restore(self) -> None:
-        random.setstate(self._python)
-        np.random.set_state(self._numpy)
-        torch.default_generator.set_state(self._torch)
+        import torch
+
+        _current[0] = None
+        if self._python is not None:
+            random.setstate(self._python)
+        if self._numpy is not None:
+            np.random.set_state(self._numpy)
+        if self._torch is not None:
+            torch.default_generator.set_state(self._torch)

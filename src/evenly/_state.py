@@ -6,13 +6,20 @@ consumed is always a prefix of that order, a position in training is two integer
 do not depend on the rank, the number of workers or the batch size, so a state saved
 under one topology resumes exactly under another.
 
-Format (version 1)::
+Format (version 2)::
 
-    {"format": "evenly.state", "version": 1, "epoch": 3, "position": 40960,
-     "num_samples": 1000000, "seed": 0, "shuffle": "global", "drop_last": false}
+    {"format": "evenly.state", "version": 2, "epoch": 3, "position": 40960,
+     "batches": 80, "num_samples": 1000000, "seed": 0, "shuffle": "global",
+     "drop_last": false}
 
-A state stays loadable by every evenly release that reads its version; an unknown
-version is refused with an error, never guessed at.
+``batches`` is how many batches this rank's loop had received in the interrupted epoch
+(``len(loader)`` after a load counts them, as Lightning's restored batch counter and
+StatefulDataLoader expect).  Version 1 states (evenly 0.1: no ``batches``) are migrated
+with ``batches = 0``; they resume the same samples, but per-sample random draws changed
+in version 2 (full-width NumPy seeding), so a resumed epoch's augmentations differ from
+those the interrupted run would have drawn.  A state stays loadable by every evenly
+release that reads its version; an unknown version is refused with an error, never
+guessed at.
 """
 
 from __future__ import annotations
@@ -24,7 +31,9 @@ from ._plan import check_int
 __all__ = ["FORMAT", "VERSION", "StateError", "check_state", "make_state"]
 
 FORMAT = "evenly.state"
-VERSION = 1
+VERSION = 2
+#: Older versions this release migrates.
+MIGRATED = (1,)
 #: The plan fields a state must agree on with the dataset it is loaded into.
 FINGERPRINT = ("num_samples", "seed", "shuffle", "drop_last")
 
@@ -33,19 +42,23 @@ class StateError(ValueError):
     """A checkpoint state that cannot be loaded into this dataset or loader."""
 
 
-def make_state(fingerprint: dict[str, Any], epoch: int, position: int) -> dict[str, Any]:
+def make_state(
+    fingerprint: dict[str, Any], epoch: int, position: int, batches: int = 0
+) -> dict[str, Any]:
     """Build a state dict from the dataset's fingerprint and the consumed prefix."""
     return {
         "format": FORMAT,
         "version": VERSION,
         "epoch": epoch,
         "position": position,
+        "batches": batches,
         **fingerprint,
     }
 
 
-def check_state(state: object, fingerprint: dict[str, Any]) -> tuple[int, int]:
-    """Validate ``state`` against the dataset's ``fingerprint``; return (epoch, position).
+def check_state(state: object, fingerprint: dict[str, Any]) -> tuple[int, int, int]:
+    """Validate ``state`` against the dataset's ``fingerprint``; return (epoch, position,
+    batches received in that epoch).
 
     Every field that differs is named in one error, with the saved and current values.
     """
@@ -56,10 +69,12 @@ def check_state(state: object, fingerprint: dict[str, Any]) -> tuple[int, int]:
             + (f" with keys {sorted(state)}" if isinstance(state, dict) else "")
         )
     version = state.get("version")
-    if version != VERSION:
+    if version in MIGRATED:
+        state = {**state, "version": VERSION, "batches": 0}
+    elif version != VERSION:
         raise StateError(
-            f"unknown evenly state version {version!r}: this evenly reads version {VERSION}; "
-            f"load it with the evenly release that saved it"
+            f"unknown evenly state version {version!r}: this evenly reads versions "
+            f"{[*MIGRATED, VERSION]}; load it with the evenly release that saved it"
         )
     mismatches = [
         f"{key}: saved {state.get(key)!r}, dataset has {fingerprint.get(key)!r}"
@@ -73,9 +88,10 @@ def check_state(state: object, fingerprint: dict[str, Any]) -> tuple[int, int]:
         )
     epoch = check_int("state['epoch']", state.get("epoch"), minimum=0)
     position = check_int("state['position']", state.get("position"), minimum=0)
+    batches = check_int("state['batches']", state.get("batches", 0), minimum=0)
     if position > fingerprint["num_samples"]:
         raise StateError(
             f"state['position']={position} is past the end of the epoch "
             f"({fingerprint['num_samples']} samples)"
         )
-    return epoch, position
+    return epoch, position, batches

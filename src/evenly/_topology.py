@@ -1,18 +1,25 @@
-"""Where this process sits: its global rank and the world size.
+"""Where this process sits: its data-parallel rank and the number of data-parallel ranks.
 
-Explicit arguments win; then an initialised ``torch.distributed``; then the ``RANK`` and
-``WORLD_SIZE`` variables that torchrun sets; then a single process.  ``LOCAL_RANK`` is
-never used: it repeats on every node, so splitting data by it duplicates samples.
+Explicit arguments win; then the given ``process_group`` (the data-parallel group under
+tensor/pipeline parallelism: its peers of one model replica share a group rank and so
+get identical batches); then an initialised ``torch.distributed`` (the default group);
+then the ``RANK`` and ``WORLD_SIZE`` variables that torchrun sets; then a single process.
+``LOCAL_RANK`` is never used: it repeats on every node, so splitting data by it
+duplicates samples.
+
+Resolution happens in the main process: DataLoader workers started with ``spawn`` or
+``forkserver`` have no process group, so datasets carry the resolved value to them.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 from ._plan import check_int
 
-__all__ = ["Topology", "detect_topology"]
+__all__ = ["Topology", "detect_topology", "group_of", "resolve_topology"]
 
 
 @dataclass(frozen=True)
@@ -42,8 +49,55 @@ def _env_int(name: str) -> int | None:
         raise ValueError(f"environment variable {name}={raw!r} is not an integer") from None
 
 
+def group_of(process_group: Any) -> Any:
+    """The ProcessGroup behind ``process_group``: a ProcessGroup, or a 1-D DeviceMesh (or
+    one dimension of one, ``mesh["dp"]``); ``None`` stays ``None``."""
+    if process_group is None:
+        return None
+    get_group = getattr(process_group, "get_group", None)
+    if callable(get_group) and hasattr(process_group, "mesh"):  # a DeviceMesh
+        if getattr(process_group, "ndim", 1) != 1:
+            raise ValueError(
+                "process_group: pass one dimension of the DeviceMesh, e.g. mesh['dp'], not "
+                f"the whole {process_group.ndim}-D mesh"
+            )
+        return get_group()
+    return process_group
+
+
+def resolve_topology(
+    rank: int | None = None, world_size: int | None = None, process_group: Any = None
+) -> Topology:
+    """Resolve (rank, world_size); explicit arguments override what is detected.
+
+    With ``process_group`` (a torch ProcessGroup or a DeviceMesh dimension) the rank and
+    size are this process's within that group.
+    """
+    group = group_of(process_group)
+    if group is not None and (rank is None or world_size is None):
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                "process_group= was given but torch.distributed is not initialised in this "
+                "process; call torch.distributed.init_process_group() first"
+            )
+        group_rank = dist.get_rank(group)
+        if group_rank < 0:
+            raise ValueError(
+                f"process_group: global rank {dist.get_rank()} is not a member of the given "
+                f"group; pass the data-parallel group this rank belongs to"
+            )
+        return Topology(
+            rank=group_rank if rank is None else rank,
+            world_size=dist.get_world_size(group) if world_size is None else world_size,
+        )
+    return detect_topology(rank, world_size)
+
+
 def detect_topology(rank: int | None = None, world_size: int | None = None) -> Topology:
-    """Resolve (rank, world_size); explicit arguments override what is detected."""
+    """Resolve (rank, world_size) from the default group or torchrun's variables;
+    explicit arguments override what is detected."""
     detected_rank, detected_world = 0, 1
     import torch.distributed as dist
 
@@ -58,3 +112,13 @@ def detect_topology(rank: int | None = None, world_size: int | None = None) -> T
         rank=detected_rank if rank is None else rank,
         world_size=detected_world if world_size is None else world_size,
     )
+
+
+def is_detected_from_environment(process_group: Any = None) -> bool:
+    """Whether a topology can be detected now (a process group or torchrun's variables):
+    only then may a dataset fix it for its workers."""
+    import torch.distributed as dist
+
+    if process_group is not None or (dist.is_available() and dist.is_initialized()):
+        return True
+    return os.environ.get("WORLD_SIZE") not in (None, "")

@@ -16,9 +16,22 @@ import numpy.typing as npt
 from ._cache import ShardCache
 from ._manifest import FileEntry, Shards, default_cache_dir, load_entries, resolve
 
-__all__ = ["Paths", "ShardedSource"]
+__all__ = ["Paths", "RowError", "ShardedSource"]
 
 Paths = str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
+
+
+class RowError(ValueError):
+    """Raised by a format's ``_read`` for one row of its shard, so the error names that
+    sample (not the first one of the batch).
+
+    >>> RowError(7, "line 8 is not valid JSON").row
+    7
+    """
+
+    def __init__(self, row: int, message: str) -> None:
+        super().__init__(message)
+        self.row = int(row)
 
 
 class ShardedSource:
@@ -26,7 +39,8 @@ class ShardedSource:
 
     Global index ``i`` is row ``i - start[k]`` of shard ``k``, shards in sorted URL order.
     Subclasses define ``format``, ``extensions``, ``_scan(k, url)`` (row count and meta
-    of one shard) and ``_read(k, path, rows)`` (those rows of shard ``k``, in order).
+    of one shard) and ``_read(k, handle, rows)`` (those rows of shard ``k``, in order;
+    a failure of one row raises :class:`RowError` naming it).
     """
 
     format: ClassVar[str] = ""
@@ -139,13 +153,15 @@ class ShardedSource:
         order = np.argsort(shards, kind="stable")
         present, first = np.unique(shards[order], return_index=True)
         if self.cache is not None and present.size > 1:
-            self.cache.prefetch((self.urls[k], self._fingerprints[k]) for k in present.tolist())
+            self.cache.prefetch(self._remote(k) for k in present.tolist())
         bounds = [*first.tolist(), idx.size]
         for j, k in enumerate(present.tolist()):
             where = order[bounds[j] : bounds[j + 1]]
             rows = idx[where] - self._starts[k]
             try:
                 samples = self._read(k, self._handle(k), rows)
+            except RowError as exc:
+                raise self._error(exc, int(self._starts[k]) + exc.row) from exc
             except Exception as exc:
                 raise self._error(exc, int(idx[where[0]])) from exc
             for pos, sample in zip(where.tolist(), samples, strict=True):
@@ -159,14 +175,29 @@ class ShardedSource:
         shards = self.shard_of(indices)
         _, first = np.unique(shards, return_index=True)
         ordered = shards[np.sort(first)].tolist()
-        self.cache.prefetch((self.urls[k], self._fingerprints[k]) for k in ordered)
+        self.cache.prefetch(self._remote(k) for k in ordered)
 
     # ---- files -------------------------------------------------------------------
+    def _remote(self, k: int) -> tuple[str, str, int | None]:
+        """``(url, fingerprint, listed size)`` of shard ``k``, for the cache."""
+        sizes = self._shards.sizes
+        return self.urls[k], self._fingerprints[k], (sizes[k] or None) if sizes else None
+
     def local_path(self, k: int) -> str:
         """A local path of shard ``k``: itself, or its copy in the cache."""
         if self.cache is None:
             return self.urls[k]
-        return self.cache.wait(self.urls[k], self._fingerprints[k])
+        return self.cache.wait(*self._remote(k))
+
+    def open_local(self, k: int) -> Any:
+        """Shard ``k`` opened for binary reading (its cached copy if remote: fetched
+        again if another process evicted it between the download and the open)."""
+        try:
+            return open(self.local_path(k), "rb")
+        except FileNotFoundError:
+            if self.cache is None:
+                raise
+            return open(self.local_path(k), "rb")
 
     def _handle(self, k: int) -> Any:
         if os.getpid() != self._pid:  # forked: never share file offsets with the parent
@@ -206,9 +237,8 @@ class ShardedSource:
                 f"{self._what}: cannot read sample {index} ({where}): the file is missing; "
                 f"was it deleted or moved after the dataset was opened?"
             )
-        return ValueError(
-            f"{self._what}: cannot read sample {index} ({where}): {type(exc).__name__}: {exc}"
-        )
+        what = "" if isinstance(exc, RowError) else f"{type(exc).__name__}: "
+        return ValueError(f"{self._what}: cannot read sample {index} ({where}): {what}{exc}")
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()

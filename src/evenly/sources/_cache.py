@@ -1,53 +1,115 @@
 """A bounded local cache of remote shards, shared by every process on the machine.
 
-- A shard is downloaded with fsspec to a temp file in the cache dir, then renamed into
-  place: a partial download is never visible under the shard's name.
-- An ``fcntl`` lock per shard makes two workers (or two ranks) on one machine wait for
-  one download instead of doing two.
+- A shard is downloaded with fsspec to a temp file in the cache dir (``<name>.part-*``),
+  checked against the size the listing gave, then renamed into place: a partial or
+  wrong-sized download is never visible under the shard's name.
+- A lock file per shard (``filelock``: no ``fcntl`` at import, so it works on every
+  platform) makes two workers (or two ranks) on one machine wait for one download
+  instead of doing two.  The downloader holds it for the whole download, so a
+  ``.part-*`` file whose lock is free was left by a killed process: it is counted in the
+  cache usage, and removed by the next eviction.
+- Transient errors (connection refused or reset, timeouts, HTTP 5xx, 429 and S3
+  throttling) are retried with exponential backoff (``retries`` more tries, ``backoff``
+  seconds doubling, with jitter); the last error is raised naming the URL.
 - After each download, files are evicted least-recently-used first (by mtime, which a
   hit refreshes) until the cache holds at most ``max_bytes``; the shard just fetched is
   never evicted.  A reader that still has an evicted file open keeps reading it (POSIX).
-- ``prefetch(urls)`` downloads shards in a background thread.
+- ``prefetch(items)`` downloads shards in a background thread.
 
 Cache file names are a hash of (URL, fingerprint) plus a sanitised base name, so they
 never escape the cache dir and a changed remote file is fetched again.
 
 >>> cache = ShardCache("/tmp/evenly-cache-doctest", max_bytes=1 << 30)
->>> cache.max_bytes
-1073741824
+>>> cache.max_bytes, cache.retries
+(1073741824, 4)
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
+import logging
 import os
+import random
 import re
 import threading
+import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from filelock import FileLock, Timeout
 from fsspec.core import url_to_fs
 
-__all__ = ["DEFAULT_CACHE_BYTES", "ShardCache"]
+__all__ = ["DEFAULT_CACHE_BYTES", "ShardCache", "is_transient"]
+
+logger = logging.getLogger("evenly")
 
 #: Default cache size limit: 8 GiB (``$EVENLY_CACHE_BYTES`` overrides it).
 DEFAULT_CACHE_BYTES = 8 << 30
 _SAFE = re.compile(r"[^A-Za-z0-9._-]+")
+_PART = ".part-"
+#: the longest a download waits in backoff sleeps, whatever ``retries`` says
+_MAX_BACKOFF_TOTAL = 60.0
+
+# exception class names (anywhere in the chain) that mean "try again": botocore,
+# aiohttp, urllib3, http.client, fsspec; matched by name so none has to be installed
+_TRANSIENT_NAMES = frozenset(
+    {
+        "EndpointConnectionError",
+        "ConnectionClosedError",
+        "ConnectTimeoutError",
+        "ReadTimeoutError",
+        "ResponseStreamingError",
+        "IncompleteReadError",
+        "ClientConnectionError",
+        "ClientPayloadError",
+        "ServerDisconnectedError",
+        "ServerTimeoutError",
+        "FSTimeoutError",
+        "ProtocolError",
+        "IncompleteRead",
+        "RemoteDisconnected",
+    }
+)
+_TRANSIENT_CODES = frozenset(
+    {
+        "SlowDown",
+        "Throttling",
+        "ThrottlingException",
+        "RequestLimitExceeded",
+        "TooManyRequestsException",
+        "RequestTimeout",
+        "InternalError",
+        "ServiceUnavailable",
+    }
+)
 
 
-@contextlib.contextmanager
-def _locked(path: str) -> Iterator[None]:
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        os.close(fd)
+def is_transient(exc: BaseException) -> bool:
+    """Whether ``exc`` (or an exception it was raised from) is worth retrying: a
+    connection or timeout error, HTTP 5xx or 429, or an S3 throttling code."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, FileNotFoundError | PermissionError | IsADirectoryError):
+            return False
+        if isinstance(e, ConnectionError | TimeoutError):
+            return True
+        if any(c.__name__ in _TRANSIENT_NAMES for c in type(e).__mro__):
+            return True
+        response = getattr(e, "response", None)
+        if isinstance(response, dict):
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            code = response.get("Error", {}).get("Code")
+            if (isinstance(status, int) and (status >= 500 or status == 429)) or (
+                code in _TRANSIENT_CODES
+            ):
+                return True
+        e = e.__cause__ or e.__context__
+    return False
 
 
 class ShardCache:
@@ -57,9 +119,13 @@ class ShardCache:
 
     Args:
         cache_dir: where the copies live (created if needed).
-        max_bytes: the size limit; the cache may exceed it only by the shard in use.
+        max_bytes: the size limit; the cache may exceed it only by the shards in use
+            and downloads in progress.
         storage_options: passed to fsspec (endpoint, credentials...).
         prefetch_threads: background download threads per process.
+        retries: further tries after a transient download error (0: none).
+        backoff: seconds before the first retry; doubled for each next one (with
+            jitter), all sleeps together at most 60 s.
     """
 
     def __init__(
@@ -68,29 +134,39 @@ class ShardCache:
         max_bytes: int | None = None,
         storage_options: dict[str, Any] | None = None,
         prefetch_threads: int = 2,
+        retries: int = 4,
+        backoff: float = 0.5,
     ) -> None:
         if max_bytes is None:
             max_bytes = int(os.environ.get("EVENLY_CACHE_BYTES", DEFAULT_CACHE_BYTES))
         if max_bytes < 1:
             raise ValueError(f"cache max_bytes must be >= 1, got {max_bytes}")
+        if retries < 0 or backoff < 0:
+            raise ValueError(
+                f"cache retries and backoff must be >= 0, got retries={retries}, backoff={backoff}"
+            )
         self.cache_dir = os.path.abspath(os.path.join(cache_dir, "shards"))
         self.max_bytes = int(max_bytes)
         self.storage_options = dict(storage_options or {})
         self.prefetch_threads = prefetch_threads
+        self.retries = int(retries)
+        self.backoff = float(backoff)
         self._pool: ThreadPoolExecutor | None = None
         self._pending: dict[str, Future[str]] = {}
         self._mutex: threading.Lock | None = None
+        self._count_lock = threading.Lock()
         self._pid = os.getpid()
         #: shards this process downloaded (a hit, or a wait on another process, is not one)
         self.downloads = 0
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state.update(_pool=None, _pending={}, _mutex=None, downloads=0)
+        state.update(_pool=None, _pending={}, _mutex=None, _count_lock=None, downloads=0)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        self._count_lock = threading.Lock()
         self._pid = os.getpid()
 
     def _after_fork(self) -> None:
@@ -98,6 +174,7 @@ class ShardCache:
         start afresh rather than wait on futures no thread will ever run."""
         if os.getpid() != self._pid:
             self._pool, self._pending, self._mutex = None, {}, None
+            self._count_lock = threading.Lock()
             self._pid = os.getpid()
 
     # ---- paths -----------------------------------------------------------------
@@ -113,33 +190,76 @@ class ShardCache:
         return path
 
     # ---- fetching --------------------------------------------------------------
-    def fetch(self, url: str, fingerprint: str = "") -> str:
-        """Return a local path holding ``url``, downloading it once per machine."""
+    def fetch(self, url: str, fingerprint: str = "", size: int | None = None) -> str:
+        """Return a local path holding ``url``, downloading it once per machine.
+
+        ``size`` (the listed size, if known) is checked before the copy is renamed
+        into place.
+        """
+        self._after_fork()
         target = self.path_for(url, fingerprint)
         if os.path.exists(target):
             _touch(target)
             return target
         os.makedirs(self.cache_dir, exist_ok=True)
-        with _locked(target + ".lock"):
+        with FileLock(target + ".lock"):
             if os.path.exists(target):  # another process fetched it while we waited
                 _touch(target)
                 return target
-            tmp = f"{target}.part-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-            fs, path = url_to_fs(url, **self.storage_options)
-            try:
-                fs.get_file(path, tmp)
-                os.replace(tmp, target)
+            self._download(url, target, size)
+            with self._count_lock:
                 self.downloads += 1
-            except FileNotFoundError:
-                raise FileNotFoundError(f"shard not found: {url}") from None
-            finally:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(tmp)
         self.evict(keep=target)
         return target
 
-    def prefetch(self, items: Iterable[tuple[str, str]]) -> None:
-        """Start background downloads of ``(url, fingerprint)`` pairs not cached yet."""
+    def _download(self, url: str, target: str, size: int | None) -> None:
+        """Download ``url`` to ``target`` through a ``.part-`` file, retrying transient
+        errors; the caller holds the shard's lock."""
+        started = time.monotonic()
+        slept = 0.0
+        for attempt in range(self.retries + 1):
+            tmp = f"{target}{_PART}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            try:
+                fs, path = url_to_fs(url, **self.storage_options)
+                fs.get_file(path, tmp)
+                got = os.path.getsize(tmp)
+                if size is not None and got != size:
+                    raise ValueError(
+                        f"the download of {url} has {got} bytes but the listing said {size}: "
+                        f"the object changed after the dataset was opened (or the transfer "
+                        f"was cut); nothing was cached: open the dataset again"
+                    )
+                os.replace(tmp, target)
+                return
+            except FileNotFoundError:
+                raise FileNotFoundError(f"shard not found: {url}") from None
+            except Exception as exc:
+                if not is_transient(exc):
+                    raise
+                delay = self.backoff * 2**attempt * random.uniform(0.5, 1.0)
+                if attempt == self.retries or slept + delay > _MAX_BACKOFF_TOTAL:
+                    raise ConnectionError(
+                        f"cannot download {url}: {type(exc).__name__}: {exc} (after "
+                        f"{attempt + 1} tries in {time.monotonic() - started:.1f} s); is the "
+                        f"storage reachable? retries are set by ShardCache(retries=, backoff=)"
+                    ) from exc
+                logger.warning(
+                    "evenly: retrying the download of %s in %.2f s (try %d of %d): %s: %s",
+                    url,
+                    delay,
+                    attempt + 2,
+                    self.retries + 1,
+                    type(exc).__name__,
+                    exc,
+                )
+                time.sleep(delay)
+                slept += delay
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
+
+    def prefetch(self, items: Iterable[tuple[str, str] | tuple[str, str, int | None]]) -> None:
+        """Start background downloads of ``(url, fingerprint[, size])`` not cached yet."""
         self._after_fork()
         if self._mutex is None:
             self._mutex = threading.Lock()
@@ -148,35 +268,37 @@ class ShardCache:
                 self._pool = ThreadPoolExecutor(
                     max_workers=self.prefetch_threads, thread_name_prefix="evenly-prefetch"
                 )
-            for url, fp in items:
+            for item in items:
+                url, fp = item[0], item[1]
+                size = item[2] if len(item) > 2 else None
                 if url in self._pending and not self._pending[url].done():
                     continue
                 if os.path.exists(self.path_for(url, fp)):
                     continue
-                self._pending[url] = self._pool.submit(self.fetch, url, fp)
+                self._pending[url] = self._pool.submit(self.fetch, url, fp, size)
 
-    def wait(self, url: str, fingerprint: str = "") -> str:
+    def wait(self, url: str, fingerprint: str = "", size: int | None = None) -> str:
         """``fetch``, joining a background download of ``url`` if one is running."""
         self._after_fork()
         future = self._pending.pop(url, None)
         if future is not None:
             with contextlib.suppress(Exception):  # fetch again below, raising in this thread
                 return future.result()
-        return self.fetch(url, fingerprint)
+        return self.fetch(url, fingerprint, size)
 
     # ---- eviction --------------------------------------------------------------
     def usage(self) -> int:
-        """Bytes of complete shards in the cache."""
-        return sum(size for _, _, size in self._files())
+        """Bytes in the cache: complete shards and downloads (running or abandoned)."""
+        return sum(size for _, _, size in self._files(parts=True))
 
-    def _files(self) -> list[tuple[float, str, int]]:
+    def _files(self, parts: bool = False) -> list[tuple[float, str, int]]:
         out = []
         try:
             names = os.listdir(self.cache_dir)
         except FileNotFoundError:
             return []
         for name in names:
-            if name.endswith(".lock") or ".part-" in name:
+            if name.endswith(".lock") or (not parts and _PART in name):
                 continue
             path = os.path.join(self.cache_dir, name)
             with contextlib.suppress(FileNotFoundError):
@@ -184,13 +306,38 @@ class ShardCache:
                 out.append((st.st_mtime, path, st.st_size))
         return out
 
+    def remove_abandoned(self) -> list[str]:
+        """Remove ``.part-`` files whose download is not running (their shard's lock is
+        free: the process that wrote them was killed).  Returns the paths removed."""
+        removed = []
+        for _, path, _ in self._files(parts=True):
+            head, sep, _ = os.path.basename(path).partition(_PART)
+            if not sep:
+                continue
+            lock = FileLock(os.path.join(self.cache_dir, head + ".lock"))
+            try:
+                lock.acquire(timeout=0)
+            except Timeout:
+                continue  # a download of that shard is running
+            try:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+                    removed.append(path)
+            finally:
+                lock.release()
+        return removed
+
     def evict(self, keep: str | None = None) -> list[str]:
-        """Remove least-recently-used shards until at most ``max_bytes`` remain."""
-        removed: list[str] = []
-        with _locked(os.path.join(self.cache_dir, ".evict.lock")):
-            files = sorted(self._files())
-            total = sum(size for _, _, size in files)
-            for _, path, size in files:
+        """Remove abandoned downloads, then least-recently-used shards until at most
+        ``max_bytes`` remain (downloads in progress count)."""
+        os.makedirs(self.cache_dir, exist_ok=True)
+        with FileLock(os.path.join(self.cache_dir, ".evict.lock")):
+            removed = self.remove_abandoned()
+            everything = self._files(parts=True)
+            total = sum(size for _, _, size in everything)
+            for _, path, size in sorted(
+                f for f in everything if _PART not in os.path.basename(f[1])
+            ):
                 if total <= self.max_bytes:
                     break
                 if path == keep:

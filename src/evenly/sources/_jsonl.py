@@ -17,43 +17,30 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-from fsspec.core import url_to_fs
 
-from ._base import Paths, ShardedSource
+from ._base import Paths, RowError, ShardedSource
 from ._manifest import FileEntry, pack_array, unpack_array
 
-__all__ = ["JsonlSource", "from_jsonl"]
+__all__ = ["JsonlSource", "from_jsonl", "index_lines"]
 
-_CHUNK = 8 << 20
+_CHUNK = 4 << 20
 
 
 class JsonlSource(ShardedSource):
     """JSON Lines shards as one indexable source; a sample is the line's parsed value.
 
-    Empty lines are not samples.  Build it with :func:`from_jsonl`.
+    Blank lines (empty, or only spaces, tabs and ``\\r``) are not samples.  A read
+    checks that a newline still precedes and ends the line (else the file changed since
+    its manifest was written: an error, never another row's bytes).  Build it with
+    :func:`from_jsonl`.
     """
 
     format = "jsonl"
     extensions = (".jsonl", ".ndjson")
 
     def _scan(self, k: int, url: str) -> tuple[int, dict[str, Any]]:
-        path = self.local_path(k)
-        fs, p = url_to_fs(path)
-        newlines: list[npt.NDArray[np.int64]] = []
-        size = 0
-        with fs.open(p, "rb") as f:
-            while chunk := f.read(_CHUNK):
-                if size == 0:
-                    _check_text(chunk)
-                buf = np.frombuffer(chunk, dtype=np.uint8)
-                newlines.append(np.flatnonzero(buf == 10).astype(np.int64) + size)
-                size += len(chunk)
-        ends = np.concatenate([*newlines, np.zeros(0, np.int64)])
-        if size and (ends.size == 0 or int(ends[-1]) != size - 1):
-            ends = np.append(ends, size)  # a last line without a newline
-        starts = np.concatenate([[0], ends[:-1] + 1]).astype(np.int64) if ends.size else ends
-        keep = ends > starts
-        starts, ends = starts[keep], ends[keep]
+        with self.open_local(k) as f:
+            starts, ends = index_lines(f)
         return int(starts.size), {"starts": pack_array(starts), "ends": pack_array(ends)}
 
     def _setup(self, entries: list[FileEntry]) -> None:
@@ -71,17 +58,30 @@ class JsonlSource(ShardedSource):
         for pos in np.argsort(rows, kind="stable").tolist():
             row = int(rows[pos])
             lo, hi = int(starts[row]), int(ends[row])
-            data = os.pread(fd, hi - lo, lo)
-            if len(data) != hi - lo:
-                raise ValueError(
-                    f"the file is truncated: line {self._line_number(handle, lo)} ends at byte "
-                    f"{lo + len(data)}, expected {hi}"
+            # with the newline before and after: a cheap check that the line is still there
+            head = 1 if lo else 0
+            data = os.pread(fd, hi - lo + head + 1, lo - head)
+            if len(data) < hi - lo + head:
+                raise RowError(
+                    row,
+                    f"the file is truncated: line {self._line_number(handle, lo)} ends at "
+                    f"byte {lo - head + len(data)}, expected {hi}",
                 )
+            if (head and data[0] != 10) or (len(data) > hi - lo + head and data[-1] != 10):
+                raise RowError(
+                    row,
+                    f"the file changed since its manifest was written: row {row} should be "
+                    f"the line at bytes {lo}..{hi}, but no line starts or ends there; open "
+                    f"the dataset again (a changed file is scanned again)",
+                )
+            body = data[head : head + hi - lo]
             try:
-                out[pos] = json.loads(data)
+                out[pos] = json.loads(body)
             except ValueError as exc:
                 line = self._line_number(handle, lo)
-                raise ValueError(f"line {line} is not valid JSON ({exc}): {data[:80]!r}") from None
+                raise RowError(
+                    row, f"line {line} is not valid JSON ({exc}): {body[:80]!r}"
+                ) from None
         return out
 
     @staticmethod
@@ -89,6 +89,41 @@ class JsonlSource(ShardedSource):
         """1-based line number of the byte at ``offset`` (errors only: reads the prefix)."""
         handle.seek(0)
         return int(handle.read(offset).count(b"\n")) + 1
+
+
+def index_lines(f: Any) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    """``(starts, ends)`` byte offsets of the lines of a binary file that hold more than
+    JSON whitespace (space, tab, CR, LF): blank, CRLF-only and space-only lines are not
+    samples.  ``ends`` is each line's newline (or the file size).  Vectorised per chunk.
+    """
+    newlines: list[npt.NDArray[np.int64]] = []
+    filled: list[npt.NDArray[np.bool_]] = []
+    size = 0
+    pending = 0  # non-whitespace bytes of the line not ended yet
+    while chunk := f.read(_CHUNK):
+        if size == 0:
+            _check_text(chunk)
+        buf = np.frombuffer(chunk, dtype=np.uint8)
+        nl = np.flatnonzero(buf == 10)
+        text = (buf != 32) & (buf != 9) & (buf != 13) & (buf != 10)
+        seen = np.cumsum(text, dtype=np.int32)  # non-whitespace bytes up to each byte
+        at = seen[nl]
+        per_line = np.diff(at, prepend=np.int32(0))
+        if nl.size:
+            per_line[0] += pending
+            pending = int(seen[-1] - at[-1])
+        else:
+            pending += int(seen[-1])
+        newlines.append(nl.astype(np.int64) + size)
+        filled.append(per_line > 0)
+        size += len(chunk)
+    ends = np.concatenate([*newlines, np.zeros(0, np.int64)])
+    keep = np.concatenate([*filled, np.zeros(0, np.bool_)])
+    if size and (ends.size == 0 or int(ends[-1]) != size - 1):  # a last line without \n
+        ends = np.append(ends, size)
+        keep = np.append(keep, pending > 0)
+    starts = np.concatenate([[0], ends[:-1] + 1]).astype(np.int64)[: ends.size]
+    return starts[keep], ends[keep]
 
 
 def _check_text(head: bytes) -> None:

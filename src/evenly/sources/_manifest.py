@@ -1,14 +1,19 @@
 """Shard lists and their cached manifest: per-file row counts plus a content fingerprint.
 
 Opening a source lists its files once (one directory listing, not one request per
-file), then reuses every per-file entry whose fingerprint (size and etag or mtime) has
-not changed.  Entries are found, in order, in:
+file), then reuses every per-file entry whose fingerprint has not changed.  A local
+file's fingerprint is its size, ``mtime_ns``, ``ctime_ns`` and inode: ``cp -p``,
+``rsync -t``, ``touch`` and reproducible archives can keep size and mtime, but a
+rewrite (or a copy) always gets a new ctime, so it is scanned again.  An object's
+fingerprint is its size and ETag (else its version id).  Entries are found, in order, in:
 
 1. ``.evenly-manifest.json`` beside the data (written by :func:`evenly.write`);
 2. a JSON file in the manifest cache dir, keyed by the file list
    (``$EVENLY_CACHE_DIR/manifests``, default ``~/.cache/evenly/manifests``).
 
-Only new or changed files are scanned, so reopening 10,000 shards reads no footer.
+Only new or changed files are scanned (in parallel, by a few threads), so reopening
+10,000 shards reads no footer.  A copy of a directory written by ``evenly.write`` is
+scanned once (new inodes); an upload of it to S3 is not (ETag = the recorded MD5).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import os
 import posixpath
 import tempfile
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,10 +35,12 @@ from fsspec.core import url_to_fs
 
 __all__ = [
     "MANIFEST_NAME",
+    "SCAN_THREADS",
     "FileEntry",
     "Shards",
     "default_cache_dir",
     "load_entries",
+    "local_fingerprint",
     "pack_array",
     "resolve",
     "save_manifest",
@@ -41,6 +49,8 @@ __all__ = [
 
 MANIFEST_NAME = ".evenly-manifest.json"
 _VERSION = 2
+#: threads that scan new or changed shards at open (remote ones download)
+SCAN_THREADS = 8
 
 
 def default_cache_dir() -> str:
@@ -88,10 +98,19 @@ def _is_local(fs: Any) -> bool:
     return protocol in ("file", "local")
 
 
+def local_fingerprint(path: str) -> str:
+    """``size:mtime_ns:ctime_ns:inode`` of a local file (ctime cannot be set back)."""
+    st = os.stat(path)
+    return f"{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}:{st.st_ino}"
+
+
 def _fingerprint(info: dict[str, Any]) -> str:
     version = (
         info.get("ETag")
         or info.get("etag")
+        or info.get("VersionId")
+        or info.get("version_id")
+        or info.get("generation")
         or info.get("mtime")
         or info.get("LastModified")
         or info.get("last_modified")
@@ -161,13 +180,25 @@ def resolve(
         else:
             infos[info["name"]] = info
     names = sorted(infos) if len(items) == 1 else list(dict.fromkeys(infos))
+    local = _is_local(fs)
     return Shards(
         fs=fs,
         urls=tuple(_unstrip(fs, n) for n in names),
-        fingerprints=tuple(_fingerprint(infos[n]) for n in names),
+        fingerprints=tuple(
+            _stat_fingerprint(n, what) if local else _fingerprint(infos[n]) for n in names
+        ),
         storage_options=options,
         sizes=tuple(int(infos[n].get("size") or 0) for n in names),
     )
+
+
+def _stat_fingerprint(path: str, what: str) -> str:
+    try:
+        return local_fingerprint(path)
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"{what}: file not found: {path!r} (removed while the dataset was opened?)"
+        ) from None
 
 
 def _hidden(relative: str) -> bool:
@@ -236,26 +267,48 @@ def load_entries(
     use_cache: bool = True,
 ) -> list[FileEntry]:
     """One entry per shard: reused from a manifest when its fingerprint matches, else
-    ``scan(shard_number, url)`` -> ``(num_rows, meta)``.  The cache is updated if any
-    shard was scanned."""
+    ``scan(shard_number, url)`` -> ``(num_rows, meta)``, run by up to ``SCAN_THREADS``
+    threads (``scan`` must be thread-safe).  The cache is updated if any shard was
+    scanned.  A scan error is raised for the first failing shard in order."""
     cache_path = _cache_file(kind, shards.urls, cache_dir)
     known = _known(shards, kind, cache_path) if use_cache else {}
-    entries: list[FileEntry] = []
-    scanned = False
+    found: dict[int, FileEntry] = {}
+    missing: list[int] = []
     for k, (url, fp) in enumerate(zip(shards.urls, shards.fingerprints, strict=True)):
         hit = next((e for e in known.get(url, []) if _matches(e, fp)), None)
-        if hit is not None:
-            entries.append(FileEntry(url, fp, int(hit["num_rows"]), dict(hit.get("meta", {}))))
-            continue
-        num_rows, meta = scan(k, url)
-        entries.append(FileEntry(url, fp, num_rows, meta))
-        scanned = True
-    if scanned and use_cache:
+        if hit is None:
+            missing.append(k)
+        else:
+            found[k] = FileEntry(url, fp, int(hit["num_rows"]), dict(hit.get("meta", {})))
+    for k, (num_rows, meta) in zip(missing, _scan_all(scan, shards.urls, missing), strict=True):
+        found[k] = FileEntry(shards.urls[k], shards.fingerprints[k], num_rows, meta)
+    entries = [found[k] for k in range(len(shards.urls))]
+    if missing and use_cache:
         _write_json_atomic(
             cache_path,
             {"version": _VERSION, "format": kind, "files": [e.to_json() for e in entries]},
         )
     return entries
+
+
+def _scan_all(
+    scan: Callable[[int, str], tuple[int, dict[str, Any]]],
+    urls: Sequence[str],
+    ks: list[int],
+) -> list[tuple[int, dict[str, Any]]]:
+    """``scan`` each shard in ``ks``, in parallel; results (and the first error) in order."""
+    if len(ks) <= 1 or SCAN_THREADS <= 1:
+        return [scan(k, urls[k]) for k in ks]
+    with ThreadPoolExecutor(
+        max_workers=min(SCAN_THREADS, len(ks)), thread_name_prefix="evenly-scan"
+    ) as pool:
+        futures = [pool.submit(scan, k, urls[k]) for k in ks]
+        try:
+            return [f.result() for f in futures]
+        except BaseException:
+            for f in futures:  # do not start the rest; the running ones finish
+                f.cancel()
+            raise
 
 
 def pack_array(a: Any, dtype: str = "<i8") -> str:

@@ -1,5 +1,8 @@
 """``evenly.from_parquet``: random access over Parquet shards, row group by row group.
 
+Decoded row groups stay Arrow tables in a per-process LRU budgeted by their real buffer
+size; a batch is one lookup for the whole batch and one ``take`` per row group present.
+
 >>> import os, tempfile, pyarrow as pa, pyarrow.parquet as pq
 >>> d = tempfile.mkdtemp()
 >>> pq.write_table(pa.table({"id": [0, 1, 2]}), os.path.join(d, "a.parquet"))
@@ -9,31 +12,35 @@
 (5, {'id': 3}, (3, 2))
 >>> src.locate(4).endswith("b.parquet row 1")
 True
+>>> src.read_columns([4, 0])["id"].tolist()
+[4, 0]
 """
 
 from __future__ import annotations
 
+import base64
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-import numpy.typing as npt
 import pyarrow as pa
 import pyarrow.parquet as pq
 from fsspec.core import url_to_fs
 
-from ._base import Paths, ShardedSource
+from ._base import Paths
+from ._columns import ArrowBatchSource
 from ._manifest import FileEntry
 
 __all__ = ["ParquetSource", "from_parquet"]
 
-#: Decoded row groups kept per process (bytes).
+#: Decoded row groups kept per process (bytes of Arrow buffers).
 DEFAULT_ROW_GROUP_CACHE = 256 << 20
 
 
-class ParquetSource(ShardedSource):
-    """Parquet shards as one indexable source; a sample is a dict of the row's columns.
+class ParquetSource(ArrowBatchSource):
+    """Parquet shards as one indexable source; a sample is a dict of the row's columns
+    (numbers as Python scalars, lists of numbers as 1-D numpy arrays), and
+    :meth:`read_columns` reads a whole batch as numpy columns.
 
     Build it with :func:`from_parquet`.
     """
@@ -51,10 +58,8 @@ class ParquetSource(ShardedSource):
     ) -> None:
         self.columns = None if columns is None else list(columns)
         self.row_group_cache_bytes = int(row_group_cache_bytes)
-        #: (shard, row group) -> (column lists, rows, Arrow bytes), least recent first
-        self._groups: OrderedDict[tuple[int, int], tuple[dict[str, list[Any]], int, int]] = (
-            OrderedDict()
-        )
+        #: (shard, row group) -> (Arrow table, its buffer bytes), least recent first
+        self._groups: OrderedDict[tuple[int, int], tuple[pa.Table, int]] = OrderedDict()
         self._group_bytes = 0
         super().__init__(paths, **kwargs)
 
@@ -73,7 +78,11 @@ class ParquetSource(ShardedSource):
                 raise ValueError(f"truncated or corrupt Parquet file: {exc}") from exc
             groups = [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
             schema = meta.schema.to_arrow_schema().remove_metadata()
-        return int(meta.num_rows), {"row_groups": groups, "schema": schema.to_string()}
+        return int(meta.num_rows), {
+            "row_groups": groups,
+            "schema": schema.to_string(),
+            "arrow_schema": base64.b64encode(schema.serialize().to_pybytes()).decode("ascii"),
+        }
 
     def _setup(self, entries: list[FileEntry]) -> None:
         first = entries[0].meta["schema"]
@@ -84,65 +93,46 @@ class ParquetSource(ShardedSource):
                     f"({entries[0].url}): {_diff(first, e.meta['schema'])}; rewrite the "
                     f"shards with one schema, or open them as separate sources"
                 )
-            if self.columns is not None:
-                names = [line.split(":")[0] for line in first.splitlines()]
-                missing = [c for c in self.columns if c not in names]
-                if missing:
-                    raise ValueError(f"{self._what}: columns {missing} not in the schema {names}")
-        self._group_starts = [
-            np.concatenate([[0], np.cumsum(e.meta["row_groups"])]).astype(np.int64) for e in entries
-        ]
-
-    @property
-    def preferred_shuffle(self) -> str:
-        """``"block"`` for remote shards, and for local ones larger than the row-group cache
-        (a global shuffle would then decode a whole row group for almost every sample);
-        else ``"global"``."""
-        if self.cache is not None or sum(self._shards.sizes) > self.row_group_cache_bytes:
-            return "block"
-        return "global"
+        packed = entries[0].meta.get("arrow_schema")
+        if packed is None:  # a manifest written before the schema was kept in it
+            packed = self._scan(0, self.urls[0])[1]["arrow_schema"]
+        schema = pa.ipc.read_schema(pa.py_buffer(base64.b64decode(packed)))
+        if self.columns is not None:
+            missing = [c for c in self.columns if c not in schema.names]
+            if missing:
+                raise ValueError(
+                    f"{self._what}: columns {missing} not in the schema {schema.names}"
+                )
+            schema = pa.schema([schema.field(c) for c in self.columns])
+        self.schema = schema
+        self._chunk_rows = [[int(n) for n in e.meta["row_groups"]] for e in entries]
+        self._index_chunks()
 
     def _open(self, k: int, path: str) -> Any:
         return pq.ParquetFile(path)
 
-    def _row_group(self, k: int, g: int, handle: Any) -> tuple[dict[str, list[Any]], int]:
-        """Row group ``g`` of shard ``k`` as Python column lists (converted once, kept in
-        an LRU: a random read is then a list lookup, not an Arrow take + conversion)."""
+    def _chunk(self, k: int, g: int, handle: Any) -> pa.Table:
+        """Row group ``g`` of shard ``k`` as an Arrow table: from the LRU (budgeted by the
+        tables' real buffer sizes, so the budget is the memory held) or decoded now."""
         key = (k, g)
         hit = self._groups.get(key)
         if hit is not None:
             self._groups.move_to_end(key)
-            return hit[0], hit[1]
+            return hit[0]
         table = handle.read_row_group(g, columns=self.columns)
-        entry = (table.to_pydict(), table.num_rows, int(table.nbytes))
-        self._groups[key] = entry
-        self._group_bytes += entry[2]
+        expected = self._chunk_rows[k][g]
+        if table.num_rows != expected:
+            raise ValueError(
+                f"row group {g} has {table.num_rows} rows, the manifest says {expected}: the "
+                f"file changed since it was opened"
+            )
+        size = int(table.get_total_buffer_size())
+        self._groups[key] = (table, size)
+        self._group_bytes += size
         while self._group_bytes > self.row_group_cache_bytes and len(self._groups) > 1:
             _, old = self._groups.popitem(last=False)
-            self._group_bytes -= old[2]
-        return entry[0], entry[1]
-
-    def _read(self, k: int, handle: Any, rows: npt.NDArray[np.int64]) -> list[Any]:
-        starts = self._group_starts[k]
-        groups = np.searchsorted(starts, rows, side="right") - 1
-        local = rows - starts[groups]
-        out: list[Any] = [None] * rows.size
-        # one row-group lookup per group present, then plain list indexing per row
-        for g in np.unique(groups).tolist():
-            columns, num_rows = self._row_group(k, g, handle)
-            expected = int(starts[g + 1] - starts[g])
-            if num_rows != expected:
-                raise ValueError(
-                    f"row group {g} has {num_rows} rows, the manifest says {expected}: the "
-                    f"file changed since it was opened"
-                )
-            where = np.flatnonzero(groups == g).tolist()
-            picked = local[where].tolist()
-            names = list(columns)
-            values = [[columns[name][r] for r in picked] for name in names]
-            for pos, row in zip(where, zip(*values, strict=True), strict=True):
-                out[pos] = dict(zip(names, row, strict=True))
-        return out
+            self._group_bytes -= old[1]
+        return table
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
@@ -171,8 +161,10 @@ def from_parquet(
     """A source over Parquet shards: a list, a glob, a directory or an fsspec URL.
 
     Random access reads only the row group holding a sample (decoded row groups are kept
-    in a per-process LRU of ``row_group_cache_bytes``).  Remote shards are downloaded
-    into a bounded local cache (``cache_dir``, ``cache_bytes``) before reading.
+    as Arrow tables in a per-process LRU of ``row_group_cache_bytes``).  ``shuffle=True``
+    means a global shuffle for local shards whatever their size (so the order never
+    depends on the cache setting) and a block shuffle for remote ones.  Remote shards are
+    downloaded into a bounded local cache (``cache_dir``, ``cache_bytes``) before reading.
 
     >>> import evenly
     >>> ds = evenly.Dataset(from_parquet("data/*.parquet"), shuffle=True)  # doctest: +SKIP

@@ -19,6 +19,7 @@ field's bytes lie, so a sample is a few seeks and reads.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import tarfile
@@ -29,11 +30,12 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ._base import Paths, ShardedSource
+from ._base import Paths, RowError, ShardedSource
 from ._manifest import FileEntry, pack_array, unpack_array
 
 __all__ = ["WebDatasetSource", "from_webdataset"]
 
+_USTAR_MAX_SIZE = 0o77777777777
 _KEY_EXT = re.compile(r"^((?:.*/|)[^./]+)[.]([^/]*)$")
 
 
@@ -55,7 +57,9 @@ def check_member_name(name: str) -> None:
 class WebDatasetSource(ShardedSource):
     """WebDataset tar shards as one source; a sample is ``{"__key__", "__url__", field: bytes}``.
 
-    Build it with :func:`from_webdataset`.
+    A read checks each member's tar header (just before its data) against the manifest:
+    a file changed since then raises an error naming the sample, never serves another
+    sample's bytes.  Build it with :func:`from_webdataset`.
     """
 
     format = "webdataset"
@@ -66,52 +70,8 @@ class WebDatasetSource(ShardedSource):
         super().__init__(paths, **kwargs)
 
     def _scan(self, k: int, url: str) -> tuple[int, dict[str, Any]]:
-        path = self.local_path(k)
-        with open(path, "rb") as f:
-            head = f.read(512)
-            size = f.seek(0, 2)
-        if head[:2] == b"\x1f\x8b" or head[:3] == b"BZh" or head[:6] == b"\xfd7zXZ\x00":
-            raise ValueError(
-                "it is a compressed tar; evenly reads uncompressed tar shards (random "
-                "access needs offsets): decompress it, e.g. gunzip"
-            )
-        samples: list[list[Any]] = []
-        try:
-            with tarfile.open(path, mode="r:") as tar:
-                for member in tar:
-                    check_member_name(member.name)
-                    if not member.isfile():
-                        continue
-                    parts = split_name(member.name)
-                    if parts is None or member.name.rsplit("/", 1)[-1].startswith("__"):
-                        continue
-                    key, ext = parts
-                    if member.offset_data + member.size > size:
-                        raise ValueError(
-                            f"the tar is truncated: member {member.name!r} needs bytes up to "
-                            f"{member.offset_data + member.size}, the file has {size}"
-                        )
-                    if not samples or samples[-1][0] != key:
-                        samples.append([key, []])
-                    elif any(f[0] == ext for f in samples[-1][1]):
-                        raise ValueError(f"duplicate field {ext!r} in sample {key!r}")
-                    samples[-1][1].append([ext, member.offset_data, member.size])
-                end = tar.offset
-            with open(path, "rb") as f:
-                f.seek(end)
-                marker = f.read(512)
-        except tarfile.TarError as exc:
-            raise ValueError(
-                f"it is not a valid tar file ({exc}); is the extension wrong?"
-            ) from None
-        if not samples and size >= 512 and head.strip(b"\x00"):
-            raise ValueError("it is not a valid tar file (no member found)")
-        if len(marker) < 512 or marker.strip(b"\x00"):
-            raise ValueError(
-                f"the tar is truncated: no end-of-archive block after byte {end} "
-                f"(the file has {size} bytes)"
-            )
-        return len(samples), _Members.build(samples).to_meta()
+        with self.open_local(k) as f:
+            return _scan_tar(f)
 
     def _setup(self, entries: list[FileEntry]) -> None:
         self._tables = [_Members.from_meta(e.meta) for e in entries]
@@ -146,21 +106,109 @@ class WebDatasetSource(ShardedSource):
         sizes = t.size[members].tolist()
         m = 0
         for pos, row, n in zip(order.tolist(), r.tolist(), counts.tolist(), strict=True):
-            # a sample's members are consecutive in the tar: one read for all its fields
-            lo, hi = offsets[m], offsets[m + n - 1] + sizes[m + n - 1]
+            # a sample's members are consecutive in the tar: one read for all its fields,
+            # from the first member's header (checked against the manifest, as are the
+            # headers of the others) to the last member's end
+            lo, hi = offsets[m] - 512, offsets[m + n - 1] + sizes[m + n - 1]
             span = os.pread(fd, hi - lo, lo)
             key = t.keys[row]
             if len(span) != hi - lo:
-                raise ValueError(
+                raise RowError(
+                    row,
                     f"the tar is truncated: sample {key!r} needs bytes {lo}..{hi}, the file "
-                    f"ends at byte {lo + len(span)}"
+                    f"ends at byte {lo + len(span)}",
                 )
             sample: dict[str, Any] = {"__key__": key, "__url__": url}
             for j in range(m, m + n):
-                sample[names[j]] = span[offsets[j] - lo : offsets[j] - lo + sizes[j]]
+                at = offsets[j] - lo
+                if not _header_matches(span[at - 512 : at], key, names[j], sizes[j]):
+                    raise RowError(
+                        row,
+                        f"the file changed since its manifest was written: sample {key!r} "
+                        f"should have member {key + '.' + names[j]!r} with data at byte "
+                        f"{offsets[j]}, but the tar header there does not match; open the "
+                        f"dataset again (a changed file is scanned again)",
+                    )
+                sample[names[j]] = span[at : at + sizes[j]]
             out[pos] = sample
             m += n
         return out
+
+
+def _scan_tar(f: Any) -> tuple[int, dict[str, Any]]:
+    """Index the members of an open tar file (one pass over the headers)."""
+    head = f.read(512)
+    size = f.seek(0, 2)
+    f.seek(0)
+    if head[:2] == b"\x1f\x8b" or head[:3] == b"BZh" or head[:6] == b"\xfd7zXZ\x00":
+        raise ValueError(
+            "it is a compressed tar; evenly reads uncompressed tar shards (random "
+            "access needs offsets): decompress it, e.g. gunzip"
+        )
+    samples: list[list[Any]] = []
+    try:
+        with tarfile.open(fileobj=f, mode="r:") as tar:
+            for member in tar:
+                check_member_name(member.name)
+                if not member.isfile():
+                    continue
+                if member.issparse():
+                    raise ValueError(
+                        f"member {member.name!r} is a sparse file, whose bytes are not "
+                        f"stored in one piece; rewrite the tar without sparse files"
+                    )
+                parts = split_name(member.name)
+                if parts is None or member.name.rsplit("/", 1)[-1].startswith("__"):
+                    continue
+                key, ext = parts
+                if member.offset_data + member.size > size:
+                    raise ValueError(
+                        f"the tar is truncated: member {member.name!r} needs bytes up to "
+                        f"{member.offset_data + member.size}, the file has {size}"
+                    )
+                if not samples or samples[-1][0] != key:
+                    samples.append([key, []])
+                elif any(field[0] == ext for field in samples[-1][1]):
+                    raise ValueError(f"duplicate field {ext!r} in sample {key!r}")
+                samples[-1][1].append([ext, member.offset_data, member.size])
+            end = tar.offset
+        f.seek(end)
+        marker = f.read(512)
+    except tarfile.TarError as exc:
+        raise ValueError(f"it is not a valid tar file ({exc}); is the extension wrong?") from None
+    if not samples and size >= 512 and head.strip(b"\x00"):
+        raise ValueError("it is not a valid tar file (no member found)")
+    if len(marker) < 512 or marker.strip(b"\x00"):
+        raise ValueError(
+            f"the tar is truncated: no end-of-archive block after byte {end} "
+            f"(the file has {size} bytes)"
+        )
+    return len(samples), _Members.build(samples).to_meta()
+
+
+def _header_matches(header: bytes, key: str, ext: str, size: int) -> bool:
+    """Whether ``header`` (the 512 bytes before a member's data) is the header of the
+    member ``key.ext`` of ``size`` bytes that the manifest recorded.
+
+    A name that a header cannot hold whole (over 100 bytes, or not ASCII, written in a
+    GNU long-name or pax record before it) is checked by size and header checksum only.
+    """
+    name = f"{key}.{ext}"
+    raw = name.encode("utf-8", "surrogateescape")
+    if header[:100].split(b"\0", 1)[0] == raw and not header[124] & 0x80:  # the usual case
+        with contextlib.suppress(ValueError):
+            if int(header[124:136].split(b"\0", 1)[0].strip() or b"0", 8) == size:
+                return True
+    try:
+        info = tarfile.TarInfo.frombuf(header, tarfile.ENCODING, "surrogateescape")
+    except tarfile.HeaderError:
+        return False
+    # a size over 8 GiB may live only in a pax record
+    if not info.isfile() or (info.size != size and size <= _USTAR_MAX_SIZE):
+        return False
+    if split_name(info.name) == (key, ext):
+        return True
+    return len(raw) > 100 or not name.isascii()
 
 
 @dataclass(frozen=True)

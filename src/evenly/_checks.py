@@ -1,0 +1,82 @@
+"""What ``evenly.Dataset`` checks and says in the main process: the source protocol, the
+shuffle mode it resolves, and the warnings about padding, idle workers and empty epochs."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Protocol, TypeVar
+
+from ._order import SHUFFLE_MODES
+from ._plan import EpochPlan
+
+__all__ = ["EvenlyWarning", "Source", "check_source", "shuffle_mode", "warn_about"]
+
+T_co = TypeVar("T_co", covariant=True)
+logger = logging.getLogger("evenly")
+
+
+class Source(Protocol[T_co]):
+    """What ``evenly.Dataset`` reads: anything with ``__len__`` and ``__getitem__``.
+
+    A source may also define ``__getitems__(indices)`` (torch's batched-fetch hook) to
+    read a whole batch at once.
+    """
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: int) -> T_co: ...
+
+
+class EvenlyWarning(UserWarning):
+    """Something about the epoch the user should know: padding, idle workers, no data."""
+
+
+def check_source(source: object) -> None:
+    if not (hasattr(source, "__len__") and hasattr(source, "__getitem__")):
+        raise TypeError(
+            f"evenly.Dataset needs a source with __len__ and __getitem__, got "
+            f"{type(source).__name__}; wrap a generator in a list, or write its "
+            f"samples to shards with evenly.write()"
+        )
+
+
+def shuffle_mode(shuffle: bool | str, source: object) -> str:
+    """'none', 'global' or 'block'; ``True`` takes the source's preferred mode."""
+    if shuffle is True:
+        mode = getattr(source, "preferred_shuffle", "global")
+        logger.info("evenly: shuffle=True uses the %r shuffle for %s", mode, type(source).__name__)
+    elif shuffle is False:
+        mode = "none"
+    else:
+        mode = shuffle
+    if mode not in SHUFFLE_MODES:
+        raise ValueError(f"shuffle must be True, False, 'global' or 'block', got {shuffle!r}")
+    if mode == "block" and not hasattr(source, "shard_sizes"):
+        raise ValueError(
+            f"shuffle='block' needs a sharded source with shard_sizes (evenly.from_parquet, "
+            f"from_webdataset, from_jsonl); {type(source).__name__} has none: use "
+            f"shuffle='global'"
+        )
+    return str(mode)
+
+
+def warn_about(plan: EpochPlan, num_workers: int, rank: int) -> None:
+    """Warn, in the main process, about padding, idle workers and empty sources."""
+    if plan.num_samples == 0:
+        warnings.warn(
+            "evenly: the source is empty, so every rank yields 0 batches this epoch",
+            EvenlyWarning,
+            stacklevel=3,
+        )
+        return
+    if plan.num_padded:
+        warnings.warn(f"evenly: {plan.describe()}", EvenlyWarning, stacklevel=3)
+    idle = plan.idle_workers(num_workers)
+    if idle:
+        warnings.warn(
+            f"evenly: rank {rank} has {plan.num_batches} batch(es) this epoch for "
+            f"{max(num_workers, 1)} workers: {idle} worker(s) idle",
+            EvenlyWarning,
+            stacklevel=3,
+        )

@@ -1,0 +1,339 @@
+"""``evenly.BatchSampler``: the plan of ``evenly.Dataset`` for map-style datasets.
+
+A map-style dataset already gives every DataLoader worker explicit indices; what
+``DistributedSampler`` gets wrong is the rest: a new order each epoch needs
+``set_epoch``, ranks can end with different batch counts, padding is silent, and a
+mid-epoch resume is not exact.  This batch sampler hands each rank the batches of the
+same :class:`~evenly.EpochPlan` as ``evenly.Dataset``: one global permutation per
+(seed, epoch), sharded after the shuffle, equal batch counts on every rank, padding
+below ``world_size`` and reported.  It runs in the main process of each rank and
+computes a batch's indices only when it is drawn, a few thousand at a time, so an epoch
+of 10**9 samples plans in constant memory.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+from torch.utils.data import Sampler
+
+from ._dataset import EvenlyWarning
+from ._order import make_order
+from ._plan import CHUNK, EpochPlan, check_int
+from ._state import check_state, make_state
+from ._topology import Topology, resolve_topology
+
+__all__ = ["BatchSampler"]
+
+
+class _Pass:
+    """A pass that has started: its plan, this rank, and the batches drawn from it."""
+
+    __slots__ = ("before", "exhausted", "plan", "rank", "yielded")
+
+    def __init__(self, plan: EpochPlan, rank: int, before: int) -> None:
+        self.plan = plan
+        self.rank = rank
+        #: Batches this rank had received in this epoch before the plan's start.
+        self.before = before
+        self.yielded = 0
+        self.exhausted = False
+
+
+class BatchSampler(Sampler[list[int]]):
+    """A batch sampler for map-style datasets with the guarantees of ``evenly.Dataset``.
+
+    Each ``iter()`` starts the next epoch (no ``set_epoch`` needed) and yields this
+    rank's batches of sample indices: every sample exactly once per epoch across ranks
+    (up to the reported padding, fewer than ``world_size`` repeats), one global shuffle
+    per ``(seed, epoch)`` done before sharding, and the same number of batches on every
+    rank, at most one of them partial.
+
+    >>> import torch
+    >>> from evenly import BatchSampler
+    >>> data = list(range(10))
+    >>> sampler = BatchSampler(len(data), batch_size=4, seed=1, rank=0, world_size=2)
+    >>> loader = torch.utils.data.DataLoader(data, batch_sampler=sampler)
+    >>> len(loader), sampler.plan.num_padded
+    (2, 0)
+    >>> first = [x for batch in loader for x in batch.tolist()]
+    >>> second = [x for batch in loader for x in batch.tolist()]  # epoch 1: reshuffled
+    >>> len(first), first != second
+    (5, True)
+
+    Checkpoints: ``state_dict(batches_received=k)`` records how far the training loop
+    got (a prefix of the epoch's global order, valid under any world size or batch
+    size); ``load_state_dict`` makes the next ``iter()`` continue from there.  Under
+    torchdata's ``StatefulDataLoader`` this happens by itself.
+
+    Args:
+        num_samples: ``len(dataset)``.
+        batch_size: samples per batch on each rank.
+        shuffle: one keyed permutation of all samples per epoch (else index order).
+        seed: the seed of the shuffle; every rank must use the same one.
+        drop_last: drop the epoch's remainder (fewer than ``world_size * batch_size``
+            samples) instead of padding the last batches.
+        rank, world_size: override what is detected (``process_group``, else
+            ``torch.distributed``'s default group, else ``RANK``/``WORLD_SIZE``).
+        process_group: the data-parallel group (a ProcessGroup or a DeviceMesh
+            dimension): the rank and world size are taken within it.
+    """
+
+    def __init__(
+        self,
+        num_samples: int,
+        batch_size: int,
+        *,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+        rank: int | None = None,
+        world_size: int | None = None,
+        process_group: Any | None = None,
+    ) -> None:
+        if hasattr(num_samples, "__len__"):
+            raise TypeError(
+                f"num_samples must be an integer, got a {type(num_samples).__name__}: "
+                f"pass len(dataset)"
+            )
+        self.num_samples = check_int("num_samples", num_samples, minimum=0)
+        self.batch_size = check_int("batch_size", batch_size, minimum=1)
+        if not isinstance(shuffle, bool):
+            raise TypeError(f"shuffle must be True or False, got {shuffle!r}")
+        self.shuffle = shuffle
+        self.seed = check_int("seed", seed)
+        self.drop_last = bool(drop_last)
+        self._rank = None if rank is None else check_int("rank", rank, minimum=0)
+        self._world_size = (
+            None if world_size is None else check_int("world_size", world_size, minimum=1)
+        )
+        if self._rank is not None and self._world_size is not None:
+            Topology(self._rank, self._world_size)
+        self.process_group = process_group
+        #: The next pass: (epoch, start position, batches received before the start).
+        self._next = (0, 0, 0)
+        #: True while ``_next`` comes from ``load_state_dict`` (``set_epoch`` keeps it).
+        self._loaded = False
+        #: The pass in progress (or the last one); ``None`` once a new one is due.
+        self._pass: _Pass | None = None
+
+    # ---- plan ------------------------------------------------------------------
+    def topology(self) -> Topology:
+        """This rank's (rank, world_size), resolved now."""
+        return resolve_topology(self._rank, self._world_size, self.process_group)
+
+    def _plan(self, epoch: int, start: int, world_size: int) -> EpochPlan:
+        mode = "global" if self.shuffle else "none"
+        return EpochPlan(
+            num_samples=self.num_samples,
+            world_size=world_size,
+            batch_size=self.batch_size,
+            drop_last=self.drop_last,
+            seed=self.seed,
+            epoch=epoch,
+            start=start,
+            order=make_order(mode, self.num_samples, seed=self.seed, epoch=epoch),
+        )
+
+    def _in_progress(self) -> _Pass | None:
+        current = self._pass
+        return current if current is not None and not current.exhausted else None
+
+    @property
+    def plan(self) -> EpochPlan:
+        """The plan of the pass in progress, or of the next one: sizes, padding, drops."""
+        current = self._in_progress()
+        if current is not None:
+            return current.plan
+        epoch, start, _ = self._next
+        return self._plan(epoch, start, self.topology().world_size)
+
+    @property
+    def epoch(self) -> int:
+        """The epoch of the pass in progress, or of the next one."""
+        current = self._in_progress()
+        return current.plan.epoch if current is not None else self._next[0]
+
+    def __len__(self) -> int:
+        """This rank's batches in the epoch of the pass in progress (or the next one).
+
+        After ``load_state_dict`` it counts the batches received before the checkpoint
+        too (what Lightning's restored batch counter and ``StatefulDataLoader`` expect);
+        :attr:`remaining_batches` is what the pass still yields.
+        """
+        current = self._in_progress()
+        if current is not None:
+            return current.before + current.plan.num_batches
+        return self._next[2] + self.plan.num_batches
+
+    @property
+    def remaining_batches(self) -> int:
+        """Batches this rank has still to draw in the pass in progress (or the next)."""
+        current = self._in_progress()
+        if current is not None:
+            return current.plan.num_batches - current.yielded
+        return self.plan.num_batches
+
+    def set_epoch(self, epoch: int) -> None:
+        """Make the next ``iter()`` epoch ``epoch``, from its start (reproduced exactly);
+        later passes follow it.  A pass with batches left to draw is not affected.
+
+        A state loaded for this very epoch and not started yet is kept: frameworks
+        (Lightning) call ``set_epoch`` before every epoch, resumed ones included.
+        """
+        epoch = check_int("epoch", epoch, minimum=0)
+        if not (self._loaded and self._next[0] == epoch):
+            self._next = (epoch, 0, 0)
+            self._loaded = False
+        current = self._pass
+        if current is not None and current.yielded == current.plan.num_batches:
+            self._pass = None
+
+    # ---- iteration -------------------------------------------------------------
+    def __iter__(self) -> _Batches:
+        """This rank's batches of the next epoch.  The pass starts at the first
+        ``next()``: an iterator made and dropped unused takes no epoch."""
+        self._pass = None
+        return _Batches(self)
+
+    def _begin(self) -> _Pass:
+        epoch, start, before = self._next
+        topo = self.topology()
+        current = _Pass(self._plan(epoch, start, topo.world_size), topo.rank, before)
+        self._pass = current
+        self._next = (epoch + 1, 0, 0)
+        self._loaded = False
+        if self.num_samples == 0:
+            warnings.warn(
+                "evenly: BatchSampler has num_samples=0, so every rank yields 0 batches",
+                EvenlyWarning,
+                stacklevel=4,
+            )
+        elif current.plan.num_padded:
+            warnings.warn(f"evenly: {current.plan.describe()}", EvenlyWarning, stacklevel=4)
+        return current
+
+    # ---- checkpoints -----------------------------------------------------------
+    def fingerprint(self) -> dict[str, Any]:
+        """What a state must agree on (the same fields as ``evenly.Dataset``'s)."""
+        return {
+            "num_samples": self.num_samples,
+            "seed": self.seed,
+            "shuffle": "global" if self.shuffle else "none",
+            "drop_last": self.drop_last,
+        }
+
+    def state_dict(self, batches_received: int | None = None) -> dict[str, Any]:
+        """Where the epoch stands, as a small JSON-serialisable dict.
+
+        ``batches_received`` is the number of batches the training loop has received in
+        the pass in progress; by default, the batches this sampler has handed out, which
+        is exact with ``num_workers=0`` and under ``StatefulDataLoader`` (it asks the
+        sampler at the right moment), but counts prefetched batches with workers under
+        a plain DataLoader.  All ranks give the same state once they received the same
+        number of batches: save rank 0's.
+
+        >>> import json
+        >>> sampler = BatchSampler(10, batch_size=3, shuffle=False, rank=0, world_size=1)
+        >>> it = iter(sampler); _ = next(it); _ = next(it)
+        >>> state = sampler.state_dict()
+        >>> state["epoch"], state["position"]
+        (0, 6)
+        >>> other = BatchSampler(10, batch_size=2, shuffle=False, rank=0, world_size=1)
+        >>> other.load_state_dict(json.loads(json.dumps(state)))
+        >>> list(other)
+        [[6, 7], [8, 9]]
+        """
+        current = self._pass
+        if current is None:
+            if batches_received:
+                raise ValueError(
+                    f"batches_received={batches_received}, but no pass is in progress: the "
+                    f"next one (epoch {self._next[0]}) has not started"
+                )
+            epoch, position, before = self._next
+            return self._state(epoch, position, before)
+        plan = current.plan
+        received = current.yielded if batches_received is None else batches_received
+        received = check_int("batches_received", received, minimum=0)
+        if received > plan.num_batches:
+            raise ValueError(
+                f"batches_received={received}, but rank {current.rank} has only "
+                f"{plan.num_batches} batch(es) in this pass of epoch {plan.epoch}"
+            )
+        if received == plan.num_batches:  # the pass is over: point at the next one
+            return self._state(*self._next)
+        return self._state(plan.epoch, plan.consumed_after(received), current.before + received)
+
+    def _state(self, epoch: int, position: int, before: int) -> dict[str, Any]:
+        return make_state(self.fingerprint(), epoch, position, before)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Make the next ``iter()`` continue ``state`` exactly, under any world size or
+        batch size; later ``iter()`` calls go on with the following epochs.
+
+        Raises ``evenly.StateError`` naming every field that does not match this sampler.
+        """
+        self._next = check_state(state, self.fingerprint())
+        self._loaded = True
+        self._pass = None
+
+
+def _generate(current: _Pass) -> Iterator[list[int]]:
+    """The pass's batches, computed a chunk of ``CHUNK`` positions at a time."""
+    plan, rank = current.plan, current.rank
+    total = plan.num_batches
+    last = plan.samples_per_rank - (total - 1) * plan.batch_size if total else 0
+    per = max(1, CHUNK // plan.batch_size)
+    for first in range(0, total, per):
+        stop = min(first + per, total)
+        positions = plan.batches_positions(rank, np.arange(first, stop))
+        flat: list[int] = plan.indices(positions).tolist()
+        offset = 0
+        for b in range(first, stop):
+            size = last if b == total - 1 else plan.batch_size
+            batch = flat[offset : offset + size]
+            offset += size
+            current.yielded += 1
+            yield batch
+    current.exhausted = True
+
+
+class _Batches(Iterator[list[int]]):
+    """One pass of a :class:`BatchSampler`, started by its first ``next()``.
+
+    Its own small state is for ``StatefulDataLoader``, which saves it beside the
+    sampler's and, on a restore, draws from a restored iterator before it knows the
+    saved pass had ended: an iterator restored from a pass that was over yields nothing
+    and takes no epoch, so the loader's next ``iter()`` starts the right one.
+    """
+
+    def __init__(self, sampler: BatchSampler) -> None:
+        self._sampler = sampler
+        self._pass: _Pass | None = None
+        self._batches: Iterator[list[int]] = iter(())
+        self._over = False
+
+    def __iter__(self) -> _Batches:
+        return self
+
+    def __next__(self) -> list[int]:
+        if self._pass is None:
+            if self._over:
+                raise StopIteration
+            self._pass = self._sampler._begin()
+            self._batches = _generate(self._pass)
+        return next(self._batches)
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"pass_over": True}`` once every batch of the pass has been drawn."""
+        done = self._pass is not None and self._pass.yielded == self._pass.plan.num_batches
+        return {"pass_over": done or self._over}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore an iterator that has not started: a pass that was over stays over."""
+        if self._pass is None:
+            self._over = bool(state.get("pass_over", False))

@@ -1,0 +1,289 @@
+"""``evenly.from_arrow``: Arrow IPC files (file or stream format), memory-mapped.
+
+Any sample is a row: one lookup for the batch and one ``take`` per record batch present,
+straight from the memory map (no decode, no per-worker cache: the OS page cache is
+shared by every worker and rank on a node).  It also opens the Arrow files of a HF
+``datasets`` Dataset: a ``save_to_disk`` directory, or a loaded ``datasets.Dataset``
+object (its cache files), honouring its indices mapping (``select``, ``filter``,
+``shuffle``...).
+
+>>> import os, tempfile, pyarrow as pa
+>>> d = tempfile.mkdtemp()
+>>> with pa.ipc.new_file(os.path.join(d, "a.arrow"), pa.schema([("id", pa.int64())])) as w:
+...     w.write_table(pa.table({"id": [0, 1, 2]}), max_chunksize=2)
+>>> src = from_arrow(d, cache_dir=os.path.join(d, ".cache"))
+>>> len(src), src[2], src.read_columns([2, 0])["id"].tolist()
+(3, {'id': 2}, [2, 0])
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import pyarrow as pa
+
+from ._base import Paths
+from ._columns import ArrowBatchSource
+from ._manifest import FileEntry
+
+__all__ = ["ArrowSource", "from_arrow"]
+
+_FILE_MAGIC = b"ARROW1"
+
+
+class _Mapped:
+    """An open Arrow file: its memory map and its record batches (zero-copy views)."""
+
+    def __init__(self, path: str, columns: list[str] | None) -> None:
+        self.map = pa.memory_map(path)
+        if self.map.read(6) == _FILE_MAGIC:
+            self.map.seek(0)
+            reader = pa.ipc.open_file(self.map)
+            batches = [reader.get_batch(i) for i in range(reader.num_record_batches)]
+        else:
+            self.map.seek(0)
+            batches = list(pa.ipc.open_stream(self.map))
+        self.batches = [b if columns is None else b.select(columns) for b in batches]
+
+    def close(self) -> None:
+        self.batches = []
+        self.map.close()
+
+
+class ArrowSource(ArrowBatchSource):
+    """Arrow IPC files as one indexable source; a sample is a dict of the row's columns
+    (numbers as Python scalars, lists of numbers as 1-D numpy arrays), and
+    :meth:`read_columns` reads a whole batch as numpy columns.
+
+    Build it with :func:`from_arrow`.
+    """
+
+    format = "arrow"
+    extensions = (".arrow", ".feather", ".ipc")
+
+    def __init__(
+        self,
+        paths: Paths,
+        *,
+        columns: Sequence[str] | None = None,
+        mapping: npt.NDArray[np.int64] | None = None,
+        mapping_id: str = "",
+        **kwargs: Any,
+    ) -> None:
+        self.columns = None if columns is None else list(columns)
+        super().__init__(paths, **kwargs)
+        if mapping is not None:
+            rows = int(self._starts[-1])
+            bad = np.flatnonzero((mapping < 0) | (mapping >= rows))
+            if bad.size:
+                raise ValueError(
+                    f"{self._what}: the indices mapping sends sample {int(bad[0])} to row "
+                    f"{int(mapping[bad[0]])}, but the files hold {rows} rows; the mapping "
+                    f"belongs to other files"
+                )
+            self._mapping = mapping
+            self._mapping_id = mapping_id
+
+    def _scan(self, k: int, url: str) -> tuple[int, dict[str, Any]]:
+        try:
+            mapped = _Mapped(self.local_path(k), None)
+        except (pa.ArrowInvalid, OSError) as exc:
+            if isinstance(exc, FileNotFoundError):
+                raise
+            raise ValueError(
+                f"it is not a readable Arrow IPC file or stream ({exc}); is it truncated, "
+                f"or is the extension wrong?"
+            ) from exc
+        try:
+            rows = [b.num_rows for b in mapped.batches]
+            if mapped.batches:
+                schema = mapped.batches[0].schema
+            else:
+                mapped.map.seek(0)
+                head = mapped.map.read(6)
+                mapped.map.seek(0)
+                schema = (
+                    pa.ipc.open_file(mapped.map).schema
+                    if head == _FILE_MAGIC
+                    else pa.ipc.open_stream(mapped.map).schema
+                )
+        finally:
+            mapped.close()
+        schema = schema.remove_metadata()
+        return sum(rows), {
+            "batches": rows,
+            "schema": schema.to_string(),
+            "arrow_schema": base64.b64encode(schema.serialize().to_pybytes()).decode("ascii"),
+        }
+
+    def _setup(self, entries: list[FileEntry]) -> None:
+        first = entries[0].meta["schema"]
+        for k, e in enumerate(entries):
+            if e.meta["schema"] != first:
+                raise ValueError(
+                    f"{self._what}: the schema of file {k} ({e.url}) differs from file 0 "
+                    f"({entries[0].url}): {e.meta['schema']!r} vs {first!r}; open them as "
+                    f"separate sources"
+                )
+        schema = pa.ipc.read_schema(pa.py_buffer(base64.b64decode(entries[0].meta["arrow_schema"])))
+        if self.columns is not None:
+            missing = [c for c in self.columns if c not in schema.names]
+            if missing:
+                raise ValueError(
+                    f"{self._what}: columns {missing} not in the schema {schema.names}"
+                )
+            schema = pa.schema([schema.field(c) for c in self.columns])
+        self.schema = schema
+        self._chunk_rows = [[int(n) for n in e.meta["batches"]] for e in entries]
+        self._index_chunks()
+
+    def _open(self, k: int, path: str) -> Any:
+        mapped = _Mapped(path, self.columns)
+        rows = [b.num_rows for b in mapped.batches]
+        if rows != self._chunk_rows[k]:
+            mapped.close()
+            raise ValueError(
+                f"{self._what}: {self.urls[k]} now holds record batches of {rows[:8]} rows, "
+                f"the manifest says {self._chunk_rows[k][:8]}: the file changed since it was "
+                f"opened; open the source again"
+            )
+        return mapped
+
+    def _chunk(self, k: int, g: int, handle: Any) -> pa.RecordBatch:
+        batch: pa.RecordBatch = handle.batches[g]
+        return batch
+
+
+def _hf_directory(path: str) -> tuple[list[str], npt.NDArray[np.int64] | None, str]:
+    """The data files (and the indices mapping, if any) of a ``save_to_disk`` directory."""
+    if os.path.exists(os.path.join(path, "dataset_dict.json")):
+        splits = sorted(d for d in os.listdir(path) if os.path.isdir(os.path.join(path, d)))
+        raise ValueError(
+            f"evenly.from_arrow: {path!r} holds a datasets.DatasetDict (splits {splits}); "
+            f"pass one split's directory, e.g. {os.path.join(path, (splits or ['train'])[0])!r}"
+        )
+    with open(os.path.join(path, "state.json"), encoding="utf-8") as f:
+        state = json.load(f)
+    files = [os.path.join(path, d["filename"]) for d in state.get("_data_files", [])]
+    if not files:
+        raise ValueError(f"evenly.from_arrow: {path}/state.json lists no data files")
+    mapping = None
+    indices = state.get("_indices_data_files") or []
+    if indices:  # written by an old `datasets` that kept select/filter/shuffle unapplied
+        parts = [_Mapped(os.path.join(path, d["filename"]), None) for d in indices]
+        try:
+            mapping = np.concatenate(
+                [b.column(0).to_numpy().astype(np.int64) for p in parts for b in p.batches]
+            )
+        finally:
+            for p in parts:
+                p.close()
+    return files, mapping, str(state.get("_fingerprint", ""))
+
+
+def _hf_dataset(
+    ds: Any, columns: list[str] | None
+) -> tuple[list[str], npt.NDArray[np.int64] | None, str, list[str]]:
+    """The cache files, indices mapping, fingerprint and columns of a ``datasets.Dataset``."""
+    # the user has `datasets` (ds is one of its objects); it is never a dependency of evenly
+    from datasets.table import list_table_cache_files  # type: ignore[import-untyped]
+
+    files = list(list_table_cache_files(ds._data))  # not the indices mapping's file
+    if not files:
+        raise ValueError(
+            "evenly.from_arrow: this datasets.Dataset is held in memory (it has no cache "
+            "files); save it with ds.save_to_disk(path) and pass that directory, or use "
+            "the Dataset itself as a map-style source"
+        )
+    names = list(ds._data.column_names)
+    chosen = names if columns is None else list(columns)
+    missing = [c for c in chosen if c not in names]
+    if missing:
+        raise ValueError(f"evenly.from_arrow: columns {missing} not in the dataset's {names}")
+    mapped = _Mapped(files[0], None)
+    try:
+        on_disk = mapped.batches[0].schema.names if mapped.batches else chosen
+    finally:
+        mapped.close()
+    renamed = [c for c in chosen if c not in on_disk]
+    if renamed:
+        raise ValueError(
+            f"evenly.from_arrow: the dataset's columns {renamed} are not in its cache files "
+            f"(columns {on_disk}): renamed or added in memory; write it out with "
+            f"ds.save_to_disk(path) and pass that directory"
+        )
+    mapping = None
+    if ds._indices is not None:
+        mapping = np.asarray(ds._indices.column(0).to_numpy(), dtype=np.int64)
+    return files, mapping, str(getattr(ds, "_fingerprint", "")), chosen
+
+
+def _check_hf_table(source: ArrowSource, ds: Any) -> None:
+    """Refuse a Dataset whose table differs from its cache files (an in-memory slice,
+    rename or cast that the files do not hold): reading the files would return other
+    rows or columns than the dataset shows."""
+    rows = int(source._starts[-1])
+    wanted = ds._data.schema.remove_metadata()
+    wanted = pa.schema([wanted.field(n) for n in source.schema.names])
+    if rows != ds._data.num_rows or not wanted.equals(source.schema.remove_metadata()):
+        raise ValueError(
+            f"evenly.from_arrow: the datasets.Dataset differs from its cache files "
+            f"({ds._data.num_rows} rows and schema {wanted.names} vs {rows} rows and "
+            f"{source.schema.names} on disk: an in-memory select of a range, rename or "
+            f"cast); write it out with ds.save_to_disk(path) and pass that directory"
+        )
+
+
+def from_arrow(
+    paths: Paths | Any,
+    *,
+    columns: Sequence[str] | None = None,
+    storage_options: dict[str, Any] | None = None,
+    cache_dir: str | None = None,
+    cache_bytes: int | None = None,
+    use_manifest: bool = True,
+) -> ArrowSource:
+    """A source over Arrow IPC files (``.arrow``, ``.feather``, ``.ipc``; file or stream
+    format): a list, a glob, a directory or an fsspec URL; also a HF ``datasets``
+    ``save_to_disk`` directory or a loaded ``datasets.Dataset`` (its cache files).
+
+    Local files are memory-mapped: a global shuffle costs no more than a sequential read
+    once the pages are cached, so ``shuffle=True`` is a global shuffle for local files.
+    Remote files are downloaded whole into the bounded shard cache (``cache_dir``,
+    ``cache_bytes``) first.  A Dataset's indices mapping (from ``select``, ``filter``,
+    ``shuffle``, ``train_test_split``) is honoured: sample ``i`` is the dataset's row
+    ``i``, and rows it left out are never read.
+
+    >>> import evenly
+    >>> ds = evenly.Dataset(from_arrow("data/train"), shuffle=True)  # doctest: +SKIP
+    >>> import datasets
+    >>> hf = datasets.load_from_disk("data/train").shuffle(seed=0)  # doctest: +SKIP
+    >>> src = from_arrow(hf)  # doctest: +SKIP
+    """
+    options: dict[str, Any] = {
+        "storage_options": storage_options,
+        "cache_dir": cache_dir,
+        "cache_bytes": cache_bytes,
+        "use_manifest": use_manifest,
+    }
+    if hasattr(paths, "cache_files") and hasattr(paths, "_data"):
+        files, mapping, ident, chosen = _hf_dataset(
+            paths, None if columns is None else list(columns)
+        )
+        source = ArrowSource(files, columns=chosen, mapping=mapping, mapping_id=ident, **options)
+        _check_hf_table(source, paths)
+        return source
+    if isinstance(paths, str | os.PathLike) and os.path.isdir(paths):
+        path = os.fspath(paths)
+        if os.path.exists(os.path.join(path, "state.json")) or os.path.exists(
+            os.path.join(path, "dataset_dict.json")
+        ):
+            files, mapping, ident = _hf_directory(path)
+            return ArrowSource(files, columns=columns, mapping=mapping, mapping_id=ident, **options)
+    return ArrowSource(paths, columns=columns, **options)

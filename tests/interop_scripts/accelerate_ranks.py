@@ -1,0 +1,88 @@
+"""Rank bodies for Accelerate: ``accelerator.prepare(model, opt, evenly_loader)`` as a user
+writes it, recording the ids each training step receives."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import evenly
+
+BATCH, WORKERS = 10, 2
+
+
+def _setup(ns: tuple[int, ...], dispatch: bool | None) -> tuple[Any, Any, Any, list[Any]]:
+    from accelerate import (  # type: ignore[import-untyped]
+        Accelerator,
+        DataLoaderConfiguration,
+    )
+
+    accelerator = Accelerator(
+        cpu=True, dataloader_config=DataLoaderConfiguration(dispatch_batches=dispatch)
+    )
+    model = torch.nn.Linear(1, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    loaders = [
+        evenly.DataLoader(
+            evenly.Dataset(list(range(n)), shuffle=True, seed=0),
+            batch_size=BATCH,
+            num_workers=WORKERS,
+        )
+        for n in ns
+    ]
+    model, opt, *prepared = accelerator.prepare(model, opt, *loaders)
+    return accelerator, model, opt, prepared
+
+
+def _step(accelerator: Any, model: Any, opt: Any, batch: torch.Tensor, n: int) -> list[int]:
+    """One real DDP step (a gradient all-reduce per batch); returns the batch's ids."""
+    loss = model(batch.float().unsqueeze(1) / n).pow(2).mean()
+    accelerator.backward(loss)
+    opt.step()
+    opt.zero_grad()
+    return [int(i) for i in batch.tolist()]
+
+
+def train(
+    rank: int, world: int, ns: tuple[int, ...], dispatch: bool | None, epochs: int
+) -> dict[int, dict[str, Any]]:
+    """``epochs`` full epochs per loader; per N: the batches of each epoch and len()."""
+    accelerator, model, opt, prepared = _setup(ns, dispatch)
+    out: dict[int, dict[str, Any]] = {}
+    for n, loader in zip(ns, prepared, strict=True):
+        lens, batches = [], []
+        for _ in range(epochs):
+            lens.append(len(loader))
+            batches.append([_step(accelerator, model, opt, b, n) for b in loader])
+        out[n] = {"epochs": batches, "lens": lens, "type": type(loader).__name__}
+    return out
+
+
+def train_then_save(
+    rank: int, world: int, ns: tuple[int, ...], steps: int, ckpt: str
+) -> dict[int, list[list[int]]]:
+    """Receive ``steps`` batches of epoch 0 from each loader, then ``save_state``."""
+    accelerator, model, opt, prepared = _setup(ns, None)
+    out: dict[int, list[list[int]]] = {}
+    for n, loader in zip(ns, prepared, strict=True):
+        out[n] = []
+        for batch in loader:
+            out[n].append(_step(accelerator, model, opt, batch, n))
+            if len(out[n]) == steps:
+                break
+    accelerator.save_state(str(Path(ckpt)))
+    return out
+
+
+def load_then_train(
+    rank: int, world: int, ns: tuple[int, ...], ckpt: str
+) -> dict[int, list[list[list[int]]]]:
+    """A fresh run: ``load_state``, then two passes: the rest of epoch 0, then epoch 1."""
+    accelerator, model, opt, prepared = _setup(ns, None)
+    accelerator.load_state(str(Path(ckpt)))
+    out: dict[int, list[list[list[int]]]] = {}
+    for n, loader in zip(ns, prepared, strict=True):
+        out[n] = [[_step(accelerator, model, opt, b, n) for b in loader] for _ in range(2)]
+    return out

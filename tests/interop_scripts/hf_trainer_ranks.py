@@ -1,0 +1,54 @@
+"""Rank body for the HF Trainer: ``Trainer(model, args, train_dataset=evenly.Dataset(...))``
+with 2 DataLoader workers per rank, one epoch, recording the ids ``forward`` receives."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+import evenly
+
+BATCH, WORKERS = 10, 2
+
+
+class Recorder(torch.nn.Module):
+    """A tiny regression model that keeps the ids of every batch it is trained on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(1, 1)
+        self.seen: list[list[int]] = []
+
+    def forward(
+        self, idx: torch.Tensor, x: torch.Tensor, labels: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        if self.training:
+            self.seen.append([int(i) for i in idx.tolist()])
+        loss = (self.layer(x.unsqueeze(1)).squeeze(1) - labels).pow(2).mean()
+        return {"loss": loss}
+
+
+def train(rank: int, world: int, ns: tuple[int, ...], out_dir: str) -> dict[int, Any]:
+    from transformers import Trainer, TrainingArguments
+
+    out: dict[int, Any] = {}
+    for n in ns:
+        samples = [{"idx": i, "x": i / n, "labels": 0.0} for i in range(n)]
+        model = Recorder()
+        args = TrainingArguments(
+            output_dir=f"{out_dir}/n{n}",
+            per_device_train_batch_size=BATCH,
+            num_train_epochs=1,
+            use_cpu=True,
+            dataloader_num_workers=WORKERS,
+            remove_unused_columns=False,
+            report_to="none",
+            save_strategy="no",
+            logging_strategy="no",
+            disable_tqdm=True,
+        )
+        dataset = evenly.Dataset(samples, shuffle=True, seed=0)
+        Trainer(model=model, args=args, train_dataset=dataset).train()
+        out[n] = model.seen
+    return out

@@ -1,0 +1,80 @@
+"""Training by steps (issue 12, "Also"): ``evenly.DataLoader(..., infinite=True)`` runs
+across epochs without the loop restarting ``iter()``; every batch is full, every epoch
+is still read exactly once, and a state resumes exactly by step under another topology."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from typing import Any
+
+import pytest
+
+import evenly
+
+N, BATCH = 37, 4
+
+
+def loaders(world: int, workers: int, **kw: Any) -> list[evenly.DataLoader]:
+    return [
+        evenly.DataLoader(
+            evenly.Dataset(list(range(N)), shuffle=True, seed=5, rank=r, world_size=world),
+            batch_size=BATCH,
+            num_workers=workers,
+            infinite=True,
+            **kw,
+        )
+        for r in range(world)
+    ]
+
+
+def steps(loader: Any, k: int) -> list[list[int]]:
+    it = iter(loader)
+    return [next(it).tolist() for _ in range(k)]
+
+
+def stream_of(per_rank: list[list[list[int]]]) -> list[int]:
+    """Interleave ranks step by step: the order all ranks consumed together."""
+    return [x for s in zip(*per_rank, strict=True) for b in s for x in b]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_full_batches_across_epochs_each_epoch_exactly_once(workers: int) -> None:
+    k = 3 * N // (2 * BATCH) + 1  # a bit more than three epochs on 2 ranks
+    per_rank = [steps(loader, k) for loader in loaders(2, workers)]
+    assert all(len(b) == BATCH for r in per_rank for b in r)  # every batch full
+    stream = stream_of(per_rank)
+    for e in range(3):
+        assert sorted(stream[e * N : (e + 1) * N]) == list(range(N)), f"epoch {e}"
+    assert stream[:N] != stream[N : 2 * N]  # a new order each epoch
+    # the same order an epoch-by-epoch loader gives
+    plain = evenly.DataLoader(evenly.Dataset(list(range(N)), shuffle=True, seed=5), batch_size=N)
+    assert stream[:N] == next(iter(plain)).tolist()
+
+
+def test_resume_by_step_under_another_topology() -> None:
+    ran = loaders(2, 2)
+    first = [steps(loader, 7) for loader in ran]  # 56 positions: epoch 1 started
+    states = [json.loads(json.dumps(loader.state_dict())) for loader in ran]
+    assert states[0] == states[1] and (states[0]["epoch"], states[0]["position"]) == (1, 19)
+    resumed = []
+    for loader in loaders(3, 1):
+        loader.load_state_dict(states[0])
+        resumed.append(steps(loader, 5))  # 60 more positions
+    stream = stream_of(first) + stream_of(resumed)
+    assert sorted(stream[:N]) == list(range(N))
+    assert sorted(stream[N : 2 * N]) == list(range(N))
+    assert sorted(stream[2 * N : 3 * N]) == list(range(N))
+    assert Counter(stream).most_common(1)[0][1] == 4  # epochs 0-2 and the start of 3
+
+
+def test_a_new_iter_continues_where_the_loop_stopped_and_len_is_undefined() -> None:
+    (loader,) = loaders(1, 0)
+    a = steps(loader, 5)
+    b = steps(loader, 5)
+    joined = [x for batch in a + b for x in batch]
+    assert sorted(joined[:N]) == list(range(N)) and len(set(joined[N:])) == len(joined) - N
+    with pytest.raises(TypeError, match="has no length"):
+        len(loader)
+    loader.set_epoch(0)  # replay from the start of epoch 0
+    assert steps(loader, 5) == a

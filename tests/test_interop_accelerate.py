@@ -1,0 +1,82 @@
+"""HF Accelerate and the HF Trainer over evenly, in real 2-rank gloo runs (issue 11).
+
+A user hands ``evenly.DataLoader`` to ``accelerator.prepare`` (or an ``evenly.Dataset`` to
+the Trainer) and changes nothing else.  The guarantees must hold through Accelerate's
+rebuilt loader: every sample exactly once per epoch across the ranks, equal batch counts,
+a new order each epoch, and an exact mid-epoch resume in a fresh run through
+``save_state``/``load_state``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from tests.distributed import run_ranks
+from tests.interop_scripts import accelerate_ranks, hf_trainer_ranks
+from tests.interop_scripts.expect import (
+    assert_equal_batches,
+    assert_exactly_once,
+    assert_order_changes,
+    join,
+)
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        importlib.util.find_spec("accelerate") is None, reason="needs accelerate (test extra)"
+    ),
+]
+
+WORLD = 2
+NS = (1000, 1001)
+QUIET = {"PYTHONWARNINGS": "ignore", "ACCELERATE_LOG_LEVEL": "error"}
+
+
+def check_two_epochs(results: list[dict[int, dict[str, object]]], what: str) -> None:
+    for n in NS:
+        per_rank = [r[n] for r in results]
+        epochs = [[r["epochs"][e] for r in per_rank] for e in range(2)]  # type: ignore[index]
+        for e, epoch in enumerate(epochs):
+            label = f"{what}, N={n}, epoch {e}"
+            assert_exactly_once(epoch, n, WORLD, label)
+            assert_equal_batches(epoch, label)
+            lens = {r["lens"][e] for r in per_rank}  # type: ignore[index]
+            assert lens == {len(epoch[0])}, f"{label}: len(loader) {lens}, {len(epoch[0])} came"
+        assert_order_changes(epochs[0], epochs[1], f"{what}, N={n}")
+
+
+def test_accelerate_prepare_default_delivers_every_sample_once_per_epoch() -> None:
+    results = run_ranks(accelerate_ranks.train, WORLD, NS, None, 2, env=QUIET, timeout=150)
+    check_two_epochs(results, "accelerate prepare() default")
+
+
+def test_accelerate_without_dispatch_delivers_every_sample_once_per_epoch() -> None:
+    results = run_ranks(accelerate_ranks.train, WORLD, NS, False, 2, env=QUIET, timeout=150)
+    check_two_epochs(results, "accelerate dispatch_batches=False")
+
+
+def test_accelerate_save_state_mid_epoch_resumes_exactly_in_a_fresh_run(tmp_path: Path) -> None:
+    steps = 20
+    ckpt = str(tmp_path / "ckpt")
+    first = run_ranks(accelerate_ranks.train_then_save, WORLD, NS, steps, ckpt, env=QUIET)
+    second = run_ranks(accelerate_ranks.load_then_train, WORLD, NS, ckpt, env=QUIET)
+    for n in NS:
+        before = [r[n] for r in first]
+        rest, epoch1 = ([r[n][e] for r in second] for e in range(2))
+        label = f"accelerate save_state/load_state, N={n}"
+        assert_equal_batches(rest, f"{label}, rest of epoch 0")
+        assert_exactly_once(join(before, rest), n, WORLD, f"{label}, epoch 0 (both runs)")
+        assert_exactly_once(epoch1, n, WORLD, f"{label}, epoch 1")
+        assert_equal_batches(epoch1, f"{label}, epoch 1")
+        assert_order_changes(join(before, rest), epoch1, label)
+
+
+def test_hf_trainer_over_evenly_dataset_delivers_every_sample_once(tmp_path: Path) -> None:
+    results = run_ranks(hf_trainer_ranks.train, WORLD, NS, str(tmp_path), env=QUIET, timeout=150)
+    for n in NS:
+        epoch = [r[n] for r in results]
+        assert_exactly_once(epoch, n, WORLD, f"HF Trainer, N={n}")
+        assert_equal_batches(epoch, f"HF Trainer, N={n}")

@@ -1,0 +1,66 @@
+"""The data-parallel group (issue 11): under tensor/pipeline parallelism the ranks of one
+model replica get identical batches and the split runs over the data-parallel group only."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+
+import evenly
+from tests.distributed import run_ranks
+
+N, BATCH = 101, 4
+
+
+def tp_layout(rank: int, world: int, how: str, context: str) -> list[list[int]]:
+    """4 ranks = 2 data-parallel x 2 tensor-parallel: replicas {0, 1} and {2, 3}."""
+    if how == "mesh":
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        group: Any = mesh["dp"]
+    else:
+        groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]  # every rank makes both
+        group = groups[rank % 2]
+    ds = evenly.Dataset(list(range(N)), shuffle=True, seed=2, process_group=group)
+    loader = evenly.DataLoader(ds, batch_size=BATCH, num_workers=2, multiprocessing_context=context)
+    out = []
+    for _ in range(2):
+        out.append([int(x) for batch in loader for x in batch])
+        dist.barrier()
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("how", "context"), [("mesh", "fork"), ("groups", "spawn")])
+def test_replicas_get_identical_batches_and_disjoint_shares(how: str, context: str) -> None:
+    ranks = run_ranks(tp_layout, 4, how, context, timeout=240)
+    # with DeviceMesh (2, 2) and dim 0 = dp, replicas are {0, 1} (dp rank 0) and {2, 3}
+    first, second = (0, 1), (2, 3)
+    if how == "groups":  # new_group([0, 2]) / ([1, 3]): dp rank = rank // 2 as well
+        first, second = (0, 1), (2, 3)
+    for epoch in range(2):
+        assert ranks[first[0]][epoch] == ranks[first[1]][epoch]
+        assert ranks[second[0]][epoch] == ranks[second[1]][epoch]
+        both = Counter(ranks[first[0]][epoch] + ranks[second[0]][epoch])
+        assert set(both) == set(range(N)) and sum(both.values()) == N + 1  # one pad
+    assert ranks[0][0] != ranks[0][1]  # a new order each epoch
+
+
+def outside_the_group(rank: int, world: int) -> str:
+    group = dist.new_group([0])
+    try:
+        evenly.Dataset(list(range(4)), process_group=group)
+    except ValueError as exc:
+        return str(exc)
+    return "ok"
+
+
+@pytest.mark.slow
+def test_a_rank_outside_the_given_group_is_told() -> None:
+    messages = run_ranks(outside_the_group, 2, timeout=120)
+    assert messages[0] == "ok"
+    assert "not a member of the given group" in messages[1]

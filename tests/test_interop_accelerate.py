@@ -58,6 +58,18 @@ def test_accelerate_without_dispatch_delivers_every_sample_once_per_epoch() -> N
     check_two_epochs(results, "accelerate dispatch_batches=False")
 
 
+@pytest.mark.parametrize("dispatch", [None, False], ids=["dispatcher", "iterable-shard"])
+def test_a_prepared_plain_loader_over_the_dataset_is_never_sharded_twice(
+    dispatch: bool | None,
+) -> None:
+    """Accelerate rebuilds a plain loader (DataLoaderDispatcher by default,
+    IterableDatasetShard with dispatch_batches=False): evenly recognises both."""
+    results = run_ranks(
+        accelerate_ranks.train, WORLD, NS, dispatch, 2, True, env=QUIET, timeout=150
+    )
+    check_two_epochs(results, f"accelerate prepare(plain DataLoader), dispatch={dispatch}")
+
+
 def test_accelerate_save_state_mid_epoch_resumes_exactly_in_a_fresh_run(tmp_path: Path) -> None:
     steps = 20
     ckpt = str(tmp_path / "ckpt")

@@ -13,7 +13,9 @@ import evenly
 BATCH, WORKERS = 10, 2
 
 
-def _setup(ns: tuple[int, ...], dispatch: bool | None) -> tuple[Any, Any, Any, list[Any]]:
+def _setup(
+    ns: tuple[int, ...], dispatch: bool | None, plain: bool = False
+) -> tuple[Any, Any, Any, list[Any]]:
     from accelerate import (  # type: ignore[import-untyped]
         Accelerator,
         DataLoaderConfiguration,
@@ -24,8 +26,9 @@ def _setup(ns: tuple[int, ...], dispatch: bool | None) -> tuple[Any, Any, Any, l
     )
     model = torch.nn.Linear(1, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    kind: Any = torch.utils.data.DataLoader if plain else evenly.DataLoader
     loaders = [
-        evenly.DataLoader(
+        kind(
             evenly.Dataset(list(range(n)), shuffle=True, seed=0),
             batch_size=BATCH,
             num_workers=WORKERS,
@@ -46,10 +49,16 @@ def _step(accelerator: Any, model: Any, opt: Any, batch: torch.Tensor, n: int) -
 
 
 def train(
-    rank: int, world: int, ns: tuple[int, ...], dispatch: bool | None, epochs: int
+    rank: int,
+    world: int,
+    ns: tuple[int, ...],
+    dispatch: bool | None,
+    epochs: int,
+    plain: bool = False,
 ) -> dict[int, dict[str, Any]]:
-    """``epochs`` full epochs per loader; per N: the batches of each epoch and len()."""
-    accelerator, model, opt, prepared = _setup(ns, dispatch)
+    """``epochs`` full epochs per loader; per N: the batches of each epoch and len().
+    ``plain``: a torch DataLoader over the evenly.Dataset is prepared instead."""
+    accelerator, model, opt, prepared = _setup(ns, dispatch, plain)
     out: dict[int, dict[str, Any]] = {}
     for n, loader in zip(ns, prepared, strict=True):
         lens, batches = [], []

@@ -8,7 +8,11 @@ fast: 2 ranks x 2 workers x 2 epochs, batch size 10, 100-202 samples.
 from __future__ import annotations
 
 import functools
+import os
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -406,3 +410,145 @@ def test_hf_datasets_and_webdataset_pipelines() -> None:
         # Neither gives a len(): the audit says so rather than guessing.
         assert result.finding("length").status == "WARN"
     assert wds.records.labels is not None  # ids are the string __key__s
+
+
+# --- Stopping: a stuck or failing audit ends every process it started (issue 9 item 10) ---
+
+STUCK_DIR = "EVENLY_TEST_STUCK_DIR"
+
+
+class Stuck(torch.utils.data.IterableDataset[int]):
+    """Each worker records ``worker-<rank>-<pid>`` in ``folder``, then blocks in ``__iter__``
+    (for 300 s, far past any test).  With ``fail_when``, the worker instead waits until that
+    many rank-1 workers are recorded and raises."""
+
+    def __init__(self, folder: str, fail_when: int | None = None) -> None:
+        self.folder, self.fail_when = Path(folder), fail_when
+
+    def __iter__(self) -> Any:
+        rank = os.environ.get("RANK", "0")
+        (self.folder / f"worker-{rank}-{os.getpid()}").touch()
+        if self.fail_when is None:
+            time.sleep(300)
+        else:
+            for _ in range(6000):  # 300 s at most, then fail anyway
+                if len(list(self.folder.glob("worker-1-*"))) >= self.fail_when:
+                    break
+                time.sleep(0.05)
+        raise RuntimeError("this worker fails on purpose")
+        yield 0  # a generator, as most datasets are
+
+
+def stuck_from_env() -> Stuck:
+    """Factory for the CLI: every worker of every rank blocks."""
+    folder = os.environ[STUCK_DIR]
+    Path(folder, f"rank-{os.environ['RANK']}-{os.getpid()}").touch()
+    return Stuck(folder)
+
+
+def rank0_fails_once_rank1_is_stuck(folder: str) -> Stuck:
+    """Rank 1's two workers block; a worker of rank 0 raises once both are running."""
+    Path(folder, f"rank-{os.environ['RANK']}-{os.getpid()}").touch()
+    return Stuck(folder, fail_when=2 if os.environ["RANK"] == "0" else None)
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie awaiting its reaper is not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[0] not in ("Z", "X")
+
+
+def _recorded(folder: Path) -> dict[str, list[int]]:
+    pids: dict[str, list[int]] = {"rank": [], "worker": []}
+    for f in folder.iterdir():
+        kind, _, pid = f.name.split("-")
+        pids[kind].append(int(pid))
+    return pids
+
+
+@pytest.fixture
+def stuck_dir(tmp_path: Path) -> Any:
+    """A folder for the pid files; whatever is still running at the end is killed, so a
+    failing test leaks nothing."""
+    yield tmp_path
+    for pids in _recorded(tmp_path).values():
+        for pid in pids:
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+needs_proc = pytest.mark.skipif(
+    not Path("/proc/self/stat").exists(), reason="reads process states from /proc"
+)
+
+
+@pytest.mark.slow
+@needs_proc
+def test_timeout_stops_the_ranks_and_their_blocked_workers(
+    stuck_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from evenly.audit._cli import main
+
+    monkeypatch.setenv(STUCK_DIR, str(stuck_dir))
+    code = main(
+        ["tests.test_audit:stuck_from_env", "--workers", "2", "--world-size", "1",
+         "--epochs", "1", "--timeout", "10"]
+    )  # fmt: skip
+    assert code == 2
+    pids = _recorded(stuck_dir)
+    # The premise: the rank had started its 2 workers, blocked in __iter__, before 10 s
+    # (it takes 1-3 s; a machine too loaded for that fails here, not silently).
+    assert len(pids["rank"]) == 1 and len(pids["worker"]) == 2, pids
+    assert [pid for kind in pids.values() for pid in kind if _running(pid)] == []
+    err = " ".join(capsys.readouterr().err.split())
+    assert "did not finish within its timeout of 10 s (--timeout / timeout=)" in err
+    assert "rank(s) [0] had not reported" in err
+    assert "Every rank process and its DataLoader workers were stopped" in err
+
+
+@pytest.mark.slow
+@needs_proc
+def test_a_failing_rank_stops_the_other_ranks_blocked_workers(stuck_dir: Path) -> None:
+    factory = functools.partial(rank0_fails_once_rank1_is_stuck, str(stuck_dir))
+    with pytest.raises(AuditError, match=r"(?s)rank 0 failed .*this worker fails on purpose"):
+        audit(factory, num_workers=2, world_size=2, epochs=1, batch_size=2, timeout=300)
+    pids = _recorded(stuck_dir)
+    assert len(pids["rank"]) == 2 and len(pids["worker"]) == 4, pids
+    assert [pid for kind in pids.values() for pid in kind if _running(pid)] == []
+
+
+@pytest.mark.slow
+@needs_proc
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_an_interrupted_audit_stops_the_ranks_and_their_workers(
+    stuck_dir: Path, signum: int
+) -> None:
+    """Ctrl-C or a scheduler's SIGTERM, sent to the audit process only (the ranks run in
+    their own sessions), still ends every process it started."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, PYTHONPATH=path, **{STUCK_DIR: str(stuck_dir)})
+    # No pipes: a process left behind holding one would only turn into a hang here.
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "evenly.audit", "tests.test_audit:stuck_from_env",
+         "--workers", "2", "--world-size", "2", "--epochs", "1"],
+        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        for _ in range(2400):  # until the 2 ranks' 4 workers are blocked (120 s at most)
+            if len(_recorded(stuck_dir)["worker"]) == 4 or proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        assert len(_recorded(stuck_dir)["worker"]) == 4, proc.poll()
+        proc.send_signal(signum)
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode != 0
+    pids = _recorded(stuck_dir)
+    assert len(pids["rank"]) == 2, pids
+    assert [pid for kind in pids.values() for pid in kind if _running(pid)] == []

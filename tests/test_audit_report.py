@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +13,7 @@ import matplotlib.image
 import numpy as np
 import pytest
 
-from evenly.audit import AuditResult, all_findings
+from evenly.audit import AuditError, AuditResult, all_findings
 from evenly.audit._cli import main
 from evenly.audit._collect import Settings
 from evenly.audit._report import image_size
@@ -121,3 +122,21 @@ def test_register_adds_the_audit_subcommand() -> None:
     )
     assert (args.epochs, args.batch_size, args.report, args.json) == (2, 10, "out", True)
     assert args.func is run
+
+
+def test_without_matplotlib_the_report_names_the_extra_and_writes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` fails
+    result = _synthetic(epochs=1)
+    with pytest.raises(AuditError, match=re.escape("pip install 'evenly[report]'")):
+        result.write_report(tmp_path / "report")
+    assert not (tmp_path / "report").exists()
+    # The CLI says so before it audits anything: not even the factory is imported.
+    code = main(["no_such_module_here:factory", "--report", str(tmp_path / "cli")])
+    assert code == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "matplotlib, which is not installed" in err
+    assert "pip install 'evenly[report]'" in err
+    assert "no_such_module_here" not in err
+    assert not (tmp_path / "cli").exists()

@@ -251,3 +251,35 @@ def test_works_under_torchdata_stateful_dataloader(workers: int) -> None:
     second.load_state_dict(state)
     rest = [x for b in second for x in b.tolist()]
     assert Counter(got + rest) == Counter(range(N))  # exactly once, no fast-forward replay
+
+
+def stateful_resume_then_next_epoch(workers: int, state: dict[str, Any]) -> list[list[int]]:
+    """A new StatefulDataLoader over a new dataset loads ``state``: the rest of the epoch,
+    then the next one."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    ds = evenly.Dataset(list(range(N)), shuffle=True, seed=4)
+    loader = StatefulDataLoader(ds, batch_size=8, num_workers=workers)
+    loader.load_state_dict(state)
+    return [[x for b in loader for x in b.tolist()] for _ in range(2)]
+
+
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
+@pytest.mark.parametrize("workers", [0, 2])
+def test_stateful_dataloader_continues_with_the_next_epochs_after_a_resume(workers: int) -> None:
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    first = StatefulDataLoader(
+        evenly.Dataset(list(range(N)), shuffle=True, seed=4), batch_size=8, num_workers=workers
+    )
+    it = iter(first)
+    got = [x for _ in range(3) for x in next(it).tolist()]
+    state = first.state_dict()
+    del it
+    del first
+    rest, following = stateful_resume_then_next_epoch(workers, state)
+    assert Counter(got + rest) == Counter(range(N))
+    assert sorted(following) == list(range(N))
+    assert following != got + rest  # epoch 1, not epoch 0 again
+    if workers == 0:
+        assert following == order(1)

@@ -52,6 +52,13 @@ class PassCounter:
         self._base[1] = start
         self._counts.zero_()
 
+    def rebase(self, worker_id: int, epoch: int, start: int) -> None:
+        """A worker restored from a state (every worker of the loader loads the same
+        epoch and start): its next pass is ``epoch`` from ``start``."""
+        self._base[0] = epoch
+        self._base[1] = start
+        self._counts[worker_id] = 0
+
     def base(self) -> tuple[int, int]:
         epoch, start = self._base.tolist()
         return int(epoch), int(start)

@@ -27,8 +27,8 @@ from ._pass import PassSpec
 from ._plan import EpochPlan, Order, check_int
 from ._reader import ReadContext, read_batches
 from ._rng import GENERATORS, check_generators
-from ._stream import StreamPlan
 from ._state import StateError, check_state, make_state
+from ._stream import StreamPlan
 from ._topology import (
     Topology,
     group_of,
@@ -131,9 +131,9 @@ class Dataset(IterableDataset[Any], Generic[T_co]):
         self._skipped = torch.zeros(_SKIP_SLOTS, dtype=torch.int64).share_memory_()  # type: ignore[no-untyped-call]
         #: samples this process's iterator has handed out in the current pass
         self._progress = [0]
-        #: (epoch, start, skip) for the next pass of this process only (a worker restored
-        #: by StatefulDataLoader)
-        self._local_resume: tuple[int, int, int] | None = None
+        #: samples the next pass of this process skips (a worker restored by
+        #: StatefulDataLoader: what it had yielded of the interrupted pass)
+        self._local_skip = 0
         #: (stamp, epoch) of the last set_epoch call, for an evenly.DataLoader to follow
         self.epoch_request: tuple[int, int] | None = None
         #: a framework wrapper driving the dataset's own passes (Accelerate), if seen
@@ -247,9 +247,7 @@ class Dataset(IterableDataset[Any], Generic[T_co]):
         self.topology()
 
     def _own_spec(self, worker_id: int, num_workers: int, count: bool) -> PassSpec:
-        if self._local_resume is not None:
-            epoch, start = self._local_resume[:2]
-        elif count:
+        if count:
             epoch, start = self._counter.begin(worker_id, num_workers)
         else:
             epoch, start = self._counter.current()
@@ -347,9 +345,7 @@ class Dataset(IterableDataset[Any], Generic[T_co]):
                 f"the wrapper call dataset.set_epoch() before iterating"
             )
         spec = self._own_spec(worker_id, num_workers, count=True)
-        skip = 0
-        if self._local_resume is not None:
-            skip, self._local_resume = self._local_resume[2], None
+        skip, self._local_skip = self._local_skip, 0
         if info is None:
             self._skipped.zero_()
             warn_about(self.plan_for(spec), num_workers, spec.rank)
@@ -530,7 +526,8 @@ class Dataset(IterableDataset[Any], Generic[T_co]):
                     f"loaded into worker {info.id} of {info.num_workers}"
                 )
             skip = check_int("state['worker']['yielded']", worker.get("yielded"), minimum=0)
-            self._local_resume = (epoch, position, skip)
+            self._counter.rebase(info.id, epoch, position)
+            self._local_skip = skip
             return
         self._counter.reset(epoch, position)
         self._skipped.zero_()

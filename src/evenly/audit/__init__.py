@@ -9,13 +9,24 @@ True
 >>> print(result.to_json())                                                 # doctest: +SKIP
 
 From a shell: ``evenly audit examples.talk_attempts:naive --workers 2 --world-size 2``.
+
+Importing this package is cheap (``import evenly`` does it): each name below is loaded
+from its module on first use, and the modules that run ranks (torch.distributed), print
+tables (rich) or draw the report (matplotlib, ``pip install 'evenly[report]'``) only
+when an audit runs, prints or draws.
 """
 
-from ._api import AuditResult, audit, audit_many, build_records
-from ._collect import AuditError
-from ._findings import all_findings
-from ._trace import default_id
-from ._types import Finding, RankEpoch, Records, Status
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ._api import audit, audit_many, build_records
+    from ._findings import all_findings
+    from ._result import AuditResult
+    from ._trace import default_id
+    from ._types import AuditError, Finding, RankEpoch, Records, Status
 
 __all__ = [
     "AuditError",
@@ -30,3 +41,31 @@ __all__ = [
     "build_records",
     "default_id",
 ]
+
+#: Where each public name lives.
+_HOME = {
+    "AuditError": "._types",
+    "AuditResult": "._result",
+    "Finding": "._types",
+    "RankEpoch": "._types",
+    "Records": "._types",
+    "Status": "._types",
+    "all_findings": "._findings",
+    "audit": "._api",
+    "audit_many": "._api",
+    "build_records": "._api",
+    "default_id": "._trace",
+}
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOME.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(home, __name__), name)
+    globals()[name] = value  # resolved once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -11,84 +11,20 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ._collect import AuditError, Job, RankResult, Settings, collect, describe, resolve
+from ._factory import Factory, describe, resolve
 from ._findings import all_findings
-from ._trace import IdFn
-from ._types import I64, Finding, Records
+from ._result import AuditResult
+from ._types import I64, AuditError, IdFn, Records, Settings
 
-__all__ = ["AuditResult", "audit", "audit_many"]
+if TYPE_CHECKING:
+    from ._collect import RankResult
 
-Factory = str | Callable[[], Any]
-
-
-@dataclass
-class AuditResult:
-    """What an audit recorded and found.
-
-    ``findings`` in report order; ``ok`` is False when any finding is FAIL.
-    """
-
-    factory: str
-    settings: Settings
-    records: Records
-    findings: list[Finding]
-
-    @property
-    def ok(self) -> bool:
-        return all(f.status != "FAIL" for f in self.findings)
-
-    def finding(self, name: str) -> Finding:
-        """The finding called ``name`` (``duplicates``, ``missing``, ``rank_balance``...)."""
-        for f in self.findings:
-            if f.name == name:
-                return f
-        raise KeyError(f"no finding {name!r}; have {[f.name for f in self.findings]}")
-
-    def to_dict(self) -> dict[str, Any]:
-        s = self.settings
-        rec = self.records
-        return {
-            "factory": self.factory,
-            "ok": self.ok,
-            "num_workers": s.num_workers,
-            "world_size": s.world_size,
-            "epochs": s.epochs,
-            "batch_size": s.batch_size,
-            "samples_delivered": len(rec),
-            "expected_per_epoch": rec.expected,
-            "expected_source": rec.expected_source,
-            "findings": [f.to_dict() for f in self.findings],
-            "per_rank": [
-                {
-                    "rank": r.rank,
-                    "epoch": r.epoch,
-                    "samples": r.samples,
-                    "batches": r.batches,
-                    "len": r.reported_len,
-                    "len_loader": r.reported_batches,
-                }
-                for r in rec.per_rank
-            ],
-            "warnings": rec.warnings,
-        }
-
-    def to_json(self, indent: int | None = 2) -> str:
-        """The result as JSON (findings, settings, per-rank counts, warnings)."""
-        return json.dumps(self.to_dict(), indent=indent)
-
-    def write_report(self, directory: str | Path) -> Path:
-        """Write ``index.html`` and its PNG plots into ``directory``; return the page."""
-        from ._report import write_report
-
-        return write_report(self, Path(directory))
+__all__ = ["AuditResult", "audit", "audit_many", "build_records"]
 
 
 def _encode(ids: list[Any]) -> tuple[I64, list[str] | None, list[Any]]:
@@ -127,15 +63,19 @@ def build_records(
     """Merge the ranks' results into one ``Records``."""
     ids: list[Any] = []
     cols: list[list[Any]] = [[], [], [], [], [], []]
+    reads: list[I64] = []
     for result in ranks:
         worker, epoch, batch, pos, draws = result.arrays()
         ids.extend(result.ids)
+        read = np.asarray(result.reads, dtype=np.int64).reshape(-1)
+        reads.append(read if len(read) == len(result.ids) else np.full(len(result.ids), -1))
         for col, arr in zip(
             cols, (np.full(len(worker), result.rank), worker, epoch, batch, pos, draws), strict=True
         ):
             col.append(arr)
     codes, labels, distinct = _encode(ids)
     rank0 = ranks[0]
+    mix = rank0.mix
     reference, source = rank0.expected, rank0.expected_source
     if expected is not None:
         reference, source = expected, "given count"
@@ -163,6 +103,9 @@ def build_records(
         labels=labels,
         shards=None if shard_fn is None else _shards(codes, distinct, shard_fn),
         warnings=sorted({w for result in ranks for w in result.warnings}),
+        mix=mix,
+        # the index each row was read from (-1 where a rank recorded none)
+        reads=None if mix is None else np.concatenate(reads).astype(np.int64),
     )
 
 
@@ -200,6 +143,10 @@ def audit_many(
             resolve(factory)  # fail fast, in this process, with a clear message
         elif not callable(factory):
             raise AuditError(f"a factory must be callable or 'module:attr', got {factory!r}")
+    # Deferred: running ranks needs torch.distributed and the tracing wrappers, which
+    # ``import evenly`` (that imports this module for ``evenly.audit``) does not.
+    from ._collect import Job, collect
+
     per_job = collect([Job(f, id_fn) for f in factories], settings)
     results = []
     for factory, ranks in zip(factories, per_job, strict=True):

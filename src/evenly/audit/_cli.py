@@ -2,7 +2,8 @@
 
 ``register(subparsers)`` adds it to an ``argparse`` parser (``evenly.cli`` does that);
 ``python -m evenly.audit ...`` runs it on its own.  Exit status: 0 when no finding is
-FAIL, 1 when one is, 2 when the audit could not run (bad factory path, failing rank).
+FAIL, 1 when one is, 2 when the audit could not run (bad factory path, failing rank,
+timeout: every process the audit started is stopped, DataLoader workers included).
 
     evenly audit examples.talk_attempts:naive --workers 4 --world-size 2 --epochs 2 \\
         --batch-size 10 [--json] [--report DIR] [--shard-fn mod:fn] [--id-fn mod:fn]
@@ -22,7 +23,9 @@ DESCRIPTION = """\
 Run a dataset factory under real DDP ranks (gloo on 127.0.0.1) and real DataLoader
 workers, record every sample delivered, and check it: duplicates and missing samples
 per epoch, per-rank sample and batch counts, partial batches, an order repeated from the
-previous epoch, shuffle quality, random streams shared by workers or ranks, len().
+previous epoch, shuffle quality, random streams shared by workers or ranks, len().  For
+an evenly.Dataset over an evenly.Mix: samples per source per epoch against mix.counts,
+and duplicates/missing judged per source stream.
 
 example:
   evenly audit examples.talk_attempts:naive --workers 4 --world-size 2 --epochs 2
@@ -67,10 +70,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="DIR",
         help="write DIR/index.html with PNG plots (one subfolder per factory "
-        "when several are given)",
+        "when several are given); needs pip install 'evenly[report]'",
     )
     parser.add_argument(
-        "--timeout", type=float, default=300.0, help="seconds before a stuck audit is stopped"
+        "--timeout",
+        type=float,
+        default=300.0,
+        help="seconds before a stuck audit is stopped, with every rank process and "
+        "DataLoader worker it started (exit status 2)",
     )
 
 
@@ -93,16 +100,21 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from rich.console import Console
+    from rich.markup import escape
 
     from ._api import audit_many
-    from ._collect import AuditError, resolve
-    from ._table import result_table
+    from ._factory import resolve
+    from ._report import require_matplotlib
+    from ._table import mix_table, result_table
+    from ._types import AuditError
 
     # Like ``python -m``: factories are importable from the current directory.
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     err = Console(stderr=True)
     try:
+        if args.report:
+            require_matplotlib()  # before the audit runs, not after
         id_fn = resolve(args.id_fn) if args.id_fn else None
         shard_fn = resolve(args.shard_fn) if args.shard_fn else None
         results = audit_many(
@@ -116,8 +128,12 @@ def run(args: argparse.Namespace) -> int:
             expected=args.expected,
             timeout=args.timeout,
         )
+    except KeyboardInterrupt:
+        err.print("evenly audit: interrupted; every process it started was stopped")
+        return 130
     except (AuditError, ValueError) as exc:
-        err.print(f"[bold red]evenly audit: error:[/] {exc}", markup=True, highlight=False)
+        # escape: "[report]" in a message is text, not rich markup.
+        err.print(f"[bold red]evenly audit: error:[/] {escape(str(exc))}", highlight=False)
         return 2
     if args.json:
         payload: Any = [r.to_dict() for r in results]
@@ -126,6 +142,9 @@ def run(args: argparse.Namespace) -> int:
         out = Console()
         for r in results:
             out.print(result_table(r))
+            per_source = mix_table(r)
+            if per_source is not None:
+                out.print(per_source)
     if args.report:
         for i, r in enumerate(results):
             folder = Path(args.report)

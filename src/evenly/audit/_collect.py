@@ -11,8 +11,6 @@ dataset, the sampler and the batch sampler when they have one, as a careful user
 
 from __future__ import annotations
 
-import functools
-import importlib
 import multiprocessing
 import os
 import pickle
@@ -21,7 +19,7 @@ import socket
 import time
 import traceback
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
@@ -33,78 +31,23 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from .._dataset import Dataset as EvenlyDataset
 from .._loader import DataLoader as EvenlyLoader
-from ._trace import IdFn, SplitCollate, TracedIterable, TracedMap, default_id, trace_evenly
-from ._types import F64, I64, RankEpoch
+from .._mixsource import Mix
+from ._factory import Factory, describe, resolve
+from ._procs import detach, exit_on_signals, stop
+from ._trace import SplitCollate, TracedIterable, TracedMap, default_id, trace_evenly
+from ._types import F64, I64, AuditError, IdFn, MixInfo, RankEpoch, Settings
 
 __all__ = ["AuditError", "Job", "RankResult", "Settings", "collect", "describe", "resolve"]
 
-Factory = Callable[[], Any]
-
 #: DataLoader arguments the audit sets itself; a factory may not override them.
 _RESERVED = frozenset({"dataset", "batch_size", "num_workers"})
-
-
-class AuditError(RuntimeError):
-    """The audit could not run: a factory that does not import, or a rank that failed."""
-
-
-def resolve(spec: str) -> Callable[..., Any]:
-    """Import ``"module.path:attribute"`` and return the callable it names.
-
-    >>> resolve("os.path:join")("a", "b")
-    'a/b'
-    """
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise AuditError(
-            f"factory {spec!r} must look like 'module.path:attribute', "
-            f"e.g. 'examples.talk_attempts:naive'"
-        )
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise AuditError(
-            f"cannot import module {module_name!r} named in {spec!r}: {exc}. "
-            f"Run from the folder that holds it, or add that folder to PYTHONPATH"
-        ) from exc
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise AuditError(f"module {module_name!r} has no attribute {attr!r} (from {spec!r})")
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise AuditError(f"{spec!r} is a {type(obj).__name__}, not a callable factory")
-    return obj  # type: ignore[no-any-return]
-
-
-def describe(factory: str | Factory) -> str:
-    """A name for a factory in messages and reports."""
-    if isinstance(factory, str):
-        return factory
-    if isinstance(factory, functools.partial):
-        args = [repr(a) for a in factory.args]
-        args += [f"{k}={v!r}" for k, v in factory.keywords.items()]
-        return f"{describe(factory.func)}({', '.join(args)})"
-    name = getattr(factory, "__qualname__", None)
-    module = getattr(factory, "__module__", None)
-    return f"{module}:{name}" if name and module else repr(factory)
-
-
-@dataclass(frozen=True)
-class Settings:
-    """The topology and loop of an audit."""
-
-    num_workers: int
-    world_size: int
-    epochs: int
-    batch_size: int
-    timeout: float = 300.0
 
 
 @dataclass(frozen=True)
 class Job:
     """One factory to audit, with the function that names its samples."""
 
-    factory: str | Factory
+    factory: Factory
     id_fn: IdFn | None = None
 
 
@@ -119,7 +62,9 @@ class RankResult:
     batch: I64 = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     pos: I64 = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     draws: F64 = field(default_factory=lambda: np.zeros((0, 3), dtype=np.float64))
+    reads: I64 = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     per_rank: list[RankEpoch] = field(default_factory=list)
+    mix: MixInfo | None = None
     expected: int | None = None
     expected_source: str = "unknown"
     warnings: list[str] = field(default_factory=list)
@@ -198,6 +143,15 @@ def _build(
     return loader, iterable
 
 
+def _mix_info(dataset: Any, epochs: int) -> MixInfo | None:
+    """The mixture an ``evenly.Dataset`` over an ``evenly.Mix`` read, else ``None``."""
+    if not isinstance(dataset, EvenlyDataset) or not isinstance(dataset.source, Mix):
+        return None
+    mix = dataset.source
+    offsets = tuple(tuple(mix.stream_offsets(e).values()) for e in range(epochs))
+    return MixInfo(mix.names, mix.lengths, tuple(mix.counts.values()), offsets)
+
+
 def _expected(dataset: Any, iterable: bool) -> tuple[int | None, str]:
     """Distinct samples an epoch should deliver across all ranks, and where that is from."""
     if isinstance(dataset, EvenlyDataset):
@@ -253,7 +207,9 @@ def run_job(job: Job, settings: Settings, rank: int) -> RankResult:
         for epoch in range(settings.epochs):
             if not managed:
                 _set_epoch([dataset, kwargs.get("sampler"), kwargs.get("batch_sampler")], epoch)
-            if iterable:
+            if managed:  # the pass evenly.DataLoader plans (its batch size and drop_last)
+                reported = loader.plan.samples_per_rank  # type: ignore[attr-defined]
+            elif iterable:
                 reported = _length(dataset)
             else:
                 reported = _length(getattr(loader.batch_sampler, "sampler", None))
@@ -270,11 +226,13 @@ def run_job(job: Job, settings: Settings, rank: int) -> RankResult:
             result.per_rank.append(
                 RankEpoch(rank, epoch, samples, batches, reported, reported_batches)
             )
+    result.mix = _mix_info(dataset, settings.epochs)
     if metas:
-        workers, ids, *draws = zip(*metas, strict=True)
+        workers, ids, *draws, reads = zip(*metas, strict=True)
         result.ids = list(ids)
         result.worker = np.asarray(workers, dtype=np.int64)
         result.draws = np.asarray(draws, dtype=np.float64).T.copy()
+        result.reads = np.asarray(reads, dtype=np.int64)
     result.epoch = np.asarray(epochs, dtype=np.int64)
     result.batch = np.asarray(batches_col, dtype=np.int64)
     result.pos = np.asarray(positions, dtype=np.int64)
@@ -283,6 +241,7 @@ def run_job(job: Job, settings: Settings, rank: int) -> RankResult:
 
 
 def _rank_main(rank: int, settings: Settings, port: int, jobs: list[Job], out: Any) -> None:
+    detach()  # its own process group: stopping the audit stops its workers too
     os.environ.update(
         {
             "MASTER_ADDR": "127.0.0.1",
@@ -318,6 +277,38 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _gather(
+    procs: list[Any], out: Any, settings: Settings, results: dict[int, list[RankResult]]
+) -> None:
+    """Fill ``results`` (rank -> results per job) from the ranks; raise ``AuditError`` when
+    a rank fails, dies or the audit runs past ``settings.timeout``."""
+    deadline = time.monotonic() + settings.timeout
+    while len(results) < settings.world_size:
+        try:
+            rank, ok, value = out.get(timeout=min(1.0, max(0.01, deadline - time.monotonic())))
+        except queue_mod.Empty:
+            dead = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in results]
+            if dead:
+                code = procs[dead[0]].exitcode
+                raise AuditError(
+                    f"rank {dead[0]} exited with code {code} before reporting; every rank "
+                    f"process and its DataLoader workers were stopped"
+                ) from None
+            if time.monotonic() > deadline:
+                waiting = [r for r in range(settings.world_size) if r not in results]
+                raise AuditError(
+                    f"the audit did not finish within its timeout of {settings.timeout:g} s "
+                    f"(--timeout / timeout=): rank(s) {waiting} had not reported. A rank is "
+                    f"stuck: a dataset or worker that never ends, or a collective that only "
+                    f"some ranks join? Every rank process and its DataLoader workers were "
+                    f"stopped; raise the timeout if the dataset is only slow"
+                ) from None
+            continue
+        if not ok:
+            raise AuditError(f"rank {rank} failed {value}")
+        results[rank] = value
+
+
 def collect(jobs: list[Job], settings: Settings) -> list[list[RankResult]]:
     """Run every job in ``settings.world_size`` fresh rank processes (one group for all
     jobs); return, per job, the ``RankResult`` of each rank in rank order."""
@@ -332,43 +323,21 @@ def collect(jobs: list[Job], settings: Settings) -> list[list[RankResult]]:
         for p in procs:
             p.start()
     except (pickle.PicklingError, AttributeError, TypeError) as exc:
-        for p in procs:
-            if p.pid is not None:
-                p.kill()
-                p.join()
+        stop(procs, grace=0.0)
         raise AuditError(
             f"the factory and id_fn travel to the rank processes by pickle and must be "
             f"module-level functions (or functools.partial of one), not lambdas or local "
             f"functions: {exc}"
         ) from exc
     results: dict[int, list[RankResult]] = {}
-    deadline = time.monotonic() + settings.timeout
-    try:
-        while len(results) < settings.world_size:
-            try:
-                rank, ok, value = out.get(timeout=1.0)
-            except queue_mod.Empty:
-                dead = [
-                    r for r, p in enumerate(procs) if p.exitcode is not None and r not in results
-                ]
-                if dead:
-                    code = procs[dead[0]].exitcode
-                    raise AuditError(
-                        f"rank {dead[0]} exited with code {code} before reporting"
-                    ) from None
-                if time.monotonic() > deadline:
-                    raise AuditError(
-                        f"the audit did not finish within {settings.timeout:.0f} s: a rank is "
-                        f"stuck (a collective in the dataset? a worker that never ends?)"
-                    ) from None
-                continue
-            if not ok:
-                raise AuditError(f"rank {rank} failed {value}")
-            results[rank] = value
-    finally:
-        for p in procs:
-            p.join(timeout=10 if len(results) == settings.world_size else 0.5)
-            if p.is_alive():
-                p.kill()
-                p.join()
+    with exit_on_signals():
+        try:
+            _gather(procs, out, settings, results)
+        finally:
+            left = stop(procs, grace=10.0 if len(results) == settings.world_size else 0.5)
+            if left:
+                raise AuditError(
+                    f"processes {left} started by the audit still run after SIGKILL "
+                    f"(uninterruptible I/O?); stop them by pid"
+                )
     return [[results[r][j] for r in range(settings.world_size)] for j in range(len(jobs))]

@@ -23,6 +23,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from ._mixfindings import mix_counts, stream_duplicates, stream_missing
 from ._shuffle import adjacency, repeated_order, shuffle_quality, spearman
 from ._types import GENERATORS, I64, Finding, Records, Status, epochs_of
 
@@ -274,10 +275,22 @@ _ALL: tuple[Callable[[Records], Finding], ...] = (
 )
 
 
+#: For an ``evenly.Mix``: duplicates and missing judged per source stream (a Mix repeats
+#: samples by design), and the samples per source per epoch after them.
+_MIX: dict[Callable[[Records], Finding], tuple[Callable[[Records], Finding], ...]] = {
+    duplicates: (stream_duplicates,),
+    missing: (stream_missing, mix_counts),
+}
+
+
 def all_findings(rec: Records) -> list[Finding]:
-    """Every finding, in report order (adjacency only when ``rec.shards`` is set), with
-    details that repeat over epochs or ranks merged (see ``compact``)."""
-    found = [f(rec) for f in _ALL if f is not adjacency or rec.shards is not None]
+    """Every finding, in report order (adjacency only when ``rec.shards`` is set; for a
+    Mix, ``mix_counts`` and per-stream duplicates/missing), with details that repeat
+    over epochs or ranks merged (see ``compact``)."""
+    checks = [f for f in _ALL if f is not adjacency or rec.shards is not None]
+    if rec.mix is not None:
+        checks = [g for f in checks for g in _MIX.get(f, (f,))]
+    found = [f(rec) for f in checks]
     return [replace(f, detail=compact(f.detail)) for f in found]
 
 

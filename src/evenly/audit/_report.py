@@ -9,23 +9,27 @@ Plots, one panel per epoch where it applies:
   rank/worker: a diagonal is unshuffled, blocks are shard-local shuffles.
 - ``batches.png``: batch size at each step of each rank, epochs one after the other.
 
-Every PNG has a fixed pixel size (``SIZES``), so pages and tests can rely on it.
+Every PNG has a fixed pixel size (``image_size``), so pages and tests can rely on it.
+matplotlib comes with ``pip install 'evenly[report]'`` and is imported only here, when a
+report is written; without it ``write_report`` raises ``AuditError`` naming that command
+before it writes anything (and ``evenly audit --report`` says so before the audit runs).
 """
 
 from __future__ import annotations
 
 import html
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from ._types import I64, Records
+from ._types import I64, AuditError, Finding, Records, passed
 
-if TYPE_CHECKING:
-    from ._api import AuditResult
+__all__ = ["DPI", "INSTALL", "MAX_POINTS", "image_size", "require_matplotlib", "write_report"]
 
-__all__ = ["DPI", "MAX_POINTS", "image_size", "write_report"]
+#: The command that installs what ``--report`` needs.
+INSTALL = "pip install 'evenly[report]'"
 
 DPI = 100
 #: Points drawn per scatter panel at most (a random subset beyond).
@@ -41,6 +45,17 @@ def image_size(name: str, epochs: int) -> tuple[int, int]:
     """
     heights = {"delivery": 100 + 200 * epochs, "order": 400, "batches": 300}
     return _WIDTH, heights[name]
+
+
+def require_matplotlib() -> None:
+    """Raise ``AuditError`` naming ``INSTALL`` when matplotlib cannot be imported."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as exc:
+        raise AuditError(
+            f"the HTML report (--report / write_report) draws its plots with matplotlib, "
+            f"which is not installed ({exc}): {INSTALL}"
+        ) from exc
 
 
 def _figure(name: str, epochs: int, ncols: int = 1, nrows: int = 1) -> tuple[Any, Any]:
@@ -231,14 +246,13 @@ PLOTS = (
 )
 
 
-def _page(result: AuditResult) -> str:
-    s, rec = result.settings, result.records
+def _page(factory: str, rec: Records, findings: Sequence[Finding]) -> str:
     esc = html.escape
-    verdict = "OK" if result.ok else "FAIL"
+    verdict = "OK" if passed(findings) else "FAIL"
     rows = "\n".join(
         f'<tr class="{f.status}"><td>{esc(f.title)}</td><td><b>{f.status}</b></td>'
         f"<td>{f.value:g}</td><td>{esc(f.detail)}</td></tr>"
-        for f in result.findings
+        for f in findings
     )
     ranks = "\n".join(
         f"<tr><td>{r.rank}</td><td>{r.epoch}</td><td>{r.samples}</td><td>{r.batches}</td>"
@@ -247,16 +261,17 @@ def _page(result: AuditResult) -> str:
     )
     plots = "\n".join(
         f'<h2>{esc(title)}</h2>\n<img src="{name}.png" alt="{esc(title)}" '
-        f'width="{image_size(name, s.epochs)[0]}">'
+        f'width="{image_size(name, rec.epochs)[0]}">'
         for name, title in PLOTS
     )
     warns = "".join(f"<li>{esc(w)}</li>" for w in rec.warnings) or "<li>none</li>"
+    mix = _mix_section(rec)
     return f"""<!DOCTYPE html>
-<html lang="en"><head><meta charset="utf-8"><title>evenly audit: {esc(result.factory)}</title>
+<html lang="en"><head><meta charset="utf-8"><title>evenly audit: {esc(factory)}</title>
 <style>{_CSS}</style></head><body>
-<h1>evenly audit: <code>{esc(result.factory)}</code> &mdash; {verdict}</h1>
-<p>{s.world_size} rank(s) &times; {s.num_workers} worker(s) &times; {s.epochs} epoch(s),
-batch size {s.batch_size}; {len(rec)} samples delivered; expected {rec.expected} distinct
+<h1>evenly audit: <code>{esc(factory)}</code> &mdash; {verdict}</h1>
+<p>{rec.world_size} rank(s) &times; {rec.num_workers} worker(s) &times; {rec.epochs} epoch(s),
+batch size {rec.batch_size}; {len(rec)} samples delivered; expected {rec.expected} distinct
 per epoch ({esc(rec.expected_source)}).</p>
 <table><tr><th>finding</th><th>status</th><th>value</th><th>detail</th></tr>
 {rows}
@@ -266,19 +281,43 @@ per epoch ({esc(rec.expected_source)}).</p>
 <th>len(loader)</th></tr>
 {ranks}
 </table>
-{plots}
+{mix}{plots}
 <h2>Warnings raised during the audit</h2><ul>{warns}</ul>
 </body></html>
 """
 
 
-def write_report(result: AuditResult, directory: Path) -> Path:
-    """Write ``index.html`` and the PNGs of ``PLOTS`` into ``directory``."""
+def _mix_section(rec: Records) -> str:
+    """For a Mix: a table of samples per source and epoch (delivered / expected)."""
+    if rec.mix is None:
+        return ""
+    from ._mixfindings import per_epoch
+
+    esc = html.escape
+    names = rec.mix.names
+    head = "".join(f"<th>{esc(n)}</th>" for n in names)
+    rows = []
+    for row in per_epoch(rec):
+        cells = "".join(
+            f'<td class="{"PASS" if row["delivered"][n] == row["expected"][n] else "FAIL"}">'
+            f"{row['delivered'][n]} / {row['expected'][n]}</td>"
+            for n in names
+        )
+        rows.append(f"<tr><td>{row['epoch']}</td>{cells}</tr>")
+    body = "\n".join(rows)
+    return (
+        '<h2>Samples per source and epoch (delivered / mix.counts)</h2>\n<table id="mix">'
+        f"<tr><th>epoch</th>{head}</tr>\n{body}\n</table>\n"
+    )
+
+
+def write_report(directory: Path, factory: str, rec: Records, findings: Sequence[Finding]) -> Path:
+    """Write ``index.html`` and the PNGs of ``PLOTS`` into ``directory``; return the page."""
+    require_matplotlib()
     directory.mkdir(parents=True, exist_ok=True)
-    rec = result.records
     plot_delivery(rec, directory / "delivery.png")
     plot_order(rec, directory / "order.png")
     plot_batches(rec, directory / "batches.png")
     page = directory / "index.html"
-    page.write_text(_page(result), encoding="utf-8")
+    page.write_text(_page(factory, rec, findings), encoding="utf-8")
     return page

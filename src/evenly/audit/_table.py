@@ -4,22 +4,21 @@
 >>> table = findings_table("demo", [Finding("duplicates", "Duplicates", "PASS", 0, "none")])
 >>> table.row_count, [c.header for c in table.columns]
 (1, ['finding', 'status', 'value', 'detail'])
+
+For an audit of an ``evenly.Mix``, ``mix_table`` adds the samples per source and epoch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from rich.table import Table
 from rich.text import Text
 
+from ._result import AuditResult
 from ._types import Finding
 
-if TYPE_CHECKING:
-    from ._api import AuditResult
-
-__all__ = ["findings_table", "result_table"]
+__all__ = ["findings_table", "mix_table", "result_table"]
 
 _STYLE = {"PASS": "bold green", "WARN": "bold yellow", "FAIL": "bold red"}
 
@@ -46,3 +45,25 @@ def result_table(result: AuditResult) -> Table:
     verdict = "OK" if result.ok else "FAIL"
     caption = f"{verdict}: {len(result.records)} samples delivered"
     return findings_table(title, result.findings, caption)
+
+
+def mix_table(result: AuditResult) -> Table | None:
+    """For an audit of an ``evenly.Mix``: one row per epoch, one column per source, each
+    cell ``delivered / expected`` samples (red where they differ); else ``None``."""
+    mix = result.mix_dict()
+    if mix is None:
+        return None
+    table = Table(title="samples per source and epoch (delivered / mix.counts)", expand=False)
+    table.add_column("epoch", justify="right", no_wrap=True)
+    for name in mix["sources"]:
+        table.add_column(str(name), justify="right", no_wrap=True)
+    for row in mix["per_epoch"]:
+        cells = [
+            Text(
+                f"{row['delivered'][name]} / {row['expected'][name]}",
+                style="" if row["delivered"][name] == row["expected"][name] else "bold red",
+            )
+            for name in mix["sources"]
+        ]
+        table.add_row(str(row["epoch"]), *cells)
+    return table

@@ -1,27 +1,60 @@
-"""The values the audit passes around: what was recorded, and what was found.
+"""The values the audit passes around: its settings, what was recorded, what was found.
 
-``Records`` holds one row per delivered sample (numpy columns, so every finding is a
-vectorised, pure computation) and one ``RankEpoch`` per (rank, epoch) with what the
-loader *claimed* (``len()``) next to what it delivered.
+Pure data on numpy only, so that ``import evenly`` stays light.  ``Records`` holds one
+row per delivered sample (numpy columns, so every finding is a vectorised, pure
+computation) and one ``RankEpoch`` per (rank, epoch) with what the loader *claimed*
+(``len()``) next to what it delivered.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["GENERATORS", "Finding", "RankEpoch", "Records", "Status", "epochs_of"]
+__all__ = [
+    "GENERATORS",
+    "AuditError",
+    "Finding",
+    "IdFn",
+    "MixInfo",
+    "RankEpoch",
+    "Records",
+    "Settings",
+    "Status",
+    "epochs_of",
+    "passed",
+]
 
 I64 = npt.NDArray[np.int64]
 F64 = npt.NDArray[np.float64]
 
 Status = Literal["PASS", "WARN", "FAIL"]
 
+#: Names a sample (``evenly.audit.default_id`` by default).
+IdFn = Callable[[Any], Any]
+
 #: The generators a draw is taken from after each sample, in the column order of ``draws``.
 GENERATORS = ("random", "numpy", "torch")
+
+
+class AuditError(RuntimeError):
+    """The audit could not run: a factory that does not import, a rank that failed, a
+    timeout, or a report that needs ``pip install 'evenly[report]'``."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The topology and loop of an audit."""
+
+    num_workers: int
+    world_size: int
+    epochs: int
+    batch_size: int
+    timeout: float = 300.0
 
 
 @dataclass(frozen=True)
@@ -48,6 +81,15 @@ class Finding:
         }
 
 
+def passed(findings: Sequence[Finding]) -> bool:
+    """Whether an audit with these findings is OK: no finding is FAIL.
+
+    >>> passed([Finding("missing", "Missing", "WARN", 1.0, "unknown size")])
+    True
+    """
+    return all(f.status != "FAIL" for f in findings)
+
+
 @dataclass(frozen=True)
 class RankEpoch:
     """What one rank's loader delivered in one epoch, and what its ``len()`` said.
@@ -65,6 +107,35 @@ class RankEpoch:
     reported_batches: int | None
 
 
+@dataclass(frozen=True)
+class MixInfo:
+    """The ``evenly.Mix`` an audited ``evenly.Dataset`` reads: its sources' names and
+    lengths, the samples each contributes per epoch, and each stream's offset at the
+    start of every audited epoch (index ``e`` of ``offsets``).
+
+    >>> MixInfo(("web", "code"), (7, 3), (8, 2), ((0, 0), (8, 2))).source_of([0, 6, 7, 9])
+    array([0, 0, 1, 1])
+    """
+
+    names: tuple[str, ...]
+    lengths: tuple[int, ...]
+    counts: tuple[int, ...]
+    offsets: tuple[tuple[int, ...], ...]
+
+    def source_of(self, indices: Any) -> I64:
+        """The source number of each global index (the concatenation of the sources)."""
+        ends = np.cumsum(np.asarray(self.lengths, dtype=np.int64))
+        out: I64 = np.searchsorted(ends, np.asarray(indices, dtype=np.int64), side="right")
+        return out.astype(np.int64)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "sources": list(self.names),
+            "lengths": dict(zip(self.names, self.lengths, strict=True)),
+            "counts_per_epoch": dict(zip(self.names, self.counts, strict=True)),
+        }
+
+
 @dataclass
 class Records:
     """Every delivered sample of an audit, as parallel columns in delivery order per rank.
@@ -73,7 +144,9 @@ class Records:
     index of the id in ``labels`` (the sorted distinct ids).  ``shards`` is the group of
     each sample (from ``shard_fn``) or ``None``.  ``expected`` is how many distinct
     samples an epoch should deliver across all ranks (``None``: unknown, and the union of
-    ids seen over all epochs stands in for it).
+    ids seen over all epochs stands in for it).  For an ``evenly.Dataset`` over an
+    ``evenly.Mix``, ``mix`` describes the mixture and ``reads`` holds the global index
+    (into the concatenated sources) each sample was read from, ``-1`` when unknown.
     """
 
     ids: I64
@@ -93,6 +166,8 @@ class Records:
     labels: list[str] | None = None
     shards: I64 | None = None
     warnings: list[str] = field(default_factory=list)
+    mix: MixInfo | None = None
+    reads: I64 | None = None
 
     def __post_init__(self) -> None:
         n = len(self.ids)
@@ -103,6 +178,10 @@ class Records:
             raise ValueError(f"Records.draws must have shape ({n}, 3), got {self.draws.shape}")
         if self.shards is not None and len(self.shards) != n:
             raise ValueError(f"Records.shards has {len(self.shards)} rows, ids {n}")
+        if (self.mix is None) != (self.reads is None):
+            raise ValueError("Records.mix and Records.reads go together: set both or neither")
+        if self.reads is not None and len(self.reads) != n:
+            raise ValueError(f"Records.reads has {len(self.reads)} rows, ids {n}")
 
     def __len__(self) -> int:
         return len(self.ids)

@@ -267,3 +267,18 @@ def test_public_names_are_sorted_and_exist() -> None:
     for name in evenly.__all__:
         assert getattr(evenly, name) is not None
     assert issubclass(evenly.PlanMismatchError, RuntimeError)
+
+
+def test_pickling_before_the_process_group_exists_fixes_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A copy made before torchrun's variables (or a process group) exist must not pin
+    the dataset to rank 0 of 1 for later."""
+    import pickle
+
+    ds = evenly.Dataset(list(range(10)))
+    pickle.dumps(ds)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert ds.topology() == evenly.Topology(1, 2)
+    assert pickle.loads(pickle.dumps(ds)).topology() == evenly.Topology(1, 2)

@@ -213,7 +213,7 @@ class Dataset(IterableDataset[Any], Generic[T_co]):
         """Pickled for the workers (spawn/forkserver): fix the topology here, in the main
         process, and leave the process group object behind."""
         if get_worker_info() is None:
-            self._fixed = resolve_topology(self._rank, self._world_size, self.process_group)
+            self.topology()  # fixed here if it can be detected (else the copy resolves it)
             self._note_main_view()
         state = self.__dict__.copy()
         state["process_group"] = None

@@ -14,23 +14,11 @@ import torch.distributed as dist
 from evenly._sampler import BatchSampler
 
 from .distributed import in_fresh_process, run_ranks
+from .test_sampler import Numbers as Indexed
 
 pytestmark = pytest.mark.filterwarnings("ignore::evenly.EvenlyWarning")
 
 N, BATCH, SEED = 1001, 10, 7
-
-
-class Indexed(torch.utils.data.Dataset[int]):
-    """A map-style dataset whose sample ``i`` is ``i``."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, index: int) -> int:
-        return index
 
 
 def _two_epochs(rank: int, world_size: int) -> dict[str, Any]:

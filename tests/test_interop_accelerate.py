@@ -92,3 +92,24 @@ def test_hf_trainer_over_evenly_dataset_delivers_every_sample_once(tmp_path: Pat
         epoch = [r[n] for r in results]
         assert_exactly_once(epoch, n, WORLD, f"HF Trainer, N={n}")
         assert_equal_batches(epoch, f"HF Trainer, N={n}")
+
+
+@pytest.mark.parametrize("n", NS)
+def test_hf_trainer_resumes_mid_epoch_exactly_in_a_fresh_run(tmp_path: Path, n: int) -> None:
+    steps, per_epoch = 20, -(-n // (WORLD * 10))
+    out = str(tmp_path / "run")
+    before = run_ranks(
+        hf_trainer_ranks.train_then_checkpoint, WORLD, n, steps, out, env=QUIET, timeout=150
+    )
+    checkpoint = str(tmp_path / "run" / f"checkpoint-{steps}")
+    after = run_ranks(
+        hf_trainer_ranks.resume_two_epochs, WORLD, n, checkpoint, out, env=QUIET, timeout=150
+    )
+    label = f"HF Trainer resume, N={n}"
+    rest = [r[: per_epoch - steps] for r in after]
+    epoch1 = [r[per_epoch - steps :] for r in after]
+    assert [len(r) for r in before] == [steps] * WORLD
+    assert_equal_batches(rest, f"{label}, rest of epoch 0")
+    assert_exactly_once(join(before, rest), n, WORLD, f"{label}, epoch 0 (both runs)")
+    assert_exactly_once(epoch1, n, WORLD, f"{label}, epoch 1")
+    assert_order_changes(join(before, rest), epoch1, label)

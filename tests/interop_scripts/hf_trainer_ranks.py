@@ -52,3 +52,37 @@ def train(rank: int, world: int, ns: tuple[int, ...], out_dir: str) -> dict[int,
         Trainer(model=model, args=args, train_dataset=dataset).train()
         out[n] = model.seen
     return out
+
+
+def _trainer(n: int, out_dir: str, **args: Any) -> tuple[Any, Recorder]:
+    from transformers import Trainer, TrainingArguments
+
+    samples = [{"idx": i, "x": i / n, "labels": 0.0} for i in range(n)]
+    model = Recorder()
+    settings = {
+        "output_dir": out_dir,
+        "per_device_train_batch_size": BATCH,
+        "use_cpu": True,
+        "dataloader_num_workers": WORKERS,
+        "remove_unused_columns": False,
+        "report_to": "none",
+        "logging_strategy": "no",
+        "disable_tqdm": True,
+        **args,
+    }
+    dataset = evenly.Dataset(samples, shuffle=True, seed=0)
+    return Trainer(model=model, args=TrainingArguments(**settings), train_dataset=dataset), model
+
+
+def train_then_checkpoint(rank: int, world: int, n: int, steps: int, out_dir: str) -> Any:
+    """``steps`` optimizer steps of epoch 0, checkpointed (``save_steps``)."""
+    trainer, model = _trainer(n, out_dir, max_steps=steps, save_strategy="steps", save_steps=steps)
+    trainer.train()
+    return model.seen
+
+
+def resume_two_epochs(rank: int, world: int, n: int, checkpoint: str, out_dir: str) -> Any:
+    """A fresh run: ``train(resume_from_checkpoint=...)`` over 2 epochs."""
+    trainer, model = _trainer(n, out_dir, num_train_epochs=2, save_strategy="no")
+    trainer.train(resume_from_checkpoint=checkpoint)
+    return model.seen

@@ -128,7 +128,20 @@ def _fetch(
     """Read a batch in one go.  With on_error="skip", a failing batch is read again one
     sample at a time to find and replace the sample at fault."""
     if getitems is None:
-        return [_fetch_one(ctx, i, p) for i, p in zip(batch, positions, strict=True)]
+        if ctx.on_error == "skip":
+            return [_fetch_one(ctx, i, p) for i, p in zip(batch, positions, strict=True)]
+        out: list[Any] = []
+        read = ctx.source.__getitem__
+        try:
+            for index in batch:
+                out.append(read(index))
+        except IndexError as exc:
+            raise _lying_len(ctx, [batch[len(out)]], exc) from exc
+        except Exception as exc:  # name the sample at fault: nothing is read again
+            at = len(out)
+            ctx.note(exc, f"sample {batch[at]} (position {positions[at]})", batch[at])
+            raise
+        return out
     try:
         return list(getitems(batch))
     except IndexError as exc:

@@ -136,3 +136,27 @@ def test_columnar_exactly_once_over_ranks_and_resume(arrow_dir: str, tmp_path: P
     counts_after = Counter(got)
     assert set(counts_after) == set(range(N))
     assert sum(counts_after.values()) - N < 3  # at most world_size - 1 pads
+
+
+def test_the_numpy_gather_equals_default_collate_of_the_rows(tmp_path: Path) -> None:
+    """Local Arrow files of fixed-width numbers are gathered with numpy (int32 collated to
+    int64, float32 to float64 as default_collate does for Python numbers)."""
+    schema = pa.schema([("i", pa.int32()), ("f", pa.float32()), ("v", pa.list_(pa.float32(), 3))])
+    rows = ({"i": i, "f": i / 7, "v": np.full(3, i, dtype=np.float32)} for i in range(90))
+    evenly.write(
+        rows,
+        tmp_path / "a",
+        format="arrow",
+        rows_per_shard=40,
+        schema=schema,
+        row_group_size=16,
+        progress=False,
+    )
+    src = evenly.from_arrow(str(tmp_path / "a"), cache_dir=str(tmp_path / "cache"))
+    assert src._views() is not None  # the numpy path is the one under test
+    batch = [77, 3, 41, 3, 89, 0, 16, 15]
+    got = src.read_columns(batch)
+    want = tud.default_collate([src[i] for i in batch])
+    for name in ("i", "f", "v"):
+        tensor = torch.from_numpy(got[name])
+        assert tensor.dtype == want[name].dtype and torch.equal(tensor, want[name]), name

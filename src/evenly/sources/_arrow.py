@@ -30,6 +30,7 @@ import pyarrow as pa
 
 from ._base import Paths
 from ._columns import ArrowBatchSource
+from ._gather import ColumnViews, gatherable
 from ._manifest import FileEntry
 
 __all__ = ["ArrowSource", "from_arrow"]
@@ -158,6 +159,44 @@ class ArrowSource(ArrowBatchSource):
     def _chunk(self, k: int, g: int, handle: Any) -> pa.RecordBatch:
         batch: pa.RecordBatch = handle.batches[g]
         return batch
+
+    def read_columns(
+        self, indices: Sequence[int] | npt.NDArray[Any]
+    ) -> dict[str, npt.NDArray[Any] | list[Any]]:
+        """A whole batch as columns.  Local files whose columns are all fixed-width
+        numbers are gathered with numpy from the memory-mapped record batches (one
+        fancy index per record batch touched, nothing decoded); anything else goes
+        through Arrow ``take``."""
+        views = self._views() if self.cache is None else None
+        if views is None:
+            return super().read_columns(indices)
+        rows = self._rows(self._check_indices(indices))
+        chunk = np.searchsorted(self._cstarts, rows, side="right") - 1
+        return dict(views.gather(chunk, rows - self._cstarts[chunk]))
+
+    def _views(self) -> ColumnViews | None:
+        """Numpy views of every record batch of every file (per process; None when a
+        column is not fixed-width or holds nulls)."""
+        if self.__dict__.get("_views_pid") != os.getpid():
+            views: ColumnViews | None = None
+            if gatherable(self.schema):
+                handles = [self._open(k, self.local_path(k)) for k in range(len(self.urls))]
+                batches = [b for h in handles for b in h.batches]
+                try:
+                    views = ColumnViews(batches)
+                except ValueError:
+                    views = None
+                self._views_maps = handles  # keep the maps open while the views live
+            self._column_views = views
+            self._views_pid = os.getpid()
+        result: ColumnViews | None = self._column_views
+        return result
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        for name in ("_column_views", "_views_maps", "_views_pid"):
+            state.pop(name, None)
+        return state
 
 
 def _hf_directory(path: str) -> tuple[list[str], npt.NDArray[np.int64] | None, str]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from operator import length_hint
 from typing import Any
 
 import torch
@@ -130,18 +131,16 @@ def _fetch(
     if getitems is None:
         if ctx.on_error == "skip":
             return [_fetch_one(ctx, i, p) for i, p in zip(batch, positions, strict=True)]
-        out: list[Any] = []
-        read = ctx.source.__getitem__
+        source = ctx.source
+        pending = iter(batch)
         try:
-            for index in batch:
-                out.append(read(index))
-        except IndexError as exc:
-            raise _lying_len(ctx, [batch[len(out)]], exc) from exc
+            return [source[index] for index in pending]
         except Exception as exc:  # name the sample at fault: nothing is read again
-            at = len(out)
+            at = len(batch) - length_hint(pending) - 1  # the one being read
+            if isinstance(exc, IndexError):
+                raise _lying_len(ctx, [batch[at]], exc) from exc
             ctx.note(exc, f"sample {batch[at]} (position {positions[at]})", batch[at])
             raise
-        return out
     try:
         return list(getitems(batch))
     except IndexError as exc:

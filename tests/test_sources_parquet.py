@@ -269,3 +269,17 @@ def test_cli_write(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert src.shard_sizes == (10, 10, 5) and src[24] == {"id": 24, "text": "24"}
     bad = parser.parse_args(["write", "mydata:nothing", str(out)])
     assert bad.handler(bad) == 2
+
+
+def test_a_global_shuffle_beyond_the_row_group_cache_is_called_slow(
+    parquet_dir: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    small = es.from_parquet(parquet_dir, row_group_cache_bytes=1024)
+    with caplog.at_level("WARNING", logger="evenly"):
+        evenly.Dataset(small, shuffle=True)
+    assert "decodes a row group for almost every sample" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="evenly"):
+        evenly.Dataset(small, shuffle="block")
+        evenly.Dataset(es.from_parquet(parquet_dir), shuffle=True)
+    assert "decodes a row group" not in caplog.text

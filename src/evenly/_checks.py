@@ -50,6 +50,10 @@ def shuffle_mode(shuffle: bool | str, source: object) -> str:
         mode = "none"
     else:
         mode = shuffle
+    advice = getattr(source, "shuffle_advice", None)
+    message = advice(mode) if advice is not None else None
+    if message:
+        logger.warning(message)
     if mode not in SHUFFLE_MODES:
         raise ValueError(f"shuffle must be True, False, 'global' or 'block', got {shuffle!r}")
     if mode == "block" and not hasattr(source, "shard_sizes"):

@@ -108,6 +108,20 @@ class ParquetSource(ArrowBatchSource):
         self._chunk_rows = [[int(n) for n in e.meta["row_groups"]] for e in entries]
         self._index_chunks()
 
+    def shuffle_advice(self, mode: str) -> str | None:
+        """A word for the user when the global shuffle will decode a row group for
+        almost every sample (local data larger than the row-group cache)."""
+        data = sum(self._shards.sizes)
+        if mode != "global" or self.cache is not None or data <= self.row_group_cache_bytes:
+            return None
+        return (
+            f"evenly.from_parquet: a global shuffle over {data >> 20} MiB of Parquet with a "
+            f"{self.row_group_cache_bytes >> 20} MiB row-group cache decodes a row group for "
+            f"almost every sample (slow); use shuffle='block', Arrow files "
+            f"(evenly.write(..., format='arrow')), smaller row groups, or a larger "
+            f"row_group_cache_bytes"
+        )
+
     def _open(self, k: int, path: str) -> Any:
         return pq.ParquetFile(path)
 

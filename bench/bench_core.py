@@ -2,9 +2,12 @@
 
 1. Planning N = 10**9: reading the first, middle and last 10**6 positions of rank 3 of 8,
    RSS growth, next to what ``torch.randperm(N)`` needs (run in a child process).
-2. Throughput: evenly.DataLoader vs a map-style DataLoader with RandomSampler over the
-   same in-memory source (same batch size and workers).
-3. Per-sample seeding: the same loader with an identity transform (seeding on) vs none.
+2. Per-sample seeding cost (microseconds per sample, one process) for the default three
+   generators, for ``seed_generators=("torch",)`` and for ``()``.
+3. Throughput: evenly.DataLoader vs a map-style DataLoader with RandomSampler over the
+   same in-memory source (same batch size and workers), 0 and 2 workers, and evenly with
+   an identity transform under each ``seed_generators`` setting; the loaders are built
+   once, warmed up one epoch, then run one epoch each per round, interleaved.
 
     python bench/bench_core.py [--quick]
 """
@@ -26,6 +29,7 @@ import torch
 import torch.utils.data as tud
 
 import evenly
+from evenly._rng import GENERATORS
 
 
 def rss_mb() -> float:
@@ -36,7 +40,8 @@ def plan_billion() -> tuple[float, float]:
     n, world, rank, batch = 10**9, 8, 3, 256
     before = rss_mb()
     t0 = time.perf_counter()
-    plan = evenly.EpochPlan(num_samples=n, world_size=world, batch_size=batch, shuffle=True)
+    order = evenly.FeistelPermutation(n, seed=0, epoch=0)
+    plan = evenly.EpochPlan(num_samples=n, world_size=world, batch_size=batch, order=order)
     per_window = 10**6 // batch
     per_chunk = 32  # as the Dataset reads: 8192 positions per numpy call
     checksum = 0
@@ -70,43 +75,61 @@ def identity(x: Any) -> Any:
     return x
 
 
-def samples_per_second(make: Callable[[], tud.DataLoader[Any]], epochs: int) -> float:
-    loader = make()
-    rates = []
-    for _ in range(epochs):
-        t0 = time.perf_counter()
-        count = sum(len(batch) for batch in loader)
-        rates.append(count / (time.perf_counter() - t0))
-    return statistics.median(rates)
+def seeding_cost(generators: tuple[str, ...], n: int = 200_000) -> float:
+    """Microseconds per sample to seed ``generators`` (evenly's per-sample seeding, as the
+    reader does it: spread a batch's seeds at once, then seed before each sample)."""
+    from evenly._rng import RngState, SeedSpreader
+
+    plan = evenly.EpochPlan(num_samples=n, batch_size=256)
+    spreader = SeedSpreader(generators)
+    t0 = time.perf_counter()
+    for lo in range(0, n, 256):
+        positions = np.arange(lo, min(lo + 256, n))
+        saved = RngState(generators)
+        spreader.prepare(plan.seeds(positions))
+        for i in range(positions.size):
+            spreader.seed(i)
+        saved.restore()
+    return (time.perf_counter() - t0) / n * 1e6
 
 
-def throughput(n: int, workers: int, batch: int, epochs: int) -> dict[str, float]:
+def throughput(n: int, workers: int, batch: int, rounds: int) -> dict[str, list[float]]:
+    """samples/s of each loader, one epoch per round, the loaders interleaved."""
     source = [np.float32(i) for i in range(n)]
     persistent = workers > 0
 
-    def map_style() -> tud.DataLoader[Any]:
-        return tud.DataLoader(
-            source,
+    def ours(
+        transform: Callable[[Any], Any] | None = None, generators: tuple[str, ...] = GENERATORS
+    ) -> tud.DataLoader[Any]:
+        ds = evenly.Dataset(source, shuffle=True, transform=transform, seed_generators=generators)
+        return evenly.DataLoader(
+            ds, batch_size=batch, num_workers=workers, persistent_workers=persistent
+        )
+
+    loaders: dict[str, tud.DataLoader[Any]] = {
+        "map-style RandomSampler": tud.DataLoader(
+            source,  # type: ignore[arg-type]
             batch_size=batch,
             num_workers=workers,
             sampler=tud.RandomSampler(source),
             persistent_workers=persistent,
-        )
-
-    def ours(transform: Callable[[Any], Any] | None = None) -> Callable[[], tud.DataLoader[Any]]:
-        def make() -> tud.DataLoader[Any]:
-            ds = evenly.Dataset(source, shuffle=True, transform=transform)
-            return evenly.DataLoader(
-                ds, batch_size=batch, num_workers=workers, persistent_workers=persistent
-            )
-
-        return make
-
-    return {
-        "map-style RandomSampler": samples_per_second(map_style, epochs),
-        "evenly": samples_per_second(ours(), epochs),
-        "evenly + per-sample seeding": samples_per_second(ours(identity), epochs),
+        ),
+        "evenly": ours(),
+        "evenly + transform, 3 generators": ours(identity),
+        "evenly + transform, ('torch',)": ours(identity, ("torch",)),
+        "evenly + transform, ()": ours(identity, ()),
     }
+    for loader in loaders.values():  # warm-up: workers started, caches filled
+        sum(len(b) for b in loader)
+    rates: dict[str, list[float]] = {name: [] for name in loaders}
+    for r in range(rounds):
+        names = list(loaders)
+        names = names[r % len(names) :] + names[: r % len(names)]
+        for name in names:
+            t0 = time.perf_counter()
+            count = sum(len(b) for b in loaders[name])
+            rates[name].append(count / (time.perf_counter() - t0))
+    return rates
 
 
 def main() -> None:
@@ -137,13 +160,30 @@ def main() -> None:
             f"evenly's growth for the whole 1e9 plan"
         )
 
+    print("\nper-sample seeding, one process (us per sample)")
+    for gens in (GENERATORS, ("torch",), ()):
+        print(f"  seed_generators={gens!s:<30} {seeding_cost(gens):6.2f} us")
+
     n = 200_000 if args.quick else 1_000_000
+    rounds = 3 if args.quick else 5
     for workers in (0, 2):
-        rates = throughput(n, workers, batch=256, epochs=3)
-        base = rates["map-style RandomSampler"]
-        print(f"\nthroughput, {n} in-memory samples, batch 256, {workers} workers (median of 3)")
-        for name, rate in rates.items():
-            print(f"  {name:<30} {rate:>12,.0f} samples/s   ratio {rate / base:.3f}")
+        rates = throughput(n, workers, batch=256, rounds=rounds)
+        base = statistics.median(rates["map-style RandomSampler"])
+        plain = statistics.median(rates["evenly"])
+        print(
+            f"\nthroughput, {n:,} in-memory samples, batch 256, {workers} workers, epoch 2 on, "
+            f"{rounds} interleaved rounds: median [min-max]"
+        )
+        for name, values in rates.items():
+            med = statistics.median(values)
+            cost = ""
+            if "transform" in name:  # worker CPU per sample over the plain loader
+                us = (1 / med - 1 / plain) * max(workers, 1) * 1e6
+                cost = f"   +{us:5.2f} us/sample"
+            print(
+                f"  {name:<34} {med:>10,.0f} [{min(values):,.0f}-{max(values):,.0f}] samples/s"
+                f"   ratio {med / base:.3f}{cost}"
+            )
 
 
 if __name__ == "__main__":

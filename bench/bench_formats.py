@@ -1,53 +1,120 @@
-"""Throughput of evenly's file-format sources vs the streaming libraries people use.
+"""evenly vs the loaders people use, side by side, in one interleaved run.
 
-Every contender reads the same samples (``{"id": int, "payload": 1 KiB of random
-bytes}``, 200,000 of them in 64 shards by default) in its own format, shuffled, with a
-torch DataLoader of 2 workers and batch 256:
+Data: ``--samples`` rows (200,000 by default) of ``{"id": int, "payload": 1 KiB of random
+bytes}`` in ``--shards`` (64) shards, written once per format under ``--data-dir``.  Every
+loader runs with ``--workers`` (2) workers, batch ``--batch-size`` (256),
+``persistent_workers=True``; each run is a fresh subprocess that iterates
+``--warmup`` untimed epoch(s), then times one epoch (default: epoch 2).  Round r runs every
+contender once (the order rotates each round); ``--rounds`` rounds (3).
 
-- evenly over Parquet and over WebDataset tar (global shuffle, and block shuffle K=8);
-- HF ``datasets`` streaming (Parquet, shard shuffle + 10,000-sample buffer);
-- ``webdataset`` (tar, shard shuffle + 10,000-sample buffer);
-- ``litdata`` (its chunks, ``StreamingDataset(shuffle=True)``);
-- ``mosaicml-streaming`` (MDS, ``StreamingDataset(shuffle=True)``);
-- a ceiling: a map-style DataLoader over an in-memory list.
+Three workloads:
 
-Each (contender, repeat) runs in a fresh subprocess; the parent samples the RSS of that
-process tree (psutil; shared pages of forked workers count once per process, as RSS
-does).  Reported: median samples/s of ``--repeats`` runs (one epoch, timed from
-``iter(loader)`` to the last batch, worker start included), peak RSS, the ratio to the
-fastest peer, and how many sample ids were missing or repeated in the epoch.
+- ``sample``: every system does the same per-sample decode in the same place (the same
+  ``collate_fn``: bytes -> ``{"id": int64[B], "data": uint8[B, 1024]}``): evenly in
+  memory vs a map-style DataLoader + RandomSampler; evenly over Parquet, tar and Arrow
+  (global shuffle, and block(8)); a per-sample transform doing the decode (evenly with
+  ``seed_generators=("torch",)``, the recommended setting for a torch-only transform, and
+  with the default three generators) vs map-style doing it in ``__getitem__``; litdata,
+  HF datasets streaming, webdataset and mosaic streaming.
+- ``columnar``: batches of tensors ``idx`` int64[B] and ``data`` uint8[B, 1024], each
+  system its fastest documented way: evenly Arrow / Parquet (``columnar=True``), litdata
+  (numpy items, default collate), map-style over a numpy memmap with batched indexing
+  (``BatchSampler`` as sampler), and the one-process memmap gather of the same random
+  rows as the limit.
+- ``large``: the ``sample`` files with a per-process cache budget ``--cache-mib`` at
+  least 4x smaller than the data, the same budget for every system that has one
+  (evenly ``row_group_cache_bytes``, litdata ``max_cache_size``).
 
-    bash bench/setup_peers.sh               # peers; the ones not installed are skipped
-    python bench/bench_formats.py           # or --samples 20000 --repeats 1 for a smoke run
+Every row: samples/s median [min-max], ratios (to litdata of the same workload, to
+map-style for in-memory rows, to the memmap gather for columnar rows), peak PSS of the
+process tree, MB read by the workers in the timed epoch, missing/repeated ids and the
+same-shard neighbour rate of the epoch's order (1/shards for a perfect shuffle).
+
+    bash bench/setup_peers.sh                 # peers; those not installed are skipped
+    python bench/bench_formats.py             # the full run (~15 min on 2 cores)
+    python bench/bench_formats.py --quick     # smoke run: small data, 1 round (~1 min)
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import glob
-import json
 import os
-import statistics
-import subprocess
 import sys
-import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
 
-EVENLY = ["evenly-parquet", "evenly-parquet-block8", "evenly-tar", "evenly-tar-block8"]
-PEERS = ["hf-datasets", "webdataset", "litdata", "mosaic-streaming"]
-CEILING = "map-style-in-memory"
-ALL = [*EVENLY, *PEERS, CEILING]
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import (
+    Row,
+    child_report,
+    env_for,
+    import_streaming,
+    importable,
+    print_goals,
+    print_table,
+    run_child,
+    worker_read_chars,
+)
+
 PAYLOAD = 1024
+MAP, MAP_TF, LIT = "sample:map-style-in-memory", "sample:map-style-transform", "sample:litdata"
+GATHER, NP_BATCHED = "columnar:memmap-gather-1proc", "columnar:map-style-numpy-batched"
+#: ratio references: label -> row key
+R_MAP, R_MAP_TF, R_LIT = ("map", MAP), ("map+tf", MAP_TF), ("litdata", LIT)
+R_COLUMNAR = (("litdata", "columnar:litdata"), ("np-batch", NP_BATCHED), ("gather", GATHER))
+R_COLUMNAR_W0 = (R_COLUMNAR[0], ("np-batch-w0", NP_BATCHED + "-w0"), R_COLUMNAR[2])
+#: (workload, contender, ratio references, the module it needs or "")
+CONTENDERS: list[tuple[str, str, tuple[tuple[str, str], ...], str]] = [
+    ("sample", "map-style-in-memory", (R_LIT,), ""),
+    ("sample", "evenly-in-memory", (R_MAP, R_LIT), ""),
+    ("sample", "map-style-transform", (), ""),
+    ("sample", "evenly-transform-torch", (R_MAP_TF,), ""),
+    ("sample", "evenly-transform-default", (R_MAP_TF,), ""),
+    ("sample", "evenly-parquet", (R_LIT,), ""),
+    ("sample", "evenly-parquet-block8", (R_LIT,), ""),
+    ("sample", "evenly-tar", (R_LIT,), ""),
+    ("sample", "evenly-tar-block8", (R_LIT,), ""),
+    ("sample", "evenly-arrow", (R_LIT,), ""),
+    ("sample", "litdata", (R_MAP,), "litdata"),
+    ("sample", "hf-datasets", (R_LIT,), "datasets"),
+    ("sample", "webdataset", (R_LIT,), "webdataset"),
+    ("sample", "mosaic-streaming", (R_LIT,), "streaming"),
+    ("columnar", "memmap-gather-1proc", (), ""),
+    ("columnar", "map-style-numpy-batched", (("gather", GATHER),), ""),
+    ("columnar", "evenly-arrow-columnar", R_COLUMNAR, ""),
+    ("columnar", "evenly-parquet-columnar", R_COLUMNAR, ""),
+    ("columnar", "map-style-numpy-batched-w0", (("gather", GATHER),), ""),
+    ("columnar", "evenly-arrow-columnar-w0", R_COLUMNAR_W0, ""),
+    ("columnar", "litdata", (("gather", GATHER),), "litdata"),
+    ("large", "evenly-parquet", (("litdata", "large:litdata"),), ""),
+    ("large", "evenly-parquet-block8", (("litdata", "large:litdata"),), ""),
+    ("large", "evenly-arrow", (("litdata", "large:litdata"),), ""),
+    ("large", "litdata", (), "litdata"),
+]
+ALL = [f"{w}:{n}" for w, n, _, _ in CONTENDERS]
+NOTES = {
+    "large:litdata": "no decode cache for local chunks (max_cache_size bounds downloads)",
+    "large:evenly-arrow": "memory-mapped: no per-process cache",
+    "columnar:memmap-gather-1proc": "one process, no DataLoader",
+    "columnar:map-style-numpy-batched-w0": "0 workers: no hand-off between processes",
+    "columnar:evenly-arrow-columnar-w0": "0 workers: no hand-off between processes",
+    "sample:hf-datasets": "shard shuffle + 10k buffer",
+    "sample:webdataset": "shard shuffle + 10k buffer",
+}
 
 
 # ---- data ------------------------------------------------------------------------
 def payloads(data_dir: str) -> np.ndarray:
     return np.memmap(os.path.join(data_dir, "payload.bin"), dtype=np.uint8, mode="r")
+
+
+def rows2d(data_dir: str) -> np.ndarray:
+    buf = payloads(data_dir)
+    return buf.reshape(len(buf) // PAYLOAD, PAYLOAD)
 
 
 def sample(buf: np.ndarray, i: int) -> dict[str, Any]:
@@ -58,258 +125,374 @@ def _litdata_item(i: int) -> dict[str, Any]:
     return sample(payloads(os.environ["EVENLY_BENCH_DATA"]), i)
 
 
+def _litdata_col_item(i: int) -> dict[str, Any]:
+    return {"idx": i, "data": np.array(rows2d(os.environ["EVENLY_BENCH_DATA"])[i])}
+
+
+def _rows(data_dir: str) -> Iterator[dict[str, Any]]:
+    buf = payloads(data_dir)
+    return (sample(buf, i) for i in range(len(buf) // PAYLOAD))
+
+
+def _col_rows(data_dir: str) -> Iterator[dict[str, Any]]:
+    return ({"idx": i, "data": r} for i, r in enumerate(rows2d(data_dir)))
+
+
 def prepare(data_dir: str, n: int, shards: int, names: list[str]) -> None:
+    """Write each format the chosen contenders need, once (a ``.done`` file marks it)."""
     os.makedirs(data_dir, exist_ok=True)
+    os.environ["EVENLY_BENCH_DATA"] = data_dir
     path = os.path.join(data_dir, "payload.bin")
     if not os.path.exists(path) or os.path.getsize(path) != n * PAYLOAD:
         np.random.default_rng(0).integers(0, 256, n * PAYLOAD, dtype=np.uint8).tofile(path)
-    buf = payloads(data_dir)
     per = -(-n // shards)
-    import evenly.sources as es
+    import pyarrow as pa
 
-    def once(sub: str, make: Callable[[str], None]) -> None:
+    import evenly
+
+    col_schema = pa.schema([("idx", pa.int64()), ("data", pa.list_(pa.uint8(), PAYLOAD))])
+
+    def ev(fmt: str, columnar: bool = False) -> Callable[[str], None]:
+        def make(out: str) -> None:
+            rows = _col_rows(data_dir) if columnar else _rows(data_dir)
+            schema = col_schema if columnar else None
+            evenly.write(rows, out, fmt, per, schema=schema, progress=False)
+
+        return make
+
+    def lit(fn: Callable[[int], Any]) -> Callable[[str], None]:
+        def make(out: str) -> None:
+            import litdata
+
+            litdata.optimize(
+                fn=fn, inputs=list(range(n)), output_dir=out, chunk_size=per, num_workers=1,
+                mode="overwrite",
+            )  # fmt: skip
+
+        return make
+
+    def mds(out: str) -> None:
+        import_streaming()
+        from streaming import MDSWriter
+
+        columns = {"id": "int", "payload": "bytes"}
+        with MDSWriter(out=out, columns=columns, size_limit=per * (PAYLOAD + 64)) as w:
+            for s in _rows(data_dir):
+                w.write(s)
+
+    jobs: list[tuple[str, Callable[[str], None], tuple[str, ...]]] = [
+        ("parquet", ev("parquet"), ("sample:evenly-parquet", "sample:evenly-parquet-block8",
+                                    "large:evenly-parquet", "large:evenly-parquet-block8",
+                                    "sample:hf-datasets")),
+        ("tar", ev("webdataset"), ("sample:evenly-tar", "sample:evenly-tar-block8",
+                                   "sample:webdataset")),
+        ("arrow", ev("arrow"), ("sample:evenly-arrow", "large:evenly-arrow")),
+        ("arrow-col", ev("arrow", True), ("columnar:evenly-arrow-columnar",)),
+        ("parquet-col", ev("parquet", True), ("columnar:evenly-parquet-columnar",)),
+        ("litdata", lit(_litdata_item), ("sample:litdata", "large:litdata")),
+        ("litdata-col", lit(_litdata_col_item), ("columnar:litdata",)),
+        ("mds", mds, ("sample:mosaic-streaming",)),
+    ]  # fmt: skip
+    for sub, make, users in jobs:
         out = os.path.join(data_dir, sub)
-        if not os.path.exists(os.path.join(out, ".done")):
+        if set(users) & set(names) and not os.path.exists(os.path.join(out, ".done")):
             print(f"preparing {sub} ...", file=sys.stderr)
             make(out)
             open(os.path.join(out, ".done"), "w").close()
 
-    rows = lambda: (sample(buf, i) for i in range(n))  # noqa: E731
-    if any(x in names for x in ("evenly-parquet", "evenly-parquet-block8", "hf-datasets")):
-        once("parquet", lambda o: es.write(rows(), o, "parquet", per, progress=False))
-    if any(x in names for x in ("evenly-tar", "evenly-tar-block8", "webdataset")):
-        once("tar", lambda o: es.write(rows(), o, "webdataset", per, progress=False))
-    if "litdata" in names and _importable("litdata"):
-        import litdata
 
-        def make_lit(out: str) -> None:
-            os.environ["EVENLY_BENCH_DATA"] = data_dir
-            litdata.optimize(
-                fn=_litdata_item,
-                inputs=list(range(n)),
-                output_dir=out,
-                chunk_size=per,
-                num_workers=1,
-                mode="overwrite",
-            )
+# ---- what every system does per sample (in the child) ---------------------------------
+def collate(batch: list[dict[str, Any]]) -> dict[str, Any]:
+    """The shared per-sample decode: payload bytes -> one uint8 [B, 1024] tensor."""
+    import torch
 
-        once("litdata", make_lit)
-    if "mosaic-streaming" in names and _importable("streaming"):
-        _streaming()
-        from streaming import MDSWriter
-
-        def make_mds(out: str) -> None:
-            columns = {"id": "int", "payload": "bytes"}
-            with MDSWriter(out=out, columns=columns, size_limit=per * (PAYLOAD + 64)) as w:
-                for s in rows():
-                    w.write(s)
-
-        once("mds", make_mds)
+    ids = torch.tensor([int(s["id"]) for s in batch], dtype=torch.int64)
+    data = bytearray(b"".join(bytes(s["payload"]) for s in batch))
+    return {"id": ids, "data": torch.frombuffer(data, dtype=torch.uint8).view(len(batch), -1)}
 
 
-def _importable(name: str) -> bool:
-    try:
-        if name == "streaming":
-            _streaming()
-        else:
-            __import__(name)
-        return True
-    except Exception:
-        return False
+def decode(s: dict[str, Any]) -> dict[str, Any]:
+    """The per-sample transform: decode, and a random flip drawn from torch's generator."""
+    import torch
+
+    data = torch.frombuffer(bytearray(s["payload"]), dtype=torch.uint8)
+    if float(torch.rand(())) < 0.5:
+        data = data.flip(0)
+    return {"id": s["id"], "data": data}
 
 
-def _streaming() -> Any:
-    """Import mosaicml-streaming without torchvision: its ``streaming.vision`` subpackage
-    (CIFAR, ImageNet helpers) imports torchvision at import time; the bench needs none of
-    it, so it stands in an empty module for it."""
-    import types
+class _Items:
+    """A map-style dataset doing the transform's work in ``__getitem__``."""
 
-    sys.modules.setdefault("streaming.vision", types.ModuleType("streaming.vision"))
-    import streaming
+    def __init__(self, items: list[dict[str, Any]]) -> None:
+        self.items = items
 
-    return streaming
+    def __len__(self) -> int:
+        return len(self.items)
 
-
-# ---- loaders (in the child process) ------------------------------------------------
-def _collate(batch: list[dict[str, Any]]) -> dict[str, Any]:
-    return {"id": np.array([int(s["id"]) for s in batch]), "payload": [s["payload"] for s in batch]}
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return decode(self.items[i])
 
 
-def loader_for(name: str, data_dir: str, workers: int, batch: int) -> Iterable[Any]:
+class _NumpyRows:
+    """Map-style over a numpy memmap, indexed a whole batch at a time."""
+
+    def __init__(self, data_dir: str) -> None:
+        self.data_dir = data_dir
+        self.n = len(payloads(data_dir)) // PAYLOAD
+        self._rows: np.ndarray | None = None  # mapped on first use, in the worker
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, indices: list[int]) -> dict[str, np.ndarray]:
+        if self._rows is None:
+            self._rows = rows2d(self.data_dir)
+        idx = np.asarray(indices, dtype=np.int64)
+        return {"idx": idx, "data": self._rows[idx]}
+
+
+def _memmap_gather(data_dir: str, batch: int) -> Iterable[Any]:
+    class Epochs:
+        epoch = 0
+
+        def __iter__(self) -> Iterator[dict[str, Any]]:
+            import torch
+
+            rows = rows2d(data_dir)
+            perm = np.random.default_rng(self.epoch).permutation(len(rows))
+            self.epoch += 1
+            for lo in range(0, perm.size, batch):
+                p = perm[lo : lo + batch]
+                yield {"idx": torch.from_numpy(p), "data": torch.from_numpy(rows[p])}
+
+    return Epochs()
+
+
+def loader_for(key: str, args: argparse.Namespace) -> Iterable[Any]:
     import torch.utils.data as tud
 
-    n_shards = lambda sub, ext: sorted(glob.glob(os.path.join(data_dir, sub, "*" + ext)))  # noqa: E731
+    workload, name = key.split(":")
+    d, workers, batch = args.data_dir, args.workers, args.batch_size
+    if name.endswith("-w0"):  # the same loader read in the main process
+        name, workers = name[: -len("-w0")], 0
+    common: dict[str, Any] = {"batch_size": batch, "num_workers": workers}
+    common["persistent_workers"] = workers > 0
+
+    def files(sub: str, ext: str) -> list[str]:
+        return sorted(glob.glob(os.path.join(d, sub, "*" + ext)))
+
+    cache = args.cache_mib << 20 if workload == "large" else None
     if name.startswith("evenly-"):
         import evenly
-        import evenly.sources as es
 
-        src: Any = (
-            es.from_parquet(os.path.join(data_dir, "parquet"))
-            if "parquet" in name
-            else es.from_webdataset(os.path.join(data_dir, "tar"))
-        )
         mode = "block" if name.endswith("block8") else "global"
-        ds = evenly.Dataset(src, shuffle=mode, block_shards=8)
-        return evenly.DataLoader(ds, batch_size=batch, num_workers=workers, collate_fn=_collate)
+        transform, gens = None, None
+        fn: Callable[[list[dict[str, Any]]], Any] | None = collate
+        if "in-memory" in name or "transform" in name:
+            buf = payloads(d)
+            src: Any = [sample(buf, i) for i in range(len(buf) // PAYLOAD)]
+            if "transform" in name:
+                transform, gens, fn = decode, ("torch",) if name.endswith("torch") else None, None
+        elif "columnar" in name:
+            fn = None
+            sub = "arrow-col" if "arrow" in name else "parquet-col"
+            reader = evenly.from_arrow if "arrow" in name else evenly.from_parquet
+            src = reader(os.path.join(d, sub))
+        elif "parquet" in name:
+            extra = {} if cache is None else {"row_group_cache_bytes": cache}
+            src = evenly.from_parquet(os.path.join(d, "parquet"), **extra)
+        elif "arrow" in name:
+            src = evenly.from_arrow(os.path.join(d, "arrow"))
+        else:
+            src = evenly.from_webdataset(os.path.join(d, "tar"))
+        kw: dict[str, Any] = {} if gens is None else {"seed_generators": gens}
+        ds = evenly.Dataset(src, shuffle=mode, block_shards=8, transform=transform, **kw)
+        columnar = True if "columnar" in name else None
+        return evenly.DataLoader(ds, collate_fn=fn, columnar=columnar, **common)
+    if name == "map-style-in-memory":
+        buf = payloads(d)
+        items = [sample(buf, i) for i in range(len(buf) // PAYLOAD)]
+        return tud.DataLoader(items, shuffle=True, collate_fn=collate, **common)  # type: ignore[arg-type]
+    if name == "map-style-transform":
+        buf = payloads(d)
+        ds_items = _Items([sample(buf, i) for i in range(len(buf) // PAYLOAD)])
+        return tud.DataLoader(ds_items, shuffle=True, **common)  # type: ignore[arg-type]
+    if name == "map-style-numpy-batched":
+        rows = _NumpyRows(d)
+        sampler = tud.BatchSampler(tud.RandomSampler(range(len(rows))), batch, drop_last=False)
+        return tud.DataLoader(
+            rows, batch_size=None, sampler=sampler, num_workers=workers,  # type: ignore[arg-type]
+            persistent_workers=workers > 0,
+        )  # fmt: skip
+    if name == "memmap-gather-1proc":
+        return _memmap_gather(d, batch)
     if name == "hf-datasets":
         import datasets
 
-        files = n_shards("parquet", ".parquet")
-        hf = datasets.load_dataset("parquet", data_files=files, split="train", streaming=True)
+        hf = datasets.load_dataset(
+            "parquet", data_files=files("parquet", ".parquet"), split="train", streaming=True
+        )
         hf = hf.shuffle(seed=0, buffer_size=10_000)
-        return tud.DataLoader(hf, batch_size=batch, num_workers=workers, collate_fn=_collate)
+        return tud.DataLoader(hf, collate_fn=collate, **common)
     if name == "webdataset":
         import webdataset as wds
 
-        urls = n_shards("tar", ".tar")
+        urls = files("tar", ".tar")
         w = wds.WebDataset(urls, shardshuffle=len(urls), nodesplitter=wds.single_node_only)
-        w = w.shuffle(10_000)
-        return tud.DataLoader(w, batch_size=batch, num_workers=workers, collate_fn=_collate)
+        return tud.DataLoader(w.shuffle(10_000), collate_fn=collate, **common)
     if name == "litdata":
         import litdata
 
-        lit = litdata.StreamingDataset(os.path.join(data_dir, "litdata"), shuffle=True, seed=0)
-        return litdata.StreamingDataLoader(
-            lit, batch_size=batch, num_workers=workers, collate_fn=_collate
-        )
+        sub = "litdata-col" if workload == "columnar" else "litdata"
+        extra = {} if cache is None else {"max_cache_size": cache}
+        lit = litdata.StreamingDataset(os.path.join(d, sub), shuffle=True, seed=0, **extra)
+        fn_lit = None if workload == "columnar" else collate
+        loader: Iterable[Any] = litdata.StreamingDataLoader(lit, collate_fn=fn_lit, **common)
+        return loader
     if name == "mosaic-streaming":
-        streaming = _streaming()
+        streaming = import_streaming()
         from streaming.base.util import clean_stale_shared_memory
 
         clean_stale_shared_memory()
         mds = streaming.StreamingDataset(
-            local=os.path.join(data_dir, "mds"), shuffle=True, shuffle_seed=0, batch_size=batch
+            local=os.path.join(d, "mds"), shuffle=True, shuffle_seed=0, batch_size=batch
         )
-        return tud.DataLoader(mds, batch_size=batch, num_workers=workers, collate_fn=_collate)
-    if name == CEILING:
-        buf = payloads(data_dir)
-        items = [sample(buf, i) for i in range(len(buf) // PAYLOAD)]
-        return tud.DataLoader(
-            items, batch_size=batch, shuffle=True, num_workers=workers, collate_fn=_collate
-        )
-    raise ValueError(f"unknown contender {name!r}; choose from {ALL}")
+        return tud.DataLoader(mds, collate_fn=collate, **common)
+    raise ValueError(f"unknown contender {key!r}; choose from {ALL}")
 
 
-def child(name: str, data_dir: str, workers: int, batch: int) -> None:
-    loader = loader_for(name, data_dir, workers, batch)
+def child(key: str, args: argparse.Namespace) -> None:
+    """Iterate ``--warmup`` epochs, time the next one, report it (JSON on stdout)."""
+    loader = loader_for(key, args)
+    field = "idx" if key.startswith("columnar:") else "id"
+    n = len(payloads(args.data_dir)) // PAYLOAD
+    for _ in range(args.warmup):
+        for _b in loader:
+            pass
+    read0 = worker_read_chars()
     ids: list[np.ndarray] = []
     t0 = time.perf_counter()
     for b in loader:
-        ids.append(np.asarray(b["id"]))
+        ids.append(np.asarray(b[field]))
     seconds = time.perf_counter() - t0
-    all_ids = np.concatenate(ids) if ids else np.zeros(0, np.int64)
-    n = len(payloads(data_dir)) // PAYLOAD
-    unique = np.unique(all_ids)
-    print(
-        json.dumps(
-            {
-                "samples": int(all_ids.size),
-                "seconds": seconds,
-                "missing": int(n - unique.size),
-                "repeated": int(all_ids.size - unique.size),
-            }
-        )
-    )
+    in_workers = args.workers > 0 and not key.endswith(("1proc", "-w0"))
+    read = worker_read_chars() - read0 if in_workers else None
+    child_report(ids, seconds, n, -(-n // args.shards), read)
 
 
 # ---- parent ----------------------------------------------------------------------------
-def run_one(name: str, args: argparse.Namespace) -> dict[str, Any]:
-    import psutil
-
-    cmd = [sys.executable, __file__, "--child", name, "--data-dir", args.data_dir,
-           "--workers", str(args.workers), "--batch-size", str(args.batch_size)]  # fmt: skip
-    env = {**os.environ, "EVENLY_BENCH_DATA": args.data_dir, "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    peak = 0
-    done = threading.Event()
-
-    def sample_rss() -> None:
-        nonlocal peak
-        try:
-            root = psutil.Process(proc.pid)
-        except psutil.NoSuchProcess:
-            return
-        while not done.is_set():
-            total = 0
-            try:
-                for p in [root, *root.children(recursive=True)]:
-                    with contextlib.suppress(psutil.NoSuchProcess):
-                        total += p.memory_info().rss
-            except psutil.NoSuchProcess:
-                break
-            peak = max(peak, total)
-            time.sleep(0.05)
-
-    watcher = threading.Thread(target=sample_rss, daemon=True)
-    watcher.start()
-    out, err = proc.communicate(timeout=args.timeout)
-    done.set()
-    watcher.join()
-    if proc.returncode != 0:
-        last = err.strip().splitlines()[-1] if err.strip() else f"exit {proc.returncode}"
-        return {"error": last}
-    result = json.loads(out.strip().splitlines()[-1])
-    result["peak_rss_mb"] = peak / 2**20
-    return result
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--samples", type=int, default=200_000)
     ap.add_argument("--shards", type=int, default=64)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--batch-size", type=int, default=256)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=1, help="untimed epochs before the timed one")
+    ap.add_argument("--cache-mib", type=int, default=40, help="per-process cache, large workload")
+    ap.add_argument("--timeout", type=float, default=600, help="seconds per run")
+    ap.add_argument(
+        "--max-minutes", type=float, default=18, help="stop adding rounds past this (wall)"
+    )
+    ap.add_argument("--prepare-only", action="store_true", help="write the data and exit")
     ap.add_argument("--data-dir", default=os.path.join("/tmp", "evenly-bench"))
-    ap.add_argument("--only", default=",".join(ALL), help="comma-separated contenders")
+    ap.add_argument("--only", default="", help="comma-separated workload:contender (or workload)")
+    ap.add_argument("--quick", action="store_true", help="10,000 samples, 1 round, no warm-up")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        child(args.child, args.data_dir, args.workers, args.batch_size)
+        child(args.child, args)
         return
+    if args.quick:
+        args.samples, args.rounds, args.warmup = 10_000, 1, 0
+        args.cache_mib = max(1, min(args.cache_mib, args.samples * PAYLOAD // (5 << 20)))
+    if args.cache_mib << 20 > args.samples * PAYLOAD // 4:
+        ap.error(f"--cache-mib {args.cache_mib}: the large workload needs data >= 4x the cache")
     args.data_dir = os.path.join(args.data_dir, f"n{args.samples}-s{args.shards}")
-    names = [x for x in args.only.split(",") if x]
-    unknown = sorted(set(names) - set(ALL))
-    if unknown:
-        ap.error(f"unknown contenders {unknown}; choose from {ALL}")
-    module = {"hf-datasets": "datasets", "webdataset": "webdataset", "litdata": "litdata",
-              "mosaic-streaming": "streaming"}  # fmt: skip
-    skipped = {x: "not installed" for x in names if x in module and not _importable(module[x])}
-    names = [x for x in names if x not in skipped]
-    prepare(args.data_dir, args.samples, args.shards, names)
+    wanted = [x for x in args.only.split(",") if x]
+    keys = [k for k in ALL if not wanted or k in wanted or k.split(":")[0] in wanted]
+    if wanted and not keys:
+        ap.error(f"--only matches no contender; choose from {ALL}")
+    needs = {f"{w}:{n}": m for w, n, _, m in CONTENDERS}
+    skipped = [k for k in keys if needs[k] and not importable(needs[k])]
+    keys = [k for k in keys if k not in skipped]
+    t_prep = time.perf_counter()
+    prepare(args.data_dir, args.samples, args.shards, keys)
+    if args.prepare_only:
+        print(f"data ready in {time.perf_counter() - t_prep:.0f} s: {args.data_dir}")
+        return
     print(
-        f"{args.samples:,} samples of {PAYLOAD} B in {args.shards} shards, {args.workers} "
-        f"workers, batch {args.batch_size}, shuffle on, median of {args.repeats} run(s)"
+        f"# bench_formats: {args.samples:,} x {PAYLOAD} B in {args.shards} shards, "
+        f"{args.workers} workers, batch {args.batch_size}, epoch {args.warmup + 1} timed, "
+        f"{args.rounds} interleaved round(s); large workload cache {args.cache_mib} MiB per "
+        f"process (data {args.samples * PAYLOAD / 2**20:,.0f} MiB); "
+        f"data ready in {time.perf_counter() - t_prep:.0f} s"
     )
-    results: dict[str, dict[str, Any]] = {}
-    for name in names:
-        runs = [run_one(name, args) for _ in range(args.repeats)]
-        ok = [r for r in runs if "error" in r] == []
-        if not ok:
-            results[name] = {"error": next(r["error"] for r in runs if "error" in r)}
-            continue
-        rates = [r["samples"] / r["seconds"] for r in runs]
-        results[name] = {
-            "rate": statistics.median(rates),
-            "rss": max(r["peak_rss_mb"] for r in runs),
-            "missing": max(r["missing"] for r in runs),
-            "repeated": max(r["repeated"] for r in runs),
-        }
-        print(f"  done {name}: {results[name]['rate']:,.0f} samples/s", file=sys.stderr)
-    peer_rates = [r["rate"] for k, r in results.items() if k in PEERS and "rate" in r]
-    best_peer = max(peer_rates) if peer_rates else None
-    print(f"{'contender':<24} {'samples/s':>11} {'vs best peer':>13} {'peak RSS MiB':>13} "
-          f"{'missing':>8} {'repeated':>9}")  # fmt: skip
-    for name, r in results.items():
-        if "error" in r:
-            print(f"{name:<24} failed: {r['error']}")
-            continue
-        ratio = f"{r['rate'] / best_peer:.2f}x" if best_peer else "-"
-        print(f"{name:<24} {r['rate']:>11,.0f} {ratio:>13} {r['rss']:>13,.0f} "
-              f"{r['missing']:>8} {r['repeated']:>9}")  # fmt: skip
-    for name, why in skipped.items():
-        print(f"{name:<24} skipped: {why}")
+    refs = {f"{w}:{n}": r for w, n, r, _ in CONTENDERS}
+    rows = {k: Row(k.split(":")[1], k.split(":")[0], refs=refs[k], note=NOTES.get(k, ""))
+            for k in keys}  # fmt: skip
+    base = [sys.executable, os.path.abspath(__file__), "--data-dir", args.data_dir,
+            "--workers", str(args.workers), "--batch-size", str(args.batch_size),
+            "--warmup", str(args.warmup), "--shards", str(args.shards),
+            "--cache-mib", str(args.cache_mib)]  # fmt: skip
+    t0 = time.perf_counter()
+    done = 0
+    for r in range(args.rounds):
+        elapsed = time.perf_counter() - t0
+        if r and elapsed / r * (r + 1) > args.max_minutes * 60 - (t0 - t_prep):
+            print(f"# stopped after {r} round(s): another would pass --max-minutes")
+            break
+        shift = r * len(keys) // max(args.rounds, 1)
+        for k in keys[shift:] + keys[:shift]:
+            t_run = time.perf_counter()
+            res = run_child([*base, "--child", k], env_for(args.data_dir), args.timeout)
+            rows[k].runs.append(res)
+            rate = f"{res['samples'] / res['seconds']:,.0f}/s" if "error" not in res else "failed"
+            wall = time.perf_counter() - t_run
+            print(f"  round {r + 1} {k}: {rate} ({wall:.0f} s)", file=sys.stderr)
+        done = r + 1
+    print(f"# {done} round(s) in {time.perf_counter() - t0:.0f} s")
+    titles = {
+        "sample": "per-sample workload (same collate: bytes -> uint8[B,1024])",
+        "columnar": "columnar workload (batches of idx int64[B], data uint8[B,1024])",
+        "large": f"large workload: the sample files, cache budget {args.cache_mib} MiB/process",
+    }
+    by_name = {k: rows[k] for k in keys}
+    for workload, title in titles.items():
+        chosen = [rows[k] for k in keys if k.startswith(workload + ":")]
+        if chosen:
+            print_table(title, chosen, by_name)
+    for k in skipped:
+        print(f"{k:<30} skipped: {needs[k]} is not installed (bash bench/setup_peers.sh)")
+    print_goals(GOALS, by_name)
+
+
+#: The issue's goals: (what, ">=" or "<=", goal, row, reference row, figure compared)
+GOALS: list[tuple[str, str, float, str, str, str]] = [
+    ("in-memory vs map-style (2 workers)", ">=", 1.0, "sample:evenly-in-memory", MAP, "rate"),
+    ("Parquet global vs litdata", ">=", 1.2, "sample:evenly-parquet", LIT, "rate"),
+    ("tar global vs litdata", ">=", 1.2, "sample:evenly-tar", LIT, "rate"),
+    ("columnar Arrow global vs litdata", ">=", 3.0,
+     "columnar:evenly-arrow-columnar", "columnar:litdata", "rate"),
+    ("columnar Parquet global vs litdata", ">=", 3.0,
+     "columnar:evenly-parquet-columnar", "columnar:litdata", "rate"),
+    ("columnar Arrow vs map-style numpy batched", ">=", 1.0,
+     "columnar:evenly-arrow-columnar", NP_BATCHED, "rate"),
+    ("columnar Parquet vs map-style numpy batched", ">=", 1.0,
+     "columnar:evenly-parquet-columnar", NP_BATCHED, "rate"),
+    ("columnar Arrow vs 1-process memmap gather", ">=", 0.25,
+     "columnar:evenly-arrow-columnar", GATHER, "rate"),
+    ("columnar Parquet vs 1-process memmap gather", ">=", 0.25,
+     "columnar:evenly-parquet-columnar", GATHER, "rate"),
+    ("transform, seed_generators=('torch',), vs map-style", ">=", 0.8,
+     "sample:evenly-transform-torch", MAP_TF, "rate"),
+    ("transform, default generators, vs map-style (reported)", ">=", 0.8,
+     "sample:evenly-transform-default", MAP_TF, "rate"),
+    ("peak PSS, Parquet global vs litdata", "<=", 1.0, "sample:evenly-parquet", LIT, "peak_pss"),
+    ("peak PSS, large Parquet global vs litdata", "<=", 1.0,
+     "large:evenly-parquet", "large:litdata", "peak_pss"),
+]  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import argparse
 from collections import OrderedDict
-from dataclasses import replace
 
 import numpy as np
 
 from evenly import EpochPlan
+from evenly._order import make_order
 
 
 def spearman(order: np.ndarray) -> float:
@@ -99,12 +99,17 @@ def main() -> None:
     sizes = np.full(args.shards, args.samples // args.shards)
     sizes[: args.samples % args.shards] += 1
     starts = np.concatenate([[0], np.cumsum(sizes)])
-    base = {"num_samples": args.samples, "batch_size": args.batch_size, "shuffle": True}
-    modes = [("global", EpochPlan(**base))]  # type: ignore[arg-type]
-    for k in args.windows:
-        modes.append(
-            (f"block(K={k})", EpochPlan(**base, shard_sizes=tuple(sizes.tolist()), block_shards=k))  # type: ignore[arg-type]
+    shard_sizes = tuple(sizes.tolist())
+
+    def plan_of(mode: str, k: int, epoch: int) -> EpochPlan:
+        order = make_order(
+            mode, args.samples, seed=0, epoch=epoch, shard_sizes=shard_sizes, block_shards=k
         )
+        return EpochPlan(
+            num_samples=args.samples, batch_size=args.batch_size, epoch=epoch, order=order
+        )
+
+    modes = [("global", "global", 0)] + [(f"block(K={k})", "block", k) for k in args.windows]
     print(
         f"N={args.samples:,} samples in {args.shards} shards, {args.workers} workers, batch "
         f"{args.batch_size}, LRU cache of {args.cache_shards} shards per worker; "
@@ -114,9 +119,9 @@ def main() -> None:
         f"{'mode':<12} {'|spearman|':>10} {'same-shard':>11} {'displacement':>13} "
         f"{'read/epoch (worker cache)':>26} {'(machine cache)':>16}"
     )
-    for name, plan in modes:
+    for name, mode, k in modes:
         runs = [
-            measure(replace(plan, epoch=e), starts, args.workers, args.cache_shards)
+            measure(plan_of(mode, k, e), starts, args.workers, args.cache_shards)
             for e in range(args.epochs)
         ]
         m = {k: float(np.mean([abs(r[k]) for r in runs])) for k in runs[0]}

@@ -27,10 +27,18 @@ PIP=(python -m pip install --quiet -c constraints.txt)
 
 python - <<'PY'
 import importlib
+import sys
+import types
+
+# bench_formats.py imports mosaicml-streaming the same way: its streaming.vision
+# subpackage imports torchvision (not installed here, and not needed by the bench)
+sys.modules.setdefault("streaming.vision", types.ModuleType("streaming.vision"))
 for name in ("datasets", "webdataset", "litdata", "streaming", "psutil"):
     try:
         mod = importlib.import_module(name)
         print(f"ok   {name} {getattr(mod, '__version__', '?')}")
     except Exception as exc:  # report, do not fail: the bench skips what is missing
         print(f"FAIL {name}: {type(exc).__name__}: {exc}")
+import torch
+print(f"torch {torch.__version__} (pinned by constraints.txt)")
 PY

@@ -5,12 +5,23 @@ from __future__ import annotations
 
 import logging
 import warnings
+from collections.abc import Callable
 from typing import Protocol, TypeVar
 
+from torch.utils.data import get_worker_info
+
 from ._order import SHUFFLE_MODES
+from ._pass import PassSpec
 from ._plan import EpochPlan
 
-__all__ = ["EvenlyWarning", "Source", "check_source", "shuffle_mode", "warn_about"]
+__all__ = [
+    "EvenlyWarning",
+    "Source",
+    "check_current",
+    "check_source",
+    "shuffle_mode",
+    "warn_about",
+]
 
 T_co = TypeVar("T_co", covariant=True)
 logger = logging.getLogger("evenly")
@@ -83,4 +94,37 @@ def warn_about(plan: EpochPlan, num_workers: int, rank: int) -> None:
             f"{max(num_workers, 1)} workers: {idle} worker(s) idle",
             EvenlyWarning,
             stacklevel=3,
+        )
+
+
+def check_current(
+    spec: PassSpec,
+    n: int,
+    generation: int,
+    seen: list[int] | None,
+    fingerprint: Callable[[], int],
+) -> None:
+    """Raise if a copy of a dataset (``n`` samples, ``generation``) is not the one the pass
+    ``spec`` was planned over; ``seen`` is (len, fingerprint, generation) as the main
+    process last saw them (``-1`` for a length never seen), for the dataset's own passes."""
+    stale = ""
+    if n != spec.num_samples:
+        stale = f"len(source) is {n} here but {spec.num_samples} when the pass started"
+    elif spec.generation != generation:
+        stale = "dataset.source or dataset.transform was replaced in the main process"
+    elif seen is not None:
+        seen_n, seen_fp, seen_gen = seen
+        if seen_gen != generation:
+            stale = "dataset.source or dataset.transform was replaced in the main process"
+        elif seen_n != -1 and n != seen_n:
+            stale = f"len(source) is {n} here but {seen_n} in the main process"
+        elif seen_n != -1 and fingerprint() != seen_fp:
+            stale = "the source's fingerprint differs from the main process's"
+    if stale:
+        where = "this DataLoader worker" if get_worker_info() is not None else "here"
+        raise RuntimeError(
+            f"evenly: the source changed since {where} got its copy of the dataset "
+            f"(epoch {spec.epoch}): {stale}.  Persistent DataLoader workers keep the "
+            f"dataset they started with: use evenly.DataLoader (it restarts them), or "
+            f"build a new DataLoader after changing the data"
         )

@@ -10,24 +10,23 @@ a private torch DataLoader over a feed that yields one collated batch per plan b
 
 from __future__ import annotations
 
-import time
 import warnings
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
 import torch.distributed
 import torch.utils.data
-from torch.utils.data import IterableDataset, get_worker_info
 from torch.utils.data._utils.collate import default_collate, default_convert
 
 from ._agreement import DEFAULT_TIMEOUT, check_agreement, group_ranks
 from ._channel import PassChannel
 from ._dataset import STAMPS, Dataset, EvenlyWarning, warn_about
+from ._handoff import NO_LENGTH, Feed, Pass, PassIterator, pass_through, settle
 from ._pass import PassSpec
 from ._plan import EpochPlan, check_int
-from ._stream import StreamPlan
 
 __all__ = ["DataLoader"]
 
@@ -36,145 +35,6 @@ _SKIP_SLOTS = 64
 
 def _distributed() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
-
-
-def _pass_through(item: Any) -> Any:
-    """The private loader's collate: batches are collated in the workers already."""
-    return item
-
-
-def settle(inner: Any, shut_down: bool = False) -> None:
-    """Wait until a finished torch iterator's queue feeder threads have exited.
-
-    A Python thread that is exiting while the next epoch forks its workers can leave
-    CPython's thread-state lock held in the child, which then hangs forever inside
-    ``os.fork`` (seen with CPython 3.11: the new worker never starts, its rank waits for
-    data and every other rank waits in a collective).  Torch closes those queues when
-    an epoch ends but does not wait for their threads; evenly does, before any new fork.
-    With ``shut_down``, an iterator abandoned mid-epoch is shut down first.
-    """
-    if shut_down and not getattr(inner, "_persistent_workers", True):
-        shutdown = getattr(inner, "_shutdown_workers", None)
-        if shutdown is not None:
-            shutdown()
-    if not getattr(inner, "_shutdown", False):
-        return
-    for queue in getattr(inner, "_index_queues", []):
-        thread = getattr(queue, "_thread", None)
-        if thread is not None:
-            thread.join(timeout=10)
-
-
-def _dead_workers(iterator: Any, wait: float = 2.0) -> list[int]:
-    """Pids of the iterator's workers that died (waiting briefly: a worker killed an
-    instant ago closes its sockets a moment before it can be seen dead)."""
-    workers = getattr(iterator, "_workers", [])
-    deadline = time.monotonic() + wait
-    while True:
-        dead = [w.pid for w in workers if not w.is_alive()]
-        if dead or not workers or time.monotonic() > deadline:
-            return dead
-        time.sleep(0.02)
-
-
-class _Feed(IterableDataset[Any]):
-    """What the private loader's workers iterate: their share of the pass published in
-    the channel, one collated batch (or sample) per item."""
-
-    def __init__(
-        self,
-        dataset: Dataset[Any],
-        channel: PassChannel,
-        collate: Callable[[Any], Any] | None,
-        per_sample: Callable[[Any], Any] | None,
-        skipped: torch.Tensor,
-    ) -> None:
-        self.dataset = dataset
-        self.channel = channel
-        self.collate = collate
-        self.per_sample = per_sample
-        self.skipped = skipped
-        self.columnar = False
-
-    def __iter__(self) -> Iterator[Any]:
-        info = get_worker_info()
-        num_workers, worker_id = (info.num_workers, info.id) if info is not None else (1, 0)
-        spec = self.channel.read()
-        if spec is None:
-            raise RuntimeError("evenly: a DataLoader worker found no pass to read (a bug)")
-        items = self.dataset.read(
-            spec,
-            worker_id,
-            num_workers,
-            collate=self.collate,
-            columnar=self.columnar,
-            skipped=self.skipped,
-        )
-        if self.per_sample is None:
-            yield from items
-        else:
-            for item in items:
-                yield self.per_sample(item)
-
-
-class _Pass:
-    """The pass in progress: its plan, the batches the loop received before it in the
-    same epoch (a resume) and in it."""
-
-    __slots__ = ("finished", "plan", "prior", "received", "stream")
-
-    def __init__(self, plan: EpochPlan, prior: int, stream: StreamPlan | None = None) -> None:
-        self.stream = stream
-        self.plan = plan
-        self.prior = prior
-        self.received = 0
-        self.finished = False
-
-
-class _PassIterator(Iterator[Any]):
-    """Counts the batches handed to the training loop (not those prefetched)."""
-
-    def __init__(self, inner: Iterator[Any], current: _Pass, loader: DataLoader) -> None:
-        self._inner = inner
-        self._pass = current
-        self._loader = loader
-
-    def __iter__(self) -> _PassIterator:
-        return self
-
-    def __next__(self) -> Any:
-        try:
-            batch = next(self._inner)
-        except (ConnectionError, EOFError) as exc:
-            # a worker that died while the main process fetched its batch's shared
-            # memory surfaces as a bare connection error: name the worker instead
-            dead = _dead_workers(self._inner)
-            if dead:
-                raise RuntimeError(
-                    f"evenly: DataLoader worker(s) (pid {', '.join(map(str, dead))}) died "
-                    f"while handing over a batch (killed by a signal or out of memory?)"
-                ) from exc
-            raise
-        except StopIteration:
-            if not self._pass.finished:
-                self._pass.finished = True
-                settle(self._inner)
-                self._loader._warn_skipped(self._pass.plan)
-            raise
-        self._pass.received += 1
-        return batch
-
-    def __len__(self) -> int:
-        if self._pass.stream is not None:
-            raise TypeError(_NO_LENGTH)
-        return self._pass.prior + self._pass.plan.num_batches
-
-
-_NO_LENGTH = (
-    "an evenly.DataLoader(..., infinite=True) has no length: it runs across epochs "
-    "until the loop stops; count steps (loader.epoch and loader.state_dict() say where "
-    "it stands)"
-)
 
 
 class DataLoader(torch.utils.data.DataLoader[Any]):
@@ -282,7 +142,7 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         self._channel = PassChannel()
         self._skipped = torch.zeros(_SKIP_SLOTS, dtype=torch.int64).share_memory_()  # type: ignore[no-untyped-call]
         batched = batch_size is not None
-        self._feed = _Feed(
+        self._feed = Feed(
             dataset,
             self._channel,
             collate=(collate_fn or default_collate) if batched else None,
@@ -296,7 +156,7 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
             self._feed,
             batch_size=None,
             num_workers=num_workers,
-            collate_fn=_pass_through,
+            collate_fn=pass_through,
             **engine_args,
         )
         #: (stamp, epoch, start, batches received before) of the next pass, if set
@@ -305,10 +165,10 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         self._followed = dataset.epoch_request[0] if dataset.epoch_request else 0
         self._last_epoch: int | None = None
         self._last_num_samples: int | None = None
-        self._pass: _Pass | None = None
+        self._pass: Pass | None = None
         #: stream position an infinite loader's next pass continues from
         self._stream_next = 0
-        self._pass_iterator: weakref.ref[_PassIterator] | None = None
+        self._pass_iterator: weakref.ref[PassIterator] | None = None
         #: (len, fingerprint, generation) of the dataset when the workers started
         self._workers_view: tuple[int, int, int] | None = None
 
@@ -378,7 +238,7 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
 
     def __len__(self) -> int:
         if self.infinite:
-            raise TypeError(_NO_LENGTH)
+            raise TypeError(NO_LENGTH)
         if not self._idle():
             assert self._pass is not None
             return self._pass.prior + self._pass.plan.num_batches
@@ -388,7 +248,7 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
     def remaining_batches(self) -> int:
         """Batches this rank has still to receive in the pass in progress (or the next)."""
         if self.infinite:
-            raise TypeError(_NO_LENGTH)
+            raise TypeError(NO_LENGTH)
         if not self._idle():
             assert self._pass is not None
             return self._pass.plan.num_batches - self._pass.received
@@ -488,7 +348,7 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
             and self._user_collate in (None, default_collate)
         )
 
-    def __iter__(self) -> _PassIterator:  # type: ignore[override]
+    def __iter__(self) -> PassIterator:  # type: ignore[override]
         if self.infinite:
             return self._iter_stream()
         epoch, start, prior = self._peek_next()
@@ -507,9 +367,14 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
             )
         self._last_num_samples = spec.num_samples
         self._last_epoch = epoch
+        return self._start(spec, Pass(plan, prior if start else 0))
+
+    def _start(self, spec: PassSpec, current: Pass) -> PassIterator:
+        """Publish the pass to the workers (restarting persistent ones that hold a stale
+        dataset) and start iterating the private loader."""
         previous = self._pass_iterator() if self._pass_iterator is not None else None
         if previous is not None:  # the previous pass, finished or abandoned
-            settle(previous._inner, shut_down=True)
+            settle(previous.inner, shut_down=True)
         view = (spec.num_samples, self.dataset.source_fingerprint(), spec.generation)
         self._workers_stale(view)
         if getattr(self._engine, "_iterator", None) is None:
@@ -517,15 +382,15 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         self._feed.columnar = self._use_columns()
         self._skipped.zero_()
         self._channel.publish(spec)
-        self._pass = _Pass(plan, prior if start else 0)
+        self._pass = current
         # workers fork before the agreement exchange, never right after a collective: a
         # process forked while a gloo thread is finishing a collective can hang in os.fork
-        iterator = _PassIterator(iter(self._engine), self._pass, self)
+        iterator = PassIterator(iter(self._engine), current, self._warn_skipped)
         self._pass_iterator = weakref.ref(iterator)  # a weak one: do not keep workers alive
-        self._check_agreement(plan, spec)
+        self._check_agreement(current.plan, spec)
         return iterator
 
-    def _iter_stream(self) -> _PassIterator:
+    def _iter_stream(self) -> PassIterator:
         """One endless pass over consecutive epochs (``infinite=True``), continuing from
         what the loop received so far, or from a loaded state / ``set_epoch``."""
         n = len(self.dataset.source)
@@ -552,32 +417,8 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
             generation=self.dataset.generation,
             infinite=True,
         )
-        stream = self.dataset.stream_plan_for(spec)
-        previous = self._pass_iterator() if self._pass_iterator is not None else None
-        if previous is not None:
-            settle(previous._inner, shut_down=True)
-        view = (n, self.dataset.source_fingerprint(), spec.generation)
-        self._workers_stale(view)
-        if getattr(self._engine, "_iterator", None) is None:
-            self._workers_view = view
-        self._feed.columnar = self._use_columns()
-        self._skipped.zero_()
-        self._channel.publish(spec)
-        epoch_plan = self.dataset.plan_for(
-            PassSpec(
-                epoch=spec.epoch,
-                start=0,
-                num_samples=n,
-                batch_size=self._plan_batch,
-                rank=topo.rank,
-                world_size=topo.world_size,
-            )
-        )
-        self._pass = _Pass(epoch_plan, 0, stream)
-        iterator = _PassIterator(iter(self._engine), self._pass, self)
-        self._pass_iterator = weakref.ref(iterator)
-        self._check_agreement(epoch_plan, spec)
-        return iterator
+        epoch_plan = self.dataset.plan_for(replace(spec, start=0, infinite=False))
+        return self._start(spec, Pass(epoch_plan, 0, self.dataset.stream_plan_for(spec)))
 
     def _check_agreement(self, plan: EpochPlan, spec: PassSpec) -> None:
         """Only a plan split over the data-parallel group must agree across it (a dataset

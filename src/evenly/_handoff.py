@@ -1,0 +1,166 @@
+"""The pieces of a pass under ``evenly.DataLoader``: the feed its workers iterate (one
+collated batch per item), the iterator that counts what the training loop received, and
+the worker hygiene around torch's DataLoader iterator (a documented fork-hang
+workaround; ``tests/test_torch_internals.py`` pins the private attributes it reads)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from ._channel import PassChannel
+from ._dataset import Dataset
+from ._plan import EpochPlan
+from ._stream import StreamPlan
+
+__all__ = ["NO_LENGTH", "Feed", "Pass", "PassIterator", "dead_workers", "pass_through", "settle"]
+
+
+def pass_through(item: Any) -> Any:
+    """The private loader's collate: batches are collated in the workers already."""
+    return item
+
+
+def settle(inner: Any, shut_down: bool = False) -> None:
+    """Wait until a finished torch iterator's queue feeder threads have exited.
+
+    A Python thread that is exiting while the next epoch forks its workers can leave
+    CPython's thread-state lock held in the child, which then hangs forever inside
+    ``os.fork`` (seen with CPython 3.11: the new worker never starts, its rank waits for
+    data and every other rank waits in a collective).  Torch closes those queues when
+    an epoch ends but does not wait for their threads; evenly does, before any new fork.
+    With ``shut_down``, an iterator abandoned mid-epoch is shut down first.
+    """
+    if shut_down and not getattr(inner, "_persistent_workers", True):
+        shutdown = getattr(inner, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
+    if not getattr(inner, "_shutdown", False):
+        return
+    for queue in getattr(inner, "_index_queues", []):
+        thread = getattr(queue, "_thread", None)
+        if thread is not None:
+            thread.join(timeout=10)
+
+
+def dead_workers(iterator: Any, wait: float = 2.0) -> list[int]:
+    """Pids of the iterator's workers that died (waiting briefly: a worker killed an
+    instant ago closes its sockets a moment before it can be seen dead)."""
+    workers = getattr(iterator, "_workers", [])
+    deadline = time.monotonic() + wait
+    while True:
+        dead = [w.pid for w in workers if not w.is_alive()]
+        if dead or not workers or time.monotonic() > deadline:
+            return dead
+        time.sleep(0.02)
+
+
+class Feed(IterableDataset[Any]):
+    """What the private loader's workers iterate: their share of the pass published in
+    the channel, one collated batch (or sample) per item."""
+
+    def __init__(
+        self,
+        dataset: Dataset[Any],
+        channel: PassChannel,
+        collate: Callable[[Any], Any] | None,
+        per_sample: Callable[[Any], Any] | None,
+        skipped: torch.Tensor,
+    ) -> None:
+        self.dataset = dataset
+        self.channel = channel
+        self.collate = collate
+        self.per_sample = per_sample
+        self.skipped = skipped
+        self.columnar = False
+
+    def __iter__(self) -> Iterator[Any]:
+        info = get_worker_info()
+        num_workers, worker_id = (info.num_workers, info.id) if info is not None else (1, 0)
+        spec = self.channel.read()
+        if spec is None:
+            raise RuntimeError("evenly: a DataLoader worker found no pass to read (a bug)")
+        items = self.dataset.read(
+            spec,
+            worker_id,
+            num_workers,
+            collate=self.collate,
+            columnar=self.columnar,
+            skipped=self.skipped,
+        )
+        if self.per_sample is None:
+            yield from items
+        else:
+            for item in items:
+                yield self.per_sample(item)
+
+
+class Pass:
+    """The pass in progress: its plan, the batches the loop received before it in the
+    same epoch (a resume) and in it."""
+
+    __slots__ = ("finished", "plan", "prior", "received", "stream")
+
+    def __init__(self, plan: EpochPlan, prior: int, stream: StreamPlan | None = None) -> None:
+        self.stream = stream
+        self.plan = plan
+        self.prior = prior
+        self.received = 0
+        self.finished = False
+
+
+class PassIterator(Iterator[Any]):
+    """Counts the batches handed to the training loop (not those prefetched)."""
+
+    def __init__(
+        self, inner: Iterator[Any], current: Pass, on_end: Callable[[EpochPlan], None]
+    ) -> None:
+        self._inner = inner
+        self._pass = current
+        self._on_end = on_end
+
+    @property
+    def inner(self) -> Iterator[Any]:
+        """The private torch DataLoader's iterator."""
+        return self._inner
+
+    def __iter__(self) -> PassIterator:
+        return self
+
+    def __next__(self) -> Any:
+        try:
+            batch = next(self._inner)
+        except (ConnectionError, EOFError) as exc:
+            # a worker that died while the main process fetched its batch's shared
+            # memory surfaces as a bare connection error: name the worker instead
+            dead = dead_workers(self._inner)
+            if dead:
+                raise RuntimeError(
+                    f"evenly: DataLoader worker(s) (pid {', '.join(map(str, dead))}) died "
+                    f"while handing over a batch (killed by a signal or out of memory?)"
+                ) from exc
+            raise
+        except StopIteration:
+            if not self._pass.finished:
+                self._pass.finished = True
+                settle(self._inner)
+                self._on_end(self._pass.plan)
+            raise
+        self._pass.received += 1
+        return batch
+
+    def __len__(self) -> int:
+        if self._pass.stream is not None:
+            raise TypeError(NO_LENGTH)
+        return self._pass.prior + self._pass.plan.num_batches
+
+
+NO_LENGTH = (
+    "an evenly.DataLoader(..., infinite=True) has no length: it runs across epochs "
+    "until the loop stops; count steps (loader.epoch and loader.state_dict() say where "
+    "it stands)"
+)

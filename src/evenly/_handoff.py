@@ -10,12 +10,13 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import IterableDataset, get_worker_info
+from torch.utils.data import IterableDataset, default_collate, get_worker_info
 
 from ._channel import PassChannel
 from ._dataset import Dataset
 from ._plan import EpochPlan
 from ._stream import StreamPlan
+from ._transport import Transport, plain_collate, unpack
 
 __all__ = ["NO_LENGTH", "Feed", "Pass", "PassIterator", "dead_workers", "pass_through", "settle"]
 
@@ -77,6 +78,8 @@ class Feed(IterableDataset[Any]):
         self.per_sample = per_sample
         self.skipped = skipped
         self.columnar = False
+        #: the workers' shared-memory slots (None: torch's hand-off)
+        self.transport: Transport | None = None
 
     def __iter__(self) -> Iterator[Any]:
         info = get_worker_info()
@@ -84,19 +87,30 @@ class Feed(IterableDataset[Any]):
         spec = self.channel.read()
         if spec is None:
             raise RuntimeError("evenly: a DataLoader worker found no pass to read (a bug)")
+        collate, per_sample = self.collate, self.per_sample
+        if self.transport is None or info is None:
+            pack = None
+        else:
+            writer = self.transport.writer(worker_id)
+            writer.reclaim()
+            pack = writer.pack
+            if collate is default_collate:
+                collate = plain_collate
         items = self.dataset.read(
             spec,
             worker_id,
             num_workers,
-            collate=self.collate,
+            collate=collate,
             columnar=self.columnar,
             skipped=self.skipped,
         )
-        if self.per_sample is None:
+        if per_sample is not None:
+            items = map(per_sample, items)
+        if pack is None:
             yield from items
         else:
             for item in items:
-                yield self.per_sample(item)
+                yield pack(item)
 
 
 class Pass:
@@ -133,7 +147,7 @@ class PassIterator(Iterator[Any]):
 
     def __next__(self) -> Any:
         try:
-            batch = next(self._inner)
+            batch = unpack(next(self._inner))
         except (ConnectionError, EOFError) as exc:
             # a worker that died while the main process fetched its batch's shared
             # memory surfaces as a bare connection error: name the worker instead

@@ -27,6 +27,7 @@ from ._dataset import STAMPS, Dataset, EvenlyWarning, warn_about
 from ._handoff import NO_LENGTH, Feed, Pass, PassIterator, pass_through, settle
 from ._pass import PassSpec
 from ._plan import EpochPlan, check_int
+from ._transport import Transport
 
 __all__ = ["DataLoader"]
 
@@ -74,6 +75,12 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
             full (a batch may span an epoch boundary), each epoch still read exactly once
             and every rank getting the same batches count; ``state_dict()`` resumes
             exactly by step under any topology.  ``len()`` is then undefined.
+        transport: how workers hand batches to the main process.  ``"slots"``
+            (default): each worker copies a batch's tensors and numpy arrays into one of
+            a few shared-memory slots it reuses, and the main process copies them out
+            (no new shared-memory segment and file descriptor per batch, as torch's
+            hand-off needs; batches come out in ordinary memory, contiguous, pinned by
+            ``pin_memory=True`` as usual).  ``"torch"``: torch's own hand-off.
 
     >>> loader = evenly.DataLoader(evenly.Dataset(list(range(5))), batch_size=2,
     ...                            infinite=True)
@@ -101,6 +108,7 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         agreement_timeout: float = DEFAULT_TIMEOUT,
         columnar: bool | None = None,
         infinite: bool = False,
+        transport: str = "slots",
         **kwargs: Any,
     ) -> None:
         if not isinstance(dataset, Dataset):
@@ -118,6 +126,9 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
                 "skip and repeat samples on resume; remove in_order=False (workers already "
                 "read whole batches in parallel)"
             )
+        if transport not in ("slots", "torch"):
+            raise ValueError(f"transport must be 'slots' or 'torch', got {transport!r}")
+        self.transport = transport
         if infinite and batch_size is None:
             raise ValueError("evenly.DataLoader(infinite=True) needs a batch_size")
         self.infinite = bool(infinite)
@@ -379,6 +390,10 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         self._workers_stale(view)
         if getattr(self._engine, "_iterator", None) is None:
             self._workers_view = view
+        if self.num_workers > 0 and (
+            getattr(self._engine, "_iterator", None) is None or not self.persistent_workers
+        ):
+            self._new_transport()
         self._feed.columnar = self._use_columns()
         self._skipped.zero_()
         self._channel.publish(spec)
@@ -389,6 +404,15 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         self._pass_iterator = weakref.ref(iterator)  # a weak one: do not keep workers alive
         self._check_agreement(current.plan, spec)
         return iterator
+
+    def _new_transport(self) -> None:
+        """Fresh slots for workers about to start (the old ones' are dropped)."""
+        if self._feed.transport is not None:
+            self._feed.transport.close()
+            self._feed.transport = None
+        if self.transport == "slots":
+            prefetch = self.prefetch_factor or 2
+            self._feed.transport = Transport(self.num_workers, slots=prefetch + 1)
 
     def _iter_stream(self) -> PassIterator:
         """One endless pass over consecutive epochs (``infinite=True``), continuing from

@@ -1,6 +1,6 @@
 """Gathering a batch of fixed-width columns straight from memory-mapped Arrow record
-batches with numpy: one zero-copy view per (record batch, column), one fancy index per
-record batch a batch touches, no Arrow ``take`` and no per-row Python object.
+batches with numpy: one byte window per column spanning every record batch of every
+file, one fancy index per column a batch, no Arrow ``take`` and no per-row Python object.
 
 Used by the Arrow source for local files when every selected column is a number (not a
 bool: Arrow packs those in bits) or a fixed-size list of numbers, with no nulls; the
@@ -53,39 +53,71 @@ def gatherable(schema: pa.Schema) -> bool:
     return len(schema) > 0 and all(ok(f.type) for f in schema)
 
 
+class _Span:
+    """A read-only byte window from one address to another, across the record batches
+    of every mapped file (so one fancy index gathers a column's rows from all of them;
+    only addresses of rows inside the batches are ever read, and the views in
+    ``keep`` hold those batches' memory for as long as the window lives)."""
+
+    def __init__(self, low: int, count: int, width: int, keep: list[npt.NDArray[Any]]) -> None:
+        self.keep = keep
+        self.__array_interface__ = {
+            "version": 3,
+            "shape": (count, width),
+            "strides": (1, 1),
+            "typestr": "|u1",
+            "data": (low, True),
+        }
+
+
+def _address(view: npt.NDArray[Any]) -> int:
+    data: tuple[int, bool] = view.__array_interface__["data"]
+    return data[0]
+
+
 class ColumnViews:
-    """Numpy views of every column of every record batch, in global chunk order."""
+    """Every column of every record batch, as one byte window per column over all of
+    them: a batch's rows of a column are gathered with a single fancy index."""
 
     def __init__(self, batches: Sequence[pa.RecordBatch]) -> None:
         self.names = batches[0].schema.names if batches else []
-        self.views: list[list[npt.NDArray[Any]]] = []
+        chunks: list[list[npt.NDArray[Any]]] = []
         for b in batches:
             views = [_view(b.column(i)) for i in range(b.num_columns)]
-            if any(v is None for v in views):
+            if any(v is None or not v.flags.c_contiguous for v in views):
                 raise ValueError("a record batch holds nulls or a column that is not fixed-width")
-            self.views.append([v for v in views if v is not None])
-        first = self.views[0] if self.views else []
+            chunks.append([v for v in views if v is not None])
+        first = chunks[0] if chunks else []
         self.dtypes = [_collated(v.dtype) if v.ndim == 1 else v.dtype for v in first]
+        self.raw = [v.dtype for v in first]
         self.shapes = [v.shape[1:] for v in first]
+        self.widths = [v.itemsize * int(np.prod(v.shape[1:], dtype=np.int64)) for v in first]
+        self.starts: list[npt.NDArray[np.int64]] = []  # per column: each chunk's offset
+        self.spans: list[npt.NDArray[np.uint8]] = []
+        for j, width in enumerate(self.widths):
+            addresses = np.array([_address(c[j]) for c in chunks], dtype=np.int64)
+            lengths = np.array([len(c[j]) for c in chunks], dtype=np.int64)
+            used = lengths > 0
+            low = int(addresses[used].min()) if used.any() else 0
+            high = int((addresses + lengths * width)[used].max()) if used.any() else width
+            keep = [c[j] for c in chunks]
+            self.starts.append(np.where(used, addresses - low, 0))
+            span = _Span(low, max(high - low - width + 1, 1), max(width, 1), keep)
+            self.spans.append(np.asarray(span))
 
     def gather(
         self, chunks: npt.NDArray[np.int64], local: npt.NDArray[np.int64]
     ) -> dict[str, npt.NDArray[Any]]:
         """Rows ``local[j]`` of chunk ``chunks[j]``, in that order."""
+        out: dict[str, npt.NDArray[Any]] = {}
         n = chunks.size
-        out = [
-            np.empty((n, *shape), dtype=dtype)
-            for shape, dtype in zip(self.shapes, self.dtypes, strict=True)
-        ]
-        order = np.argsort(chunks, kind="stable")
-        present, first = np.unique(chunks[order], return_index=True)
-        bounds = [*first.tolist(), n]
-        for j, c in enumerate(present.tolist()):
-            where = order[bounds[j] : bounds[j + 1]]
-            rows = local[where]
-            for column, view in zip(out, self.views[c], strict=True):
-                column[where] = view[rows]
-        return dict(zip(self.names, out, strict=True))
+        for j, name in enumerate(self.names):
+            width = self.widths[j]
+            rows = self.spans[j][self.starts[j][chunks] + local * width]
+            column = rows.view(self.raw[j]).reshape(n, *self.shapes[j])
+            dtype = self.dtypes[j]
+            out[name] = column if column.dtype == dtype else column.astype(dtype)
+        return out
 
 
 def _collated(dtype: np.dtype[Any]) -> np.dtype[Any]:

@@ -1,0 +1,174 @@
+"""The shared-memory slots batches cross from workers to the main process by (issue 10):
+what comes out equals what the worker made, a slot is never reused while the main
+process may still read it, and every loader guarantee holds with them under fork, spawn
+and forkserver workers."""
+
+from __future__ import annotations
+
+from collections import namedtuple
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.utils.data as tud
+
+import evenly
+from evenly._transport import Packed, Transport, plain_collate, unpack
+
+Pair = namedtuple("Pair", ["left", "right"])
+
+
+def rich_batch(seed: int, rows: int = 4) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "f32": torch.rand(rows, 3, generator=g),
+        "i64": torch.arange(rows) + seed,
+        "bool": torch.rand(rows, generator=g) > 0.5,
+        "bf16": torch.rand(rows, 2, generator=g).to(torch.bfloat16),
+        "empty": torch.zeros(0, 5),
+        "np16": np.arange(rows * 2, dtype=np.int16).reshape(rows, 2) + seed,
+        "npstr": np.array(["ab", "c", "def", "g"][:rows]),
+        "nested": [torch.full((2,), float(seed)), (np.float64(seed), "text", 7)],
+        "pair": Pair(torch.ones(rows), np.zeros(rows)),
+        "strided": torch.arange(12).reshape(3, 4).t(),  # not contiguous: torch's way
+        "grad": torch.ones(2, requires_grad=True),  # requires grad: torch's way
+    }
+
+
+def assert_same(a: Any, b: Any) -> None:
+    assert type(a) is type(b)
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.detach(), b.detach())
+    elif isinstance(a, np.ndarray):
+        assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b)
+    elif isinstance(a, dict):
+        assert list(a) == list(b)
+        for k in a:
+            assert_same(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            assert_same(x, y)
+    else:
+        assert a == b
+
+
+def test_a_packed_batch_unpacks_to_an_equal_batch_in_ordinary_memory() -> None:
+    transport = Transport(1, slots=2)
+    writer = transport.writer(0)
+    batch = rich_batch(1)
+    item = writer.pack(batch)
+    assert type(item) is Packed and item.arena is not None
+    out = unpack(item)
+    assert_same(out, batch)
+    assert not out["f32"].is_shared()  # copied out of the slot, not a view of it
+    assert out["strided"].stride() == batch["strided"].stride()  # left to torch as it was
+
+
+def test_a_slot_is_reused_only_after_the_main_process_copied_it_out() -> None:
+    transport = Transport(1, slots=2)
+    writer = transport.writer(0)
+    first, second = writer.pack(rich_batch(1)), writer.pack(rich_batch(2))
+    assert {first.slot, second.slot} == {0, 1}
+    # both slots in use: the next batch goes torch's way, unchanged
+    third = rich_batch(3)
+    assert writer.pack(third) is third
+    assert_same(unpack(first), rich_batch(1))
+    fourth = writer.pack(rich_batch(4))  # the freed slot
+    assert type(fourth) is Packed and fourth.slot == first.slot
+    assert fourth.arena is None  # the main process has the arena since the first batch
+    assert_same(unpack(second), rich_batch(2))
+    assert_same(unpack(fourth), rich_batch(4))
+
+
+def test_a_late_free_message_never_frees_a_slot_that_was_reused() -> None:
+    transport = Transport(1, slots=1)
+    writer = transport.writer(0)
+    dropped = writer.pack(rich_batch(1))  # a batch an abandoned pass never handed over
+    writer.reclaim()  # the next pass starts
+    current = writer.pack(rich_batch(2))
+    assert current.slot == dropped.slot and current.ticket != dropped.ticket
+    transport._send_free(dropped)  # a free message for the old use of the slot
+    assert writer.pack(rich_batch(3)) is not None and 0 in writer.busy
+    assert_same(unpack(current), rich_batch(2))
+
+
+def test_a_bigger_batch_gets_a_bigger_arena_that_the_main_process_learns() -> None:
+    transport = Transport(1, slots=2)
+    writer = transport.writer(0)
+    small = writer.pack({"x": torch.ones(4)})
+    assert_same(unpack(small), {"x": torch.ones(4)})
+    big = {"x": torch.arange(100_000, dtype=torch.float64)}
+    item = writer.pack(big)
+    assert item.key != small.key and item.arena is not None
+    assert_same(unpack(item), big)
+
+
+def test_plain_collate_equals_default_collate_outside_shared_memory() -> None:
+    samples = [
+        {"a": np.arange(3) + i, "b": float(i), "c": (torch.ones(2) * i, "s")} for i in range(5)
+    ]
+    assert_same(plain_collate(samples), tud.default_collate(samples))
+
+
+def test_the_pin_memory_thread_unpacks_before_pinning(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.utils.data._utils.pin_memory as pinning
+
+    pinned: list[Any] = []
+
+    def pin(data: Any, device: Any = None) -> Any:  # CPU-only torch cannot pin
+        pinned.append(data)
+        return data
+
+    monkeypatch.setattr(pinning, "pin_memory", pin)
+    transport = Transport(1, slots=1)
+    item = transport.writer(0).pack({"x": torch.arange(5)})
+    out = item.pin_memory()
+    assert_same(out, {"x": torch.arange(5)})
+    assert pinned == [out]
+
+
+def rows_source(n: int) -> list[dict[str, Any]]:
+    return [{"id": i, "x": np.full(3, i, dtype=np.int16), "y": float(i)} for i in range(n)]
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn", "forkserver"])
+def test_slots_give_the_same_batches_as_torchs_hand_off(context: str) -> None:
+    def epochs(transport: str) -> list[list[dict[str, Any]]]:
+        ds = evenly.Dataset(rows_source(203), shuffle=True, seed=5, rank=0, world_size=1)
+        loader = evenly.DataLoader(
+            ds, batch_size=16, num_workers=2, transport=transport,
+            multiprocessing_context=context,
+        )  # fmt: skip
+        return [list(loader) for _ in range(2)]
+
+    slots, plain = epochs("slots"), epochs("torch")
+    for epoch_slots, epoch_plain in zip(slots, plain, strict=True):
+        assert_same(epoch_slots, epoch_plain)
+        ids = torch.cat([b["id"] for b in epoch_slots]).tolist()
+        assert sorted(ids) == list(range(203))  # exactly once
+        assert all(bool((b["x"][:, 0] == b["id"]).all()) for b in epoch_slots)
+    # the slots were used: their batches are ordinary memory, torch's are shared segments
+    assert not any(b["x"].is_shared() for e in slots for b in e)
+    assert all(b["x"].is_shared() for e in plain for b in e)
+
+
+def test_an_abandoned_pass_and_a_worker_restart_keep_every_epoch_exact() -> None:
+    ds = evenly.Dataset(rows_source(300), shuffle=True, seed=2, rank=0, world_size=1)
+    loader = evenly.DataLoader(ds, batch_size=8, num_workers=2, prefetch_factor=4)
+    it = iter(loader)
+    for _ in range(3):  # stop early: prefetched batches hold slots that are never freed
+        next(it)
+    for epoch in range(1, 3):
+        slots = loader._feed.transport
+        if epoch == 2:  # a new source restarts the workers with new slots
+            ds.source = rows_source(300)  # a new object: new workers
+        ids = [i for b in loader for i in b["id"].tolist()]
+        assert sorted(ids) == list(range(len(ds.source))), epoch
+        assert (loader._feed.transport is slots) == (epoch == 1)
+
+
+def test_an_unknown_transport_is_refused() -> None:
+    with pytest.raises(ValueError, match="transport must be"):
+        evenly.DataLoader(evenly.Dataset(list(range(4))), transport="pipes")

@@ -93,13 +93,18 @@ def test_row_group_cache_holds_arrow_tables_budgeted_by_their_memory(tmp_path: P
     src = es.from_parquet(str(out), row_group_cache_bytes=budget)
     for lo in range(0, 6000, 250):
         src.__getitems__(list(range(lo, lo + 250)))
-        for table, size in src._groups.values():
+        for key, (table, size) in src._groups.items():
             assert isinstance(table, pa.Table)  # Arrow data, not Python objects
-            assert size == table.get_total_buffer_size()
+            # and the per-row accessors' offsets of its text column (40 bytes per row)
+            access = src._group_access[key]
+            assert access is not None and access.nbytes == 40 * (table.num_rows + 1)
+            assert size == table.get_total_buffer_size() + access.nbytes
         assert src._group_bytes <= budget
     # the budget counts the memory the cache really holds, and more than one group fits
     held = sum(t.get_total_buffer_size() for t, _ in src._groups.values())
+    held += sum(a.nbytes for a in src._group_access.values() if a is not None)
     assert held == src._group_bytes and len(src._groups) > 1
+    assert set(src._group_access) == set(src._groups)  # evicted together
 
 
 @pytest.mark.parametrize("form", ["dir", "glob", "list", "url"])

@@ -18,6 +18,8 @@ rows, for every column where that is possible without per-row Python objects.
 
 from __future__ import annotations
 
+import os
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,8 +29,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ._base import ShardedSource
+from ._rowviews import RowAccess
 
 __all__ = ["ArrowBatchSource", "column_exact", "to_columns", "to_rows"]
+
+#: memory (beyond the chunks' own) the per-row accessors of chunks may hold per process
+ACCESSOR_BYTES = 64 << 20
 
 # numpy dtypes torch stacks as they are (unsigned wider than 8 bits are not all supported)
 _LIST_VALUES = ("int8", "int16", "int32", "int64", "uint8", "float16", "float32", "float64", "bool")
@@ -240,11 +246,56 @@ class ArrowBatchSource(ShardedSource):
         return table.take(pa.array(inverse))
 
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
-        """Read a batch as dict rows: one lookup, one Arrow ``take`` per chunk present."""
-        return to_rows(self.take(indices))
+        """Read a batch as dict rows: one lookup for the whole batch, then each row from
+        its chunk's per-row accessors (or, for a chunk with nulls or other column types,
+        one Arrow ``take`` per chunk present)."""
+        samples = self._check_indices(indices)
+        rows = self._rows(samples)
+        chunk = np.searchsorted(self._cstarts, rows, side="right") - 1
+        present = np.unique(chunk)
+        if present.size > 1:
+            self._prefetch_shards(np.unique(self._cshard[present]).tolist())
+        access: dict[int, RowAccess] = {}
+        for c in present.tolist():
+            k, g = int(self._cshard[c]), int(self._clocal[c])
+            try:
+                found = self._row_access(k, g, self._handle(k))
+            except Exception as exc:
+                raise self._error(exc, int(samples[int(np.argmax(chunk == c))])) from exc
+            if found is None:
+                return to_rows(self.take(samples))
+            access[c] = found
+        local = (rows - self._cstarts[chunk]).tolist()
+        return [access[c].row(i) for c, i in zip(chunk.tolist(), local, strict=True)]
+
+    def _row_access(self, k: int, g: int, handle: Any) -> RowAccess | None:
+        """The per-row accessors of chunk ``g`` of shard ``k`` (an LRU per process,
+        bounded by :data:`ACCESSOR_BYTES`)."""
+        cache: OrderedDict[tuple[int, int], RowAccess | None] | None
+        cache = self.__dict__.get("_accessors")
+        if cache is None or self.__dict__.get("_accessors_pid") != os.getpid():
+            cache = self.__dict__["_accessors"] = OrderedDict()
+            self.__dict__["_accessors_pid"], self.__dict__["_accessor_bytes"] = os.getpid(), 0
+        key = (k, g)
+        if key in cache:
+            cache.move_to_end(key)
+            return cache[key]
+        found = RowAccess.of(self._chunk(k, g, handle))
+        cache[key] = found
+        self.__dict__["_accessor_bytes"] += found.nbytes if found is not None else 0
+        while self.__dict__["_accessor_bytes"] > ACCESSOR_BYTES and len(cache) > 1:
+            _, old = cache.popitem(last=False)
+            self.__dict__["_accessor_bytes"] -= old.nbytes if old is not None else 0
+        return found
 
     def __getitem__(self, index: int) -> Any:
         return self.__getitems__([index])[0]
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        for name in ("_accessors", "_accessors_pid", "_accessor_bytes"):
+            state.pop(name, None)
+        return state
 
     def read_columns(
         self, indices: Sequence[int] | npt.NDArray[Any]

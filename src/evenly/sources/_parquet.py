@@ -30,6 +30,7 @@ from fsspec.core import url_to_fs
 from ._base import Paths
 from ._columns import ArrowBatchSource
 from ._manifest import FileEntry
+from ._rowviews import RowAccess
 
 __all__ = ["ParquetSource", "from_parquet"]
 
@@ -61,6 +62,8 @@ class ParquetSource(ArrowBatchSource):
         #: (shard, row group) -> (Arrow table, its buffer bytes), least recent first
         self._groups: OrderedDict[tuple[int, int], tuple[pa.Table, int]] = OrderedDict()
         self._group_bytes = 0
+        #: per-row accessors of the row groups in the LRU (evicted with them)
+        self._group_access: dict[tuple[int, int], RowAccess | None] = {}
         super().__init__(paths, **kwargs)
 
     def _scan(self, k: int, url: str) -> tuple[int, dict[str, Any]]:
@@ -143,14 +146,34 @@ class ParquetSource(ArrowBatchSource):
         size = int(table.get_total_buffer_size())
         self._groups[key] = (table, size)
         self._group_bytes += size
-        while self._group_bytes > self.row_group_cache_bytes and len(self._groups) > 1:
-            _, old = self._groups.popitem(last=False)
-            self._group_bytes -= old[1]
+        self._evict()
         return table
+
+    def _evict(self) -> None:
+        while self._group_bytes > self.row_group_cache_bytes and len(self._groups) > 1:
+            key, old = self._groups.popitem(last=False)
+            self._group_bytes -= old[1]
+            self._group_access.pop(key, None)
+
+    def _row_access(self, k: int, g: int, handle: Any) -> RowAccess | None:
+        """A row group's per-row accessors, kept (and counted) with its table."""
+        key = (k, g)
+        table = self._chunk(k, g, handle)
+        if key in self._group_access:
+            return self._group_access[key]
+        access = RowAccess.of(table)
+        entry = self._groups.get(key)
+        if entry is not None:
+            extra = access.nbytes if access is not None else 0
+            self._groups[key] = (entry[0], entry[1] + extra)
+            self._group_bytes += extra
+            self._group_access[key] = access
+            self._evict()
+        return access
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        state.update(_groups=OrderedDict(), _group_bytes=0)
+        state.update(_groups=OrderedDict(), _group_bytes=0, _group_access={})
         return state
 
 

@@ -19,10 +19,10 @@ field's bytes lie, so a sample is a few seeks and reads.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import tarfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from posixpath import isabs
 from typing import Any
@@ -74,65 +74,87 @@ class WebDatasetSource(ShardedSource):
             return _scan_tar(f)
 
     def _setup(self, entries: list[FileEntry]) -> None:
-        self._tables = [_Members.from_meta(e.meta) for e in entries]
-        if not self.check_fields:
-            return
-        fields = [sorted(t.names) for t in self._tables]
-        ref = next((k for k, f in enumerate(fields) if f), None)
-        for k, f in enumerate(fields):
-            if f and ref is not None and f != fields[ref]:
-                raise ValueError(
-                    f"{self._what}: the fields of shard {k} ({entries[k].url}) differ from "
-                    f"shard {ref} ({entries[ref].url}): {f} vs {fields[ref]}; pass "
-                    f"check_fields=False if samples legitimately vary"
-                )
+        tables = [_Members.from_meta(e.meta) for e in entries]
+        if self.check_fields:
+            fields = [sorted(t.names) for t in tables]
+            ref = next((k for k, f in enumerate(fields) if f), None)
+            for k, f in enumerate(fields):
+                if f and ref is not None and f != fields[ref]:
+                    raise ValueError(
+                        f"{self._what}: the fields of shard {k} ({entries[k].url}) differ "
+                        f"from shard {ref} ({entries[ref].url}): {f} vs {fields[ref]}; pass "
+                        f"check_fields=False if samples legitimately vary"
+                    )
+        self._members = _Members.join(tables)
+        self._keys = [t.keys for t in tables]
 
     def _open(self, k: int, path: str) -> Any:
         return open(path, "rb")
 
-    def _read(self, k: int, handle: Any, rows: npt.NDArray[np.int64]) -> list[Any]:
-        t = self._tables[k]
-        url = self.urls[k]
-        fd = handle.fileno()
-        out: list[Any] = [None] * rows.size
-        order = np.argsort(rows, kind="stable")
-        r = rows[order]
-        # every member of the batch's samples, gathered in one go
-        counts = t.first[r + 1] - t.first[r]
+    def __getitems__(self, indices: Sequence[int]) -> list[Any]:
+        """Read a batch: every member of every sample located in one go, then one read
+        per sample (its members are consecutive in the tar), in file order."""
+        idx = self._check_indices(indices)
+        shards = self.shard_of(idx)
+        if self.cache is not None:
+            _, first_use = np.unique(shards, return_index=True)
+            if first_use.size > 1:
+                self.cache.prefetch(self._remote(k) for k in shards[np.sort(first_use)].tolist())
+        t = self._members
+        counts = t.first[idx + 1] - t.first[idx]
         starts = np.cumsum(counts) - counts
-        members = np.repeat(t.first[r] - starts, counts) + np.arange(int(counts.sum()))
+        members = np.repeat(t.first[idx] - starts, counts) + np.arange(int(counts.sum()))
         names = [t.names[e] for e in t.ext[members].tolist()]
         offsets = t.offset[members].tolist()
         sizes = t.size[members].tolist()
-        m = 0
-        for pos, row, n in zip(order.tolist(), r.tolist(), counts.tolist(), strict=True):
-            # a sample's members are consecutive in the tar: one read for all its fields,
-            # from the first member's header (checked against the manifest, as are the
-            # headers of the others) to the last member's end
-            lo, hi = offsets[m] - 512, offsets[m + n - 1] + sizes[m + n - 1]
-            span = os.pread(fd, hi - lo, lo)
-            key = t.keys[row]
-            if len(span) != hi - lo:
+        bases = starts.tolist()
+        out: list[Any] = [None] * idx.size
+        fds: dict[int, int] = {}
+        order = np.argsort(idx, kind="stable").tolist()  # shard by shard, in file order
+        idx_list, shard_list, count_list = idx.tolist(), shards.tolist(), counts.tolist()
+        for pos in order:
+            sample, k, n, m = idx_list[pos], shard_list[pos], count_list[pos], bases[pos]
+            row = sample - int(self._starts[k])
+            try:
+                fd = fds.get(k)
+                if fd is None:
+                    fd = fds[k] = self._handle(k).fileno()
+                out[pos] = self._sample(k, fd, row, names, offsets, sizes, m, n)
+            except Exception as exc:
+                raise self._error(exc, sample) from exc
+        return out
+
+    def _sample(
+        self, k: int, fd: int, row: int, names: list[str], offsets: list[int],
+        sizes: list[int], m: int, n: int,
+    ) -> dict[str, Any]:  # fmt: skip
+        """Sample ``row`` of shard ``k``: its members ``m:m+n`` of the batch's lists."""
+        key = self._keys[k][row]
+        sample: dict[str, Any] = {"__key__": key, "__url__": self.urls[k]}
+        if not n:
+            return sample
+        # one read for all its fields, from the first member's header (checked against
+        # the manifest, as are the headers of the others) to the last member's end
+        lo, hi = offsets[m] - 512, offsets[m + n - 1] + sizes[m + n - 1]
+        span = os.pread(fd, hi - lo, lo)
+        if len(span) != hi - lo:
+            raise RowError(
+                row,
+                f"the tar is truncated: sample {key!r} needs bytes {lo}..{hi}, the file "
+                f"ends at byte {lo + len(span)}",
+            )
+        for j in range(m, m + n):
+            at = offsets[j] - lo
+            if not _header_matches(span[at - 512 : at], key, names[j], sizes[j]):
                 raise RowError(
                     row,
-                    f"the tar is truncated: sample {key!r} needs bytes {lo}..{hi}, the file "
-                    f"ends at byte {lo + len(span)}",
+                    f"the file changed since its manifest was written: sample {key!r} "
+                    f"should have member {key + '.' + names[j]!r} with data at byte "
+                    f"{offsets[j]}, but the tar header there does not match; open the "
+                    f"dataset again (a changed file is scanned again)",
                 )
-            sample: dict[str, Any] = {"__key__": key, "__url__": url}
-            for j in range(m, m + n):
-                at = offsets[j] - lo
-                if not _header_matches(span[at - 512 : at], key, names[j], sizes[j]):
-                    raise RowError(
-                        row,
-                        f"the file changed since its manifest was written: sample {key!r} "
-                        f"should have member {key + '.' + names[j]!r} with data at byte "
-                        f"{offsets[j]}, but the tar header there does not match; open the "
-                        f"dataset again (a changed file is scanned again)",
-                    )
-                sample[names[j]] = span[at : at + sizes[j]]
-            out[pos] = sample
-            m += n
-        return out
+            sample[names[j]] = span[at : at + sizes[j]]
+        return sample
 
 
 def _scan_tar(f: Any) -> tuple[int, dict[str, Any]]:
@@ -195,10 +217,13 @@ def _header_matches(header: bytes, key: str, ext: str, size: int) -> bool:
     """
     name = f"{key}.{ext}"
     raw = name.encode("utf-8", "surrogateescape")
-    if header[:100].split(b"\0", 1)[0] == raw and not header[124] & 0x80:  # the usual case
-        with contextlib.suppress(ValueError):
+    n = len(raw)
+    if n < 100 and header[n] == 0 and header.startswith(raw) and not header[124] & 0x80:
+        try:  # the usual case: the whole name, and the size in octal
             if int(header[124:136].split(b"\0", 1)[0].strip() or b"0", 8) == size:
                 return True
+        except ValueError:
+            pass
     try:
         info = tarfile.TarInfo.frombuf(header, tarfile.ENCODING, "surrogateescape")
     except tarfile.HeaderError:
@@ -243,6 +268,26 @@ class _Members:
             ext=np.asarray(ext, dtype=np.int16),
             offset=np.asarray(offset, dtype=np.int64),
             size=np.asarray(size, dtype=np.int64),
+        )
+
+    @classmethod
+    def join(cls, tables: list[_Members]) -> _Members:
+        """All shards' members in one table (global sample and member numbers; field
+        names shared); ``keys`` stay with each shard."""
+        names: dict[str, int] = {}
+        ext, firsts, base = [], [np.zeros(1, dtype=np.int64)], 0
+        for t in tables:
+            remap = np.array([names.setdefault(x, len(names)) for x in t.names] or [0], np.int16)
+            ext.append(remap[t.ext])
+            firsts.append(t.first[1:] + base)
+            base += int(t.first[-1])
+        return cls(
+            keys=[],
+            first=np.concatenate(firsts),
+            names=tuple(names),
+            ext=np.concatenate(ext or [np.zeros(0, np.int16)]).astype(np.int16),
+            offset=np.concatenate([t.offset for t in tables] or [np.zeros(0, np.int64)]),
+            size=np.concatenate([t.size for t in tables] or [np.zeros(0, np.int64)]),
         )
 
     def to_meta(self) -> dict[str, Any]:

@@ -91,6 +91,7 @@ def test_row_group_cache_holds_arrow_tables_budgeted_by_their_memory(tmp_path: P
     es.write(rows, out, rows_per_shard=3000, row_group_size=500, progress=False)
     budget = 200_000
     src = es.from_parquet(str(out), row_group_cache_bytes=budget)
+    allocated = pa.total_allocated_bytes()
     for lo in range(0, 6000, 250):
         src.__getitems__(list(range(lo, lo + 250)))
         for key, (table, size) in src._groups.items():
@@ -105,6 +106,9 @@ def test_row_group_cache_holds_arrow_tables_budgeted_by_their_memory(tmp_path: P
     held += sum(a.nbytes for a in src._group_access.values() if a is not None)
     assert held == src._group_bytes and len(src._groups) > 1
     assert set(src._group_access) == set(src._groups)  # evicted together
+    # and nothing else holds Arrow memory: the accessors view the tables' buffers
+    src._handles.clear()
+    assert pa.total_allocated_bytes() - allocated <= src._group_bytes
 
 
 @pytest.mark.parametrize("form", ["dir", "glob", "list", "url"])

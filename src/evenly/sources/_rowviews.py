@@ -80,7 +80,13 @@ class RowAccess:
         getters = []
         extra = 0
         for column in chunk.columns:
-            arr = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+            arr = column
+            if isinstance(column, pa.ChunkedArray):  # combining copies: only when needed
+                if column.num_chunks == 1:
+                    arr = column.chunk(0)
+                else:
+                    arr = column.combine_chunks()
+                    extra += arr.nbytes
             found = _accessor(arr)
             if found is None:
                 return None

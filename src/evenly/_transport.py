@@ -264,15 +264,22 @@ class Transport:
         else:
             raise RuntimeError(f"evenly: worker {item.worker}'s shared batch slots are unknown")
         base = item.slot * item.size
+        raw = arena.numpy()
         arrays: list[Any] = []
         for off, dtype, shape, is_numpy in item.metas:
             start = base + off
             if is_numpy:
                 n = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-                arrays.append(arena[start : start + n].numpy().view(dtype).reshape(shape).copy())
+                arrays.append(raw[start : start + n].view(dtype).reshape(shape).copy())
             else:
+                # numpy's copy: one thread (torch's clone may wake its intra-op thread
+                # pool, which then spins on a core the workers need)
                 n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-                arrays.append(arena[start : start + n].view(dtype).view(shape).clone())
+                if n == 0:
+                    arrays.append(torch.empty(shape, dtype=dtype))
+                    continue
+                copied = torch.from_numpy(raw[start : start + n].copy())
+                arrays.append(copied.view(dtype).view(shape))
         self._send_free(item)
         return _fill(item.skeleton, arrays)
 

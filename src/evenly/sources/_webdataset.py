@@ -143,9 +143,21 @@ class WebDatasetSource(ShardedSource):
                 f"the tar is truncated: sample {key!r} needs bytes {lo}..{hi}, the file "
                 f"ends at byte {lo + len(span)}",
             )
+        prefix = key.encode("utf-8", "surrogateescape") + b"."
         for j in range(m, m + n):
             at = offsets[j] - lo
-            if not _header_matches(span[at - 512 : at], key, names[j], sizes[j]):
+            h, size = at - 512, sizes[j]
+            raw = prefix + names[j].encode("utf-8", "surrogateescape")
+            end = h + len(raw)
+            # the usual header first (the name, a NUL, the size as tarfile and GNU tar
+            # write it); anything else gets the full check
+            usual = (
+                len(raw) < 100
+                and span[end] == 0
+                and span.startswith(raw, h)
+                and span[h + 124 : h + 136] == b"%011o\x00" % size
+            )
+            if not usual and not _header_matches(span[h:at], key, names[j], size):
                 raise RowError(
                     row,
                     f"the file changed since its manifest was written: sample {key!r} "
@@ -153,7 +165,7 @@ class WebDatasetSource(ShardedSource):
                     f"{offsets[j]}, but the tar header there does not match; open the "
                     f"dataset again (a changed file is scanned again)",
                 )
-            sample[names[j]] = span[at : at + sizes[j]]
+            sample[names[j]] = span[at : at + size]
         return sample
 
 

@@ -172,3 +172,20 @@ def test_an_abandoned_pass_and_a_worker_restart_keep_every_epoch_exact() -> None
 def test_an_unknown_transport_is_refused() -> None:
     with pytest.raises(ValueError, match="transport must be"):
         evenly.DataLoader(evenly.Dataset(list(range(4))), transport="pipes")
+
+
+def test_a_copy_made_outside_a_worker_start_has_no_slots() -> None:
+    import pickle
+
+    copy = pickle.loads(pickle.dumps(Transport(2, slots=2)))
+    batch = {"x": torch.ones(3)}
+    assert copy.writer(1).pack(batch) is batch  # torch's hand-off, nothing shared
+
+
+def test_no_slots_when_shared_memory_is_short(monkeypatch: pytest.MonkeyPatch) -> None:
+    import evenly._transport as transport_module
+
+    monkeypatch.setattr(transport_module, "_shm_free", lambda: 1 << 20)
+    writer = Transport(1, slots=3).writer(0)
+    batch = {"x": torch.zeros(1 << 18)}  # 1 MiB: three slots would take most of it
+    assert writer.pack(batch) is batch and writer.disabled

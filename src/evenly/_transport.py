@@ -25,6 +25,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from multiprocessing import Pipe
 from multiprocessing.connection import Connection
+from multiprocessing.context import get_spawning_popen
 from typing import Any
 
 import numpy as np
@@ -159,17 +160,20 @@ def unpack(item: Any) -> Any:
 class _Writer:
     """A worker's side: its arena, which slots are in use (slot -> ticket)."""
 
-    def __init__(self, owner: int, worker: int, slots: int, free: Connection) -> None:
-        self.owner, self.worker, self.slots, self.free = owner, worker, slots, free
+    def __init__(self, owner: int, worker: int, slots: int, free: Connection | None) -> None:
+        self.owner, self.worker, self.slots = owner, worker, slots
         self.key = 0
         self.arena: torch.Tensor | None = None
         self.size = 0
         self.busy: dict[int, int] = {}
         self.ticket = 0
         self.confirmed = False
-        self.disabled = False
+        self.disabled = free is None
+        self.free = free
 
     def drain(self) -> None:
+        if self.free is None:
+            return
         while self.free.poll():
             key, slot, ticket = _RELEASE.unpack(self.free.recv_bytes())
             if key == self.key:
@@ -184,6 +188,9 @@ class _Writer:
 
     def _grow(self, need: int) -> bool:
         size = -(-need * 5 // 4 // 4096) * 4096
+        if self.slots * size > _shm_free() // 2:  # leave /dev/shm room (a full one is a SIGBUS)
+            self.disabled = True
+            return False
         try:
             arena = torch.empty(self.slots * size, dtype=torch.uint8).share_memory_()  # type: ignore[no-untyped-call]
         except (RuntimeError, OSError):  # no room in /dev/shm: torch's way from now on
@@ -227,6 +234,15 @@ class _Writer:
                       self.ticket, skeleton, metas)  # fmt: skip
 
 
+def _shm_free() -> int:
+    """Bytes free in /dev/shm (where shared memory lives on Linux; unbounded elsewhere)."""
+    try:
+        st = os.statvfs("/dev/shm")
+    except OSError:
+        return 1 << 62
+    return st.f_bavail * st.f_frsize
+
+
 class Transport:
     """One set of slots per start of a loader's workers.
 
@@ -238,20 +254,24 @@ class Transport:
         self.id = int.from_bytes(os.urandom(8), "little") >> 1
         self.slots = slots
         pipes = [Pipe(duplex=False) for _ in range(num_workers)]
-        self._free = [r for r, _ in pipes]  # read by the workers
+        self._free: list[Connection] | None = [r for r, _ in pipes]  # read by the workers
         self._release: list[Connection] | None = [w for _, w in pipes]  # main process
         self._arenas: dict[int, tuple[int, torch.Tensor]] = {}  # worker -> (key, arena)
         self._writer: _Writer | None = None
         _RECEIVERS[self.id] = self
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"id": self.id, "slots": self.slots, "_free": self._free, "_release": None,
-                "_arenas": {}, "_writer": None}  # fmt: skip
+        # the pipes travel only to workers being started (a copy made any other way,
+        # e.g. a deepcopy of the loader, gets no slots: torch's hand-off)
+        spawning = get_spawning_popen() is not None
+        return {"id": self.id, "slots": self.slots, "_free": self._free if spawning else None,
+                "_release": None, "_arenas": {}, "_writer": None}  # fmt: skip
 
     def writer(self, worker: int) -> _Writer:
         """This worker process's writer (made on first use)."""
         if self._writer is None:
-            self._writer = _Writer(self.id, worker, self.slots, self._free[worker])
+            free = self._free[worker] if self._free is not None else None
+            self._writer = _Writer(self.id, worker, self.slots, free)
         return self._writer
 
     def receive(self, item: Packed) -> Any:
@@ -290,7 +310,7 @@ class Transport:
             self._release[item.worker].send_bytes(_RELEASE.pack(item.key, item.slot, item.ticket))
 
     def close(self) -> None:
-        for conn in [*(self._release or []), *self._free]:
+        for conn in [*(self._release or []), *(self._free or [])]:
             conn.close()
         self._release = None
         self._arenas.clear()

@@ -183,7 +183,7 @@ class ArrowSource(ArrowBatchSource):
                 handles = [self._open(k, self.local_path(k)) for k in range(len(self.urls))]
                 batches = [b for h in handles for b in h.batches]
                 try:
-                    views = ColumnViews(batches)
+                    views = ColumnViews.of_batches(batches)
                 except ValueError:
                     views = None
                 self._views_maps = handles  # keep the maps open while the views live

@@ -29,6 +29,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ._base import ShardedSource
+from ._gather import ColumnViews, chunk_views, gatherable
 from ._rowviews import RowAccess
 
 __all__ = ["ArrowBatchSource", "column_exact", "to_columns", "to_rows"]
@@ -302,9 +303,37 @@ class ArrowBatchSource(ShardedSource):
     ) -> dict[str, npt.NDArray[Any] | list[Any]]:
         """A whole batch as columns: ``torch.from_numpy(out[name])`` equals
         ``default_collate([self[i] for i in indices])[name]`` for every column where
-        :attr:`columnar_exact` holds (see :func:`to_columns`)."""
+        :attr:`columnar_exact` holds (see :func:`to_columns`).  When every column is a
+        fixed-width number (or a fixed-size list of them) with no nulls, each column is
+        gathered with one numpy fancy index over the chunks in use; otherwise one Arrow
+        ``take`` per chunk."""
         idx = self._check_indices(indices)
+        if gatherable(self.schema):
+            gathered = self._gather(idx)
+            if gathered is not None:
+                return dict(gathered)
         return to_columns(self.take(idx), idx)
+
+    def _gather(self, samples: npt.NDArray[np.int64]) -> dict[str, npt.NDArray[Any]] | None:
+        rows = self._rows(samples)
+        chunk = np.searchsorted(self._cstarts, rows, side="right") - 1
+        present = np.unique(chunk)
+        views = []
+        for c in present.tolist():
+            k, g = int(self._cshard[c]), int(self._clocal[c])
+            try:
+                found = self._chunk_views(k, g, self._handle(k))
+            except Exception as exc:
+                raise self._error(exc, int(samples[int(np.argmax(chunk == c))])) from exc
+            if found is None:
+                return None
+            views.append(found)
+        window = ColumnViews(list(self.schema.names), views)
+        return window.gather(np.searchsorted(present, chunk), rows - self._cstarts[chunk])
+
+    def _chunk_views(self, k: int, g: int, handle: Any) -> list[npt.NDArray[Any]] | None:
+        """Numpy views of chunk ``g`` of shard ``k``'s columns (None: not gatherable)."""
+        return chunk_views(self._chunk(k, g, handle))
 
     @property
     def columnar_exact(self) -> bool:

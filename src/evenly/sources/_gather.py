@@ -17,7 +17,7 @@ import numpy as np
 import numpy.typing as npt
 import pyarrow as pa
 
-__all__ = ["ColumnViews", "gatherable"]
+__all__ = ["ColumnViews", "chunk_views", "gatherable"]
 
 
 def _view(arr: pa.Array) -> npt.NDArray[Any] | None:
@@ -75,18 +75,28 @@ def _address(view: npt.NDArray[Any]) -> int:
     return data[0]
 
 
+def chunk_views(chunk: pa.RecordBatch | pa.Table) -> list[npt.NDArray[Any]] | None:
+    """Zero-copy numpy views of a chunk's columns, or None if one has nulls, is not
+    fixed-width or is split in pieces."""
+    views = []
+    for column in chunk.columns:
+        if isinstance(column, pa.ChunkedArray):
+            if column.num_chunks != 1:
+                return None
+            column = column.chunk(0)
+        v = _view(column)
+        if v is None or not v.flags.c_contiguous:
+            return None
+        views.append(v)
+    return views
+
+
 class ColumnViews:
-    """Every column of every record batch, as one byte window per column over all of
+    """Every column of a set of chunks, as one byte window per column over all of
     them: a batch's rows of a column are gathered with a single fancy index."""
 
-    def __init__(self, batches: Sequence[pa.RecordBatch]) -> None:
-        self.names = batches[0].schema.names if batches else []
-        chunks: list[list[npt.NDArray[Any]]] = []
-        for b in batches:
-            views = [_view(b.column(i)) for i in range(b.num_columns)]
-            if any(v is None or not v.flags.c_contiguous for v in views):
-                raise ValueError("a record batch holds nulls or a column that is not fixed-width")
-            chunks.append([v for v in views if v is not None])
+    def __init__(self, names: list[str], chunks: Sequence[list[npt.NDArray[Any]]]) -> None:
+        self.names = names
         first = chunks[0] if chunks else []
         self.dtypes = [_collated(v.dtype) if v.ndim == 1 else v.dtype for v in first]
         self.raw = [v.dtype for v in first]
@@ -104,6 +114,17 @@ class ColumnViews:
             self.starts.append(np.where(used, addresses - low, 0))
             span = _Span(low, max(high - low - width + 1, 1), max(width, 1), keep)
             self.spans.append(np.asarray(span))
+
+    @classmethod
+    def of_batches(cls, batches: Sequence[pa.RecordBatch]) -> ColumnViews:
+        """The views of every record batch (ValueError if one cannot be gathered)."""
+        chunks = []
+        for b in batches:
+            views = chunk_views(b)
+            if views is None:
+                raise ValueError("a record batch holds nulls or a column that is not fixed-width")
+            chunks.append(views)
+        return cls(batches[0].schema.names if batches else [], chunks)
 
     def gather(
         self, chunks: npt.NDArray[np.int64], local: npt.NDArray[np.int64]

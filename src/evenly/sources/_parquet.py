@@ -23,12 +23,14 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
+import numpy.typing as npt
 import pyarrow as pa
 import pyarrow.parquet as pq
 from fsspec.core import url_to_fs
 
 from ._base import Paths
 from ._columns import ArrowBatchSource
+from ._gather import chunk_views
 from ._manifest import FileEntry
 from ._rowviews import RowAccess
 
@@ -64,6 +66,8 @@ class ParquetSource(ArrowBatchSource):
         self._group_bytes = 0
         #: per-row accessors of the row groups in the LRU (evicted with them)
         self._group_access: dict[tuple[int, int], RowAccess | None] = {}
+        #: numpy views of their columns (zero-copy; evicted with them)
+        self._group_views: dict[tuple[int, int], list[npt.NDArray[Any]] | None] = {}
         super().__init__(paths, **kwargs)
 
     def _scan(self, k: int, url: str) -> tuple[int, dict[str, Any]]:
@@ -154,6 +158,18 @@ class ParquetSource(ArrowBatchSource):
             key, old = self._groups.popitem(last=False)
             self._group_bytes -= old[1]
             self._group_access.pop(key, None)
+            self._group_views.pop(key, None)
+
+    def _chunk_views(self, k: int, g: int, handle: Any) -> list[npt.NDArray[Any]] | None:
+        """A row group's column views, kept with its table (they hold no other memory)."""
+        key = (k, g)
+        table = self._chunk(k, g, handle)
+        if key in self._group_views:
+            return self._group_views[key]
+        views = chunk_views(table)
+        if key in self._groups:
+            self._group_views[key] = views
+        return views
 
     def _row_access(self, k: int, g: int, handle: Any) -> RowAccess | None:
         """A row group's per-row accessors, kept (and counted) with its table."""
@@ -173,7 +189,7 @@ class ParquetSource(ArrowBatchSource):
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        state.update(_groups=OrderedDict(), _group_bytes=0, _group_access={})
+        state.update(_groups=OrderedDict(), _group_bytes=0, _group_access={}, _group_views={})
         return state
 
 

@@ -78,3 +78,36 @@ def test_a_new_iter_continues_where_the_loop_stopped_and_len_is_undefined() -> N
         len(loader)
     loader.set_epoch(0)  # replay from the start of epoch 0
     assert steps(loader, 5) == a
+
+
+def _ddp_steps(
+    rank: int, world: int, context: str, k: int, state: dict[str, Any] | None
+) -> tuple[list[list[int]], dict[str, Any]]:
+    """In a real gloo rank: an infinite loader (rank and world size from the process
+    group) with workers started by ``context``; ``k`` steps, then its state."""
+    ds = evenly.Dataset(list(range(N)), shuffle=True, seed=5)
+    loader = evenly.DataLoader(
+        ds, batch_size=BATCH, num_workers=2, infinite=True, multiprocessing_context=context
+    )
+    if state is not None:
+        loader.load_state_dict(state)
+    return steps(loader, k), json.loads(json.dumps(loader.state_dict()))
+
+
+@pytest.mark.slow
+def test_infinite_under_real_ddp_ranks_with_spawned_workers_resumes_by_step() -> None:
+    from tests.distributed import run_ranks
+
+    first = run_ranks(_ddp_steps, 2, "spawn", 7, None)
+    states = [s for _, s in first]
+    assert states[0] == states[1] and (states[0]["epoch"], states[0]["position"]) == (1, 19)
+    # a fresh run (forkserver workers) continues by step from the saved state
+    second = run_ranks(_ddp_steps, 2, "forkserver", 7, states[0])
+    per_rank = [b for b, _ in first], [b for b, _ in second]
+    assert all(len(b) == BATCH for part in per_rank for r in part for b in r)
+    stream = stream_of(per_rank[0]) + stream_of(per_rank[1])  # 112 positions
+    for e in range(3):
+        assert sorted(stream[e * N : (e + 1) * N]) == list(range(N)), f"epoch {e}"
+    # the same stream a single uninterrupted 2-rank run gives
+    whole = [steps(loader, 14) for loader in loaders(2, 0)]
+    assert stream == stream_of(whole)

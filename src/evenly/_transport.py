@@ -83,36 +83,39 @@ def _packable(x: Any) -> bool:
     return type(x) is np.ndarray and not x.dtype.hasobject and x.flags.c_contiguous
 
 
-def _strip(x: Any, leaves: list[Any]) -> Any:
-    """``x`` with each packable array replaced by a ``_Leaf`` (appended to ``leaves``)."""
-    if _packable(x):
-        leaves.append(x)
-        return _Leaf(len(leaves) - 1)
+def _rebuild(x: Any, swap: Callable[[Any], Any]) -> Any:
+    """``x`` with each part that ``swap`` replaces (returns something else for) replaced,
+    looking inside dicts, lists, tuples and namedtuples."""
+    new = swap(x)
+    if new is not x:
+        return new
     kind = type(x)
     if kind is dict:
-        return {k: _strip(v, leaves) for k, v in x.items()}
+        return {k: _rebuild(v, swap) for k, v in x.items()}
     if kind is list:
-        return [_strip(v, leaves) for v in x]
+        return [_rebuild(v, swap) for v in x]
     if kind is tuple:
-        return tuple(_strip(v, leaves) for v in x)
+        return tuple(_rebuild(v, swap) for v in x)
     if isinstance(x, tuple) and hasattr(x, "_fields"):  # a namedtuple
-        return kind(*(_strip(v, leaves) for v in x))
+        return kind(*(_rebuild(v, swap) for v in x))
     return x
+
+
+def _strip(x: Any, leaves: list[Any]) -> Any:
+    """``x`` with each packable array replaced by a ``_Leaf`` (appended to ``leaves``)."""
+
+    def swap(v: Any) -> Any:
+        if not _packable(v):
+            return v
+        leaves.append(v)
+        return _Leaf(len(leaves) - 1)
+
+    return _rebuild(x, swap)
 
 
 def _fill(x: Any, arrays: list[Any]) -> Any:
-    if type(x) is _Leaf:
-        return arrays[x.index]
-    kind = type(x)
-    if kind is dict:
-        return {k: _fill(v, arrays) for k, v in x.items()}
-    if kind is list:
-        return [_fill(v, arrays) for v in x]
-    if kind is tuple:
-        return tuple(_fill(v, arrays) for v in x)
-    if isinstance(x, tuple) and hasattr(x, "_fields"):
-        return kind(*(_fill(v, arrays) for v in x))
-    return x
+    """``x`` with each ``_Leaf`` replaced by its array."""
+    return _rebuild(x, lambda v: arrays[v.index] if type(v) is _Leaf else v)
 
 
 class Packed:

@@ -122,12 +122,14 @@ def test_tar_batches_read_across_shards_with_fields_in_another_order(tmp_path: P
     assert src.__getitems__(batch) == [singles[i] for i in batch]
 
 
-@pytest.mark.parametrize("fmt", ["parquet", "arrow-remote"])
+@pytest.mark.parametrize("fmt", ["parquet", "arrow-window", "arrow-per-batch"])
 def test_columns_gathered_from_cached_chunks_equal_default_collate(
     tmp_path: Path, fmt: str
 ) -> None:
-    """Fixed-width columns are gathered with one fancy index over the chunks in use
-    (Parquet row groups in the cache; Arrow files read through the shard cache)."""
+    """Fixed-width columns are gathered with one fancy index: over the row groups in use
+    (Parquet, with a cache that evicts some mid-batch), over every record batch of every
+    file (local Arrow files that all fit among the open files), or over the record
+    batches in use (more Arrow files than may be open: some closed mid-batch)."""
     import torch
     import torch.utils.data as tud
 
@@ -139,8 +141,11 @@ def test_columns_gathered_from_cached_chunks_equal_default_collate(
     if fmt == "parquet":  # a cache too small for all row groups: some are evicted mid-batch
         src: Any = evenly.from_parquet(tmp_path / "d", row_group_cache_bytes=2000)
     else:
-        src = evenly.from_arrow("file://" + str(tmp_path / "d"), cache_dir=str(tmp_path / "c"))
-    assert src._gather(np.array([0, 1])) is not None  # the path under test
+        src = evenly.from_arrow(tmp_path / "d")
+        if fmt == "arrow-per-batch":
+            src.max_open_files = 1
+    assert src._gather(np.array([0, 1])) is not None  # the numpy path is the one under test
+    assert ("_window" in vars(src)) == (fmt == "arrow-window")
     for batch in ([129, 0, 64, 64, 3, 17, 100], np.random.default_rng(2).permutation(130)):
         got = src.read_columns(batch)
         want = tud.default_collate([src[int(i)] for i in batch])

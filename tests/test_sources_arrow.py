@@ -21,6 +21,7 @@ from torch.utils.data import default_collate
 
 import evenly
 import evenly.sources as es
+from evenly.sources._gather import gatherable
 
 N = 61
 SCHEMA = pa.schema(
@@ -73,6 +74,9 @@ def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             progress=False,
         )
         out[fmt] = reader(str(base / fmt), cache_dir=str(base / "cache"))
+        # numbers only: gathered with numpy, not through Arrow take
+        numeric = ["id", "i32", "f32", "f64", "pixels"]
+        out[fmt + "-numeric"] = reader(str(base / fmt), cache_dir=str(base / "c"), columns=numeric)
     return out
 
 
@@ -144,7 +148,7 @@ def test_a_file_that_is_not_arrow_raises_naming_it(tmp_path: Path) -> None:
 # ---- the columnar contract -----------------------------------------------------------
 
 
-@pytest.mark.parametrize("fmt", ["arrow", "parquet"])
+@pytest.mark.parametrize("fmt", ["arrow", "parquet", "arrow-numeric", "parquet-numeric"])
 @settings(
     max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
@@ -154,6 +158,8 @@ def test_read_columns_equals_default_collate(
 ) -> None:
     src = sources[fmt]
     assert src.columnar_exact
+    gathered = src._gather(np.asarray(batch)) if gatherable(src.schema) else None
+    assert (gathered is not None) == fmt.endswith("numeric")  # which path is under test
     columns = src.read_columns(batch)
     expected = default_collate([src[i] for i in batch])
     assert list(columns) == list(expected)

@@ -30,8 +30,9 @@ import pyarrow as pa
 
 from ._base import Paths
 from ._columns import ArrowBatchSource
-from ._gather import ColumnViews, gatherable
+from ._gather import ColumnViews, chunk_views
 from ._manifest import FileEntry
+from ._rowviews import RowAccess
 
 __all__ = ["ArrowSource", "from_arrow"]
 
@@ -51,9 +52,12 @@ class _Mapped:
             self.map.seek(0)
             batches = list(pa.ipc.open_stream(self.map))
         self.batches = [b if columns is None else b.select(columns) for b in batches]
+        #: per record batch, made on first use: row accessors and column views
+        self.access: dict[int, RowAccess | None] = {}
+        self.views: dict[int, list[npt.NDArray[Any]] | None] = {}
 
     def close(self) -> None:
-        self.batches = []
+        self.batches, self.access, self.views = [], {}, {}
         self.map.close()
 
 
@@ -160,42 +164,46 @@ class ArrowSource(ArrowBatchSource):
         batch: pa.RecordBatch = handle.batches[g]
         return batch
 
-    def read_columns(
-        self, indices: Sequence[int] | npt.NDArray[Any]
-    ) -> dict[str, npt.NDArray[Any] | list[Any]]:
-        """A whole batch as columns.  Local files whose columns are all fixed-width
-        numbers are gathered with numpy from the memory-mapped record batches (one
-        fancy index per record batch touched, nothing decoded); anything else goes
-        through Arrow ``take``."""
-        views = self._views() if self.cache is None else None
-        if views is None:
-            return super().read_columns(indices)
-        rows = self._rows(self._check_indices(indices))
-        chunk = np.searchsorted(self._cstarts, rows, side="right") - 1
-        return dict(views.gather(chunk, rows - self._cstarts[chunk]))
+    def _row_access(self, k: int, g: int, handle: Any) -> RowAccess | None:
+        """Kept on the open file (closed with it by the handle LRU)."""
+        if g not in handle.access:
+            handle.access[g] = RowAccess.of(handle.batches[g])
+        found: RowAccess | None = handle.access[g]
+        return found
 
-    def _views(self) -> ColumnViews | None:
-        """Numpy views of every record batch of every file (per process; None when a
-        column is not fixed-width or holds nulls)."""
-        if self.__dict__.get("_views_pid") != os.getpid():
-            views: ColumnViews | None = None
-            if gatherable(self.schema):
-                handles = [self._open(k, self.local_path(k)) for k in range(len(self.urls))]
-                batches = [b for h in handles for b in h.batches]
-                try:
-                    views = ColumnViews.of_batches(batches)
-                except ValueError:
-                    views = None
-                self._views_maps = handles  # keep the maps open while the views live
-            self._column_views = views
-            self._views_pid = os.getpid()
-        result: ColumnViews | None = self._column_views
-        return result
+    def _chunk_views(self, k: int, g: int, handle: Any) -> list[npt.NDArray[Any]] | None:
+        """Kept on the open file (closed with it by the handle LRU)."""
+        if g not in handle.views:
+            handle.views[g] = chunk_views(handle.batches[g])
+        found: list[npt.NDArray[Any]] | None = handle.views[g]
+        return found
+
+    def _gather(self, samples: npt.NDArray[np.int64]) -> dict[str, npt.NDArray[Any]] | None:
+        """Local files that all fit among the open files: one window over every record
+        batch of every file, made once per process (no per-batch setup)."""
+        if self.cache is not None or len(self.urls) > self.max_open_files:
+            return super()._gather(samples)
+        if self.__dict__.get("_window_pid") != os.getpid():
+            chunks = []
+            for k in range(len(self.urls)):
+                handle = self._handle(k)
+                for g in range(len(handle.batches)):
+                    chunks.append(self._chunk_views(k, g, handle))
+            ready = [c for c in chunks if c is not None]
+            names = list(self.schema.names)
+            self._window = ColumnViews(names, ready) if len(ready) == len(chunks) else None
+            self._window_pid = os.getpid()
+        window: ColumnViews | None = self._window
+        if window is None:
+            return None
+        rows = self._rows(samples)
+        chunk = np.searchsorted(self._cstarts, rows, side="right") - 1
+        return window.gather(chunk, rows - self._cstarts[chunk])
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        for name in ("_column_views", "_views_maps", "_views_pid"):
-            state.pop(name, None)
+        state.pop("_window", None)
+        state.pop("_window_pid", None)
         return state
 
 

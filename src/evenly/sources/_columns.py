@@ -18,8 +18,6 @@ rows, for every column where that is possible without per-row Python objects.
 
 from __future__ import annotations
 
-import os
-from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,16 +27,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ._base import ShardedSource
-from ._gather import ColumnViews, chunk_views, gatherable
+from ._gather import LIST_VALUES, ColumnViews, chunk_views, gatherable
 from ._rowviews import RowAccess
 
 __all__ = ["ArrowBatchSource", "column_exact", "to_columns", "to_rows"]
-
-#: memory (beyond the chunks' own) the per-row accessors of chunks may hold per process
-ACCESSOR_BYTES = 64 << 20
-
-# numpy dtypes torch stacks as they are (unsigned wider than 8 bits are not all supported)
-_LIST_VALUES = ("int8", "int16", "int32", "int64", "uint8", "float16", "float32", "float64", "bool")
 
 
 def _scalar(t: pa.DataType) -> bool:
@@ -58,7 +50,7 @@ def column_exact(t: pa.DataType) -> bool:
     if pa.types.is_string(t) or pa.types.is_large_string(t):
         return True
     if pa.types.is_fixed_size_list(t) and _scalar(t.value_type):
-        return np.dtype(t.value_type.to_pandas_dtype()).name in _LIST_VALUES
+        return np.dtype(t.value_type.to_pandas_dtype()).name in LIST_VALUES
     return False
 
 
@@ -207,11 +199,7 @@ class ArrowBatchSource(ShardedSource):
         """Start downloading these shards (remote only), in this order."""
         if self.cache is None:
             return
-        remote = getattr(self, "_remote", None)  # the base's cache key, where it has one
-        self.cache.prefetch(
-            remote(k) if remote is not None else (self.urls[k], self._fingerprints[k])
-            for k in shards
-        )
+        self.cache.prefetch(self._remote(k) for k in shards)
 
     # ---- batched reads -----------------------------------------------------------------
     def take(self, indices: Sequence[int] | npt.NDArray[Any]) -> pa.Table:
@@ -270,33 +258,12 @@ class ArrowBatchSource(ShardedSource):
         return [access[c].row(i) for c, i in zip(chunk.tolist(), local, strict=True)]
 
     def _row_access(self, k: int, g: int, handle: Any) -> RowAccess | None:
-        """The per-row accessors of chunk ``g`` of shard ``k`` (an LRU per process,
-        bounded by :data:`ACCESSOR_BYTES`)."""
-        cache: OrderedDict[tuple[int, int], RowAccess | None] | None
-        cache = self.__dict__.get("_accessors")
-        if cache is None or self.__dict__.get("_accessors_pid") != os.getpid():
-            cache = self.__dict__["_accessors"] = OrderedDict()
-            self.__dict__["_accessors_pid"], self.__dict__["_accessor_bytes"] = os.getpid(), 0
-        key = (k, g)
-        if key in cache:
-            cache.move_to_end(key)
-            return cache[key]
-        found = RowAccess.of(self._chunk(k, g, handle))
-        cache[key] = found
-        self.__dict__["_accessor_bytes"] += found.nbytes if found is not None else 0
-        while self.__dict__["_accessor_bytes"] > ACCESSOR_BYTES and len(cache) > 1:
-            _, old = cache.popitem(last=False)
-            self.__dict__["_accessor_bytes"] -= old.nbytes if old is not None else 0
-        return found
+        """The per-row accessors of chunk ``g`` of shard ``k`` (subclasses keep them with
+        the chunk, so they never outlive it)."""
+        return RowAccess.of(self._chunk(k, g, handle))
 
     def __getitem__(self, index: int) -> Any:
         return self.__getitems__([index])[0]
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = super().__getstate__()
-        for name in ("_accessors", "_accessors_pid", "_accessor_bytes"):
-            state.pop(name, None)
-        return state
 
     def read_columns(
         self, indices: Sequence[int] | npt.NDArray[Any]
@@ -318,6 +285,8 @@ class ArrowBatchSource(ShardedSource):
         rows = self._rows(samples)
         chunk = np.searchsorted(self._cstarts, rows, side="right") - 1
         present = np.unique(chunk)
+        if not present.size:
+            return None
         views = []
         for c in present.tolist():
             k, g = int(self._cshard[c]), int(self._clocal[c])

@@ -17,7 +17,7 @@ import numpy as np
 import numpy.typing as npt
 import pyarrow as pa
 
-__all__ = ["ColumnViews", "chunk_views", "gatherable"]
+__all__ = ["LIST_VALUES", "ColumnViews", "chunk_views", "gatherable"]
 
 
 def _view(arr: pa.Array) -> npt.NDArray[Any] | None:
@@ -41,13 +41,20 @@ def _view(arr: pa.Array) -> npt.NDArray[Any] | None:
     return None
 
 
+#: numpy dtypes torch stacks as they are (unsigned wider than 8 bits are not all supported)
+LIST_VALUES = ("int8", "int16", "int32", "int64", "uint8", "float16", "float32", "float64", "bool")
+
+
 def gatherable(schema: pa.Schema) -> bool:
     """Whether every column can be gathered this way (by type; nulls are checked per
-    record batch)."""
+    record batch): numbers (collated to int64 / float64, as ``default_collate`` does for
+    Python numbers) and fixed-size lists of the numbers torch stacks as they are."""
 
     def ok(t: pa.DataType) -> bool:
         if pa.types.is_fixed_size_list(t):
-            t = t.value_type
+            value = t.value_type
+            numeric = pa.types.is_integer(value) or pa.types.is_floating(value)
+            return numeric and np.dtype(value.to_pandas_dtype()).name in LIST_VALUES
         return (pa.types.is_integer(t) and not pa.types.is_uint64(t)) or pa.types.is_floating(t)
 
     return len(schema) > 0 and all(ok(f.type) for f in schema)

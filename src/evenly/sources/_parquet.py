@@ -161,30 +161,26 @@ class ParquetSource(ArrowBatchSource):
             self._group_views.pop(key, None)
 
     def _chunk_views(self, k: int, g: int, handle: Any) -> list[npt.NDArray[Any]] | None:
-        """A row group's column views, kept with its table (they hold no other memory)."""
+        """A row group's column views, kept with its table (they hold no other memory;
+        ``_chunk`` has just made the row group the newest entry of the LRU)."""
         key = (k, g)
         table = self._chunk(k, g, handle)
-        if key in self._group_views:
-            return self._group_views[key]
-        views = chunk_views(table)
-        if key in self._groups:
-            self._group_views[key] = views
-        return views
+        if key not in self._group_views:
+            self._group_views[key] = chunk_views(table)
+        return self._group_views[key]
 
     def _row_access(self, k: int, g: int, handle: Any) -> RowAccess | None:
-        """A row group's per-row accessors, kept (and counted) with its table."""
+        """A row group's per-row accessors, kept and counted with its table."""
         key = (k, g)
         table = self._chunk(k, g, handle)
         if key in self._group_access:
             return self._group_access[key]
         access = RowAccess.of(table)
-        entry = self._groups.get(key)
-        if entry is not None:
-            extra = access.nbytes if access is not None else 0
-            self._groups[key] = (entry[0], entry[1] + extra)
-            self._group_bytes += extra
-            self._group_access[key] = access
-            self._evict()
+        extra = access.nbytes if access is not None else 0
+        self._groups[key] = (table, self._groups[key][1] + extra)
+        self._group_bytes += extra
+        self._group_access[key] = access
+        self._evict()  # never the newest entry: this one
         return access
 
     def __getstate__(self) -> dict[str, Any]:

@@ -86,7 +86,6 @@ class WebDatasetSource(ShardedSource):
                         f"check_fields=False if samples legitimately vary"
                     )
         self._members = _Members.join(tables)
-        self._keys = [t.keys for t in tables]
 
     def _open(self, k: int, path: str) -> Any:
         return open(path, "rb")
@@ -96,10 +95,7 @@ class WebDatasetSource(ShardedSource):
         per sample (its members are consecutive in the tar), in file order."""
         idx = self._check_indices(indices)
         shards = self.shard_of(idx)
-        if self.cache is not None:
-            _, first_use = np.unique(shards, return_index=True)
-            if first_use.size > 1:
-                self.cache.prefetch(self._remote(k) for k in shards[np.sort(first_use)].tolist())
+        self.prefetch(idx.tolist())
         t = self._members
         counts = t.first[idx + 1] - t.first[idx]
         starts = np.cumsum(counts) - counts
@@ -119,17 +115,18 @@ class WebDatasetSource(ShardedSource):
                 fd = fds.get(k)
                 if fd is None:
                     fd = fds[k] = self._handle(k).fileno()
-                out[pos] = self._sample(k, fd, row, names, offsets, sizes, m, n)
+                out[pos] = self._sample(k, fd, sample, row, names, offsets, sizes, m, n)
             except Exception as exc:
                 raise self._error(exc, sample) from exc
         return out
 
     def _sample(
-        self, k: int, fd: int, row: int, names: list[str], offsets: list[int],
+        self, k: int, fd: int, index: int, row: int, names: list[str], offsets: list[int],
         sizes: list[int], m: int, n: int,
     ) -> dict[str, Any]:  # fmt: skip
-        """Sample ``row`` of shard ``k``: its members ``m:m+n`` of the batch's lists."""
-        key = self._keys[k][row]
+        """Sample ``index`` (row ``row`` of shard ``k``): its members ``m:m+n`` of the
+        batch's lists."""
+        key = self._members.keys[index]
         sample: dict[str, Any] = {"__key__": key, "__url__": self.urls[k]}
         if not n:
             return sample
@@ -285,7 +282,7 @@ class _Members:
     @classmethod
     def join(cls, tables: list[_Members]) -> _Members:
         """All shards' members in one table (global sample and member numbers; field
-        names shared); ``keys`` stay with each shard."""
+        names shared)."""
         names: dict[str, int] = {}
         ext, firsts, base = [], [np.zeros(1, dtype=np.int64)], 0
         for t in tables:
@@ -294,7 +291,7 @@ class _Members:
             firsts.append(t.first[1:] + base)
             base += int(t.first[-1])
         return cls(
-            keys=[],
+            keys=[key for t in tables for key in t.keys],
             first=np.concatenate(firsts),
             names=tuple(names),
             ext=np.concatenate(ext or [np.zeros(0, np.int16)]).astype(np.int16),

@@ -111,3 +111,28 @@ def test_infinite_under_real_ddp_ranks_with_spawned_workers_resumes_by_step() ->
     # the same stream a single uninterrupted 2-rank run gives
     whole = [steps(loader, 14) for loader in loaders(2, 0)]
     assert stream == stream_of(whole)
+
+
+def test_state_after_set_epoch_is_where_the_next_pass_starts() -> None:
+    (loader,) = loaders(1, 0)
+    steps(loader, 12)  # 48 positions: epoch 1, position 11
+    assert (loader.state_dict()["epoch"], loader.state_dict()["position"]) == (1, 11)
+    loader.set_epoch(5)
+    state = json.loads(json.dumps(loader.state_dict()))
+    assert (state["epoch"], state["position"]) == (5, 0)
+    (fresh,) = loaders(1, 0)
+    fresh.load_state_dict(state)
+    (replayed,) = loaders(1, 0)
+    replayed.set_epoch(5)
+    assert steps(fresh, 3) == steps(replayed, 3) == steps(loader, 3)
+
+
+def test_a_mixture_is_refused_rather_than_streamed() -> None:
+    mix = evenly.Mix({"a": list(range(10)), "b": list(range(100, 104))}, weights={"a": 1, "b": 1})
+    with pytest.raises(ValueError, match="does not support a Mix source"):
+        evenly.DataLoader(evenly.Dataset(mix), batch_size=4, infinite=True)
+    ds = evenly.Dataset(list(range(8)))
+    loader = evenly.DataLoader(ds, batch_size=4, infinite=True)
+    ds.source = mix  # set after the loader was built: refused at the pass start
+    with pytest.raises(ValueError, match="does not support a Mix source"):
+        iter(loader)

@@ -233,13 +233,21 @@ def test_plain_dataloader_users_resume_through_the_dataset() -> None:
     assert sorted(got) == list(range(N)) and got[:16] == order(0)[:16]
 
 
+def mixture() -> evenly.Mix:
+    return evenly.Mix(
+        {"a": list(range(N - 20)), "b": list(range(N - 20, N))}, weights={"a": 3, "b": 1}
+    )
+
+
 @pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
 @pytest.mark.parametrize("workers", [0, 2])
-def test_works_under_torchdata_stateful_dataloader(workers: int) -> None:
+@pytest.mark.parametrize("kind", ["list", "mix"])
+def test_works_under_torchdata_stateful_dataloader(workers: int, kind: str) -> None:
     from torchdata.stateful_dataloader import StatefulDataLoader
 
     def make() -> StatefulDataLoader:
-        ds = evenly.Dataset(list(range(N)), shuffle=True, seed=4)
+        source: Any = list(range(N)) if kind == "list" else mixture()
+        ds = evenly.Dataset(source, shuffle=True, seed=4)
         return StatefulDataLoader(ds, batch_size=8, num_workers=workers)
 
     first = make()
@@ -250,7 +258,10 @@ def test_works_under_torchdata_stateful_dataloader(workers: int) -> None:
     second = make()
     second.load_state_dict(state)
     rest = [x for b in second for x in b.tolist()]
-    assert Counter(got + rest) == Counter(range(N))  # exactly once, no fast-forward replay
+    epoch = [x for b in make() for x in b.tolist()]  # a whole epoch 0, uninterrupted
+    assert Counter(got + rest) == Counter(epoch)  # exactly once, no fast-forward replay
+    if kind == "list":
+        assert Counter(epoch) == Counter(range(N))
 
 
 def stateful_resume_then_next_epoch(workers: int, state: dict[str, Any]) -> list[list[int]]:

@@ -74,8 +74,8 @@ class Checkpoints:
         info = get_worker_info()
         if info is not None:
             spec = self._own_spec(info.id, info.num_workers, count=False)
-            plan = self.plan_for(spec)
-            state = make_state(self.fingerprint(), plan.epoch, plan.start)
+            # the pass's start (a planned source, a Mix, adds its part), never past it
+            state = self.state_at(spec.epoch, spec.start, spec.num_samples + 1)
             state["worker"] = {
                 "id": info.id,
                 "num_workers": info.num_workers,

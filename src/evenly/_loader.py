@@ -38,6 +38,18 @@ def _distributed() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
+def _refuse_planned_source(dataset: Dataset[Any]) -> None:
+    """A source that plans its own epochs (an ``evenly.Mix``) lays its steps out from each
+    epoch's start, which a stream of epochs does not keep: refused until it can."""
+    if getattr(dataset.source, "epoch_order", None) is not None:
+        raise ValueError(
+            f"evenly.DataLoader(infinite=True) does not support a "
+            f"{type(dataset.source).__name__} source yet: its per-step proportions and its "
+            f"resume are defined per epoch, and a stream of epochs would silently repeat or "
+            f"skip samples; train a Mix epoch by epoch (infinite=False)"
+        )
+
+
 class DataLoader(torch.utils.data.DataLoader[Any]):
     """A ``torch.utils.data.DataLoader`` for ``evenly.Dataset``.
 
@@ -131,6 +143,8 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         self.transport = transport
         if infinite and batch_size is None:
             raise ValueError("evenly.DataLoader(infinite=True) needs a batch_size")
+        if infinite:
+            _refuse_planned_source(dataset)
         self.infinite = bool(infinite)
         if agreement_timeout <= 0:
             raise ValueError(f"agreement_timeout must be > 0 seconds, got {agreement_timeout}")
@@ -304,9 +318,16 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         >>> [batch.tolist() for batch in fresh]
         [[4, 5, 6, 7, 8], [9]]
         """
-        if self._pass is not None and self._pass.stream is not None and self._next is None:
-            stream = self._pass.stream
-            epoch, position = divmod(stream.consumed_after(self._pass.received), stream.num_samples)
+        if self.infinite:
+            current = self._pass
+            if current is None or current.stream is None or self._stream_request():
+                # where the next iter() starts: a set_epoch / loaded state, or the start
+                epoch, position, _ = self._peek_next()
+                return self.dataset.state_at(
+                    epoch, position, len(self.dataset.source) + 1, 0, self._drop
+                )
+            stream = current.stream
+            epoch, position = divmod(stream.consumed_after(current.received), stream.num_samples)
             return self.dataset.state_at(epoch, position, stream.num_samples + 1, 0, self._drop)
         if self._idle():
             epoch, position, prior = self._peek_next()
@@ -414,14 +435,20 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
             prefetch = self.prefetch_factor or 2
             self._feed.transport = Transport(self.num_workers, slots=prefetch + 1)
 
+    def _stream_request(self) -> bool:
+        """Whether a set_epoch or a loaded state (not the stream so far) says where an
+        infinite loader's next pass starts."""
+        request = self.dataset.epoch_request
+        return self._next is not None or (request is not None and request[0] > self._followed)
+
     def _iter_stream(self) -> PassIterator:
         """One endless pass over consecutive epochs (``infinite=True``), continuing from
         what the loop received so far, or from a loaded state / ``set_epoch``."""
         n = len(self.dataset.source)
         if n == 0:
             raise ValueError("evenly.DataLoader(infinite=True): the source is empty")
-        request = self.dataset.epoch_request
-        if self._next is not None or (request is not None and request[0] > self._followed):
+        _refuse_planned_source(self.dataset)
+        if self._stream_request():
             epoch, start, _ = self._peek_next()
             self._stream_next = epoch * n + min(start, n)
         elif self._pass is not None and self._pass.stream is not None:

@@ -186,6 +186,8 @@ def test_seed_generators_names_what_is_seeded() -> None:
     again = draws_of(("torch",))
     assert [t for _, t in only_torch] == [t for _, t in again]  # torch: per-sample seeds
     assert len({t for _, t in only_torch}) == 8
+    # numpy was not seeded: its draws continue the global stream seeded above
+    assert [n for n, _ in only_torch] == np.random.RandomState(0).random_sample(8).tolist()
     with pytest.raises(ValueError, match="unknown generator"):
         evenly.Dataset([1], seed_generators=("jax",))
 

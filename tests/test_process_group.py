@@ -38,10 +38,9 @@ def tp_layout(rank: int, world: int, how: str, context: str) -> list[list[int]]:
 @pytest.mark.parametrize(("how", "context"), [("mesh", "fork"), ("groups", "spawn")])
 def test_replicas_get_identical_batches_and_disjoint_shares(how: str, context: str) -> None:
     ranks = run_ranks(tp_layout, 4, how, context, timeout=240)
-    # with DeviceMesh (2, 2) and dim 0 = dp, replicas are {0, 1} (dp rank 0) and {2, 3}
+    # replicas are {0, 1} (dp rank 0) and {2, 3}: DeviceMesh (2, 2) with dim 0 = dp, or
+    # new_group([0, 2]) / ([1, 3]) (dp rank = rank // 2 as well)
     first, second = (0, 1), (2, 3)
-    if how == "groups":  # new_group([0, 2]) / ([1, 3]): dp rank = rank // 2 as well
-        first, second = (0, 1), (2, 3)
     for epoch in range(2):
         assert ranks[first[0]][epoch] == ranks[first[1]][epoch]
         assert ranks[second[0]][epoch] == ranks[second[1]][epoch]

@@ -23,15 +23,13 @@ from torch.utils.data._utils.collate import default_collate, default_convert
 
 from ._agreement import DEFAULT_TIMEOUT, check_agreement, group_ranks
 from ._channel import PassChannel
-from ._dataset import STAMPS, Dataset, EvenlyWarning, warn_about
+from ._dataset import _SKIP_SLOTS, STAMPS, Dataset, EvenlyWarning, warn_about
 from ._handoff import NO_LENGTH, Feed, Pass, PassIterator, pass_through, settle
 from ._pass import PassSpec
 from ._plan import EpochPlan, check_int
 from ._transport import Transport
 
 __all__ = ["DataLoader"]
-
-_SKIP_SLOTS = 64
 
 
 def _distributed() -> bool:

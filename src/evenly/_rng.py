@@ -29,6 +29,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from ._permutation import mix64
+
 __all__ = ["GENERATORS", "RngState", "SeedSpreader", "check_generators", "sample_seed"]
 
 GENERATORS = ("random", "numpy", "torch")
@@ -75,10 +77,7 @@ def check_generators(names: Iterable[str]) -> tuple[str, ...]:
     return chosen
 
 
-def _mix(x: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
-    from ._permutation import mix64
-
-    return mix64(x)
+_mix = mix64
 
 
 class SeedSpreader:

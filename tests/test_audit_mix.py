@@ -319,3 +319,18 @@ def test_table_and_html_report_show_samples_per_source_and_epoch(
     assert "Samples per source and epoch" in page
     assert page.count('<td class="PASS">20 / 20</td>') == EPOCHS
     assert page.count('<td class="PASS">8 / 8</td>') == EPOCHS
+
+
+def test_cells_off_by_padding_are_warnings_and_beyond_it_failures(
+    mix_audits: dict[str, AuditResult], tmp_path: Path
+) -> None:
+    from evenly.audit._mixfindings import cell_status
+
+    padded = json.loads(mix_audits["padded"].to_json())["mix"]["per_epoch"]
+    assert all(row["slack"] == 1 for row in padded)
+    statuses = {cell_status(row, n) for row in padded for n in row["delivered"]}
+    assert "FAIL" not in statuses and "WARN" in statuses  # the source the repeat came from
+    page = mix_audits["padded"].write_report(tmp_path).read_text(encoding="utf-8")
+    assert '<td class="WARN">' in page and '<td class="FAIL">' not in page
+    over = json.loads(mix_audits["over_sampling"].to_json())["mix"]["per_epoch"]
+    assert cell_status(over[0], "web") == "FAIL" and cell_status(over[0], "code") == "PASS"

@@ -291,7 +291,7 @@ def _mix_section(rec: Records) -> str:
     """For a Mix: a table of samples per source and epoch (delivered / expected)."""
     if rec.mix is None:
         return ""
-    from ._mixfindings import per_epoch
+    from ._mixfindings import cell_status, per_epoch
 
     esc = html.escape
     names = rec.mix.names
@@ -299,8 +299,7 @@ def _mix_section(rec: Records) -> str:
     rows = []
     for row in per_epoch(rec):
         cells = "".join(
-            f'<td class="{"PASS" if row["delivered"][n] == row["expected"][n] else "FAIL"}">'
-            f"{row['delivered'][n]} / {row['expected'][n]}</td>"
+            f'<td class="{cell_status(row, n)}">{row["delivered"][n]} / {row["expected"][n]}</td>'
             for n in names
         )
         rows.append(f"<tr><td>{row['epoch']}</td>{cells}</tr>")

@@ -49,7 +49,10 @@ def result_table(result: AuditResult) -> Table:
 
 def mix_table(result: AuditResult) -> Table | None:
     """For an audit of an ``evenly.Mix``: one row per epoch, one column per source, each
-    cell ``delivered / expected`` samples (red where they differ); else ``None``."""
+    cell ``delivered / expected`` samples (yellow where off by the epoch's padding or
+    drop_last, red beyond); else ``None``."""
+    from ._mixfindings import cell_status
+
     mix = result.mix_dict()
     if mix is None:
         return None
@@ -61,7 +64,7 @@ def mix_table(result: AuditResult) -> Table | None:
         cells = [
             Text(
                 f"{row['delivered'][name]} / {row['expected'][name]}",
-                style="" if row["delivered"][name] == row["expected"][name] else "bold red",
+                style={"PASS": "", "WARN": "yellow", "FAIL": "bold red"}[cell_status(row, name)],
             )
             for name in mix["sources"]
         ]

@@ -18,7 +18,6 @@ object (its cache files), honouring its indices mapping (``select``, ``filter``,
 
 from __future__ import annotations
 
-import base64
 import json
 import os
 from collections.abc import Sequence
@@ -29,7 +28,7 @@ import numpy.typing as npt
 import pyarrow as pa
 
 from ._base import Paths
-from ._columns import ArrowBatchSource
+from ._columns import ArrowBatchSource, schema_meta
 from ._gather import ColumnViews, chunk_views
 from ._manifest import FileEntry
 from ._rowviews import RowAccess
@@ -121,32 +120,10 @@ class ArrowSource(ArrowBatchSource):
         finally:
             mapped.close()
         schema = schema.remove_metadata()
-        return sum(rows), {
-            "batches": rows,
-            "schema": schema.to_string(),
-            "arrow_schema": base64.b64encode(schema.serialize().to_pybytes()).decode("ascii"),
-        }
+        return sum(rows), {"batches": rows, **schema_meta(schema)}
 
     def _setup(self, entries: list[FileEntry]) -> None:
-        first = entries[0].meta["schema"]
-        for k, e in enumerate(entries):
-            if e.meta["schema"] != first:
-                raise ValueError(
-                    f"{self._what}: the schema of file {k} ({e.url}) differs from file 0 "
-                    f"({entries[0].url}): {e.meta['schema']!r} vs {first!r}; open them as "
-                    f"separate sources"
-                )
-        schema = pa.ipc.read_schema(pa.py_buffer(base64.b64decode(entries[0].meta["arrow_schema"])))
-        if self.columns is not None:
-            missing = [c for c in self.columns if c not in schema.names]
-            if missing:
-                raise ValueError(
-                    f"{self._what}: columns {missing} not in the schema {schema.names}"
-                )
-            schema = pa.schema([schema.field(c) for c in self.columns])
-        self.schema = schema
-        self._chunk_rows = [[int(n) for n in e.meta["batches"]] for e in entries]
-        self._index_chunks()
+        self._setup_chunks(entries, "batches")
 
     def _open(self, k: int, path: str) -> Any:
         mapped = _Mapped(path, self.columns)

@@ -18,6 +18,7 @@ rows, for every column where that is possible without per-row Python objects.
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,9 +29,10 @@ import pyarrow.compute as pc
 
 from ._base import ShardedSource
 from ._gather import LIST_VALUES, ColumnViews, chunk_views, gatherable
+from ._manifest import FileEntry
 from ._rowviews import RowAccess
 
-__all__ = ["ArrowBatchSource", "column_exact", "to_columns", "to_rows"]
+__all__ = ["ArrowBatchSource", "column_exact", "schema_meta", "to_columns", "to_rows"]
 
 
 def _scalar(t: pa.DataType) -> bool:
@@ -128,6 +130,21 @@ def _null_error(name: str, arr: pa.Array, samples: Sequence[int] | npt.NDArray[A
     )
 
 
+def schema_meta(schema: pa.Schema) -> dict[str, str]:
+    """What a manifest entry keeps of a file's schema: its text (compared across files)
+    and the schema itself, serialised."""
+    packed = base64.b64encode(schema.serialize().to_pybytes()).decode("ascii")
+    return {"schema": schema.to_string(), "arrow_schema": packed}
+
+
+def _first_difference(a: str, b: str) -> str:
+    la, lb = a.splitlines(), b.splitlines()
+    for x, y in zip(la, lb, strict=False):
+        if x != y:
+            return f"{x.strip()!r} vs {y.strip()!r}"
+    return f"{len(la)} vs {len(lb)} columns"
+
+
 class ArrowBatchSource(ShardedSource):
     """A sharded source whose shards are split into Arrow chunks (record batches, row
     groups): a batch is read with one lookup for the whole batch and one ``take`` per
@@ -142,6 +159,34 @@ class ArrowBatchSource(ShardedSource):
 
     def _chunk(self, k: int, g: int, handle: Any) -> pa.Table | pa.RecordBatch:
         raise NotImplementedError
+
+    columns: list[str] | None = None
+
+    def _setup_chunks(self, entries: list[FileEntry], chunks: str) -> None:
+        """One schema for all files (the selected ``columns`` of it) and each file's rows
+        per chunk (``meta[chunks]``), from the manifest entries."""
+        first = entries[0].meta["schema"]
+        for k, e in enumerate(entries):
+            if e.meta["schema"] != first:
+                raise ValueError(
+                    f"{self._what}: the schema of shard {k} ({e.url}) differs from shard 0 "
+                    f"({entries[0].url}): {_first_difference(first, e.meta['schema'])}; "
+                    f"rewrite the shards with one schema, or open them as separate sources"
+                )
+        packed = entries[0].meta.get("arrow_schema")
+        if packed is None:  # a manifest written before the schema was kept in it
+            packed = self._scan(0, self.urls[0])[1]["arrow_schema"]
+        schema = pa.ipc.read_schema(pa.py_buffer(base64.b64decode(packed)))
+        if self.columns is not None:
+            missing = [c for c in self.columns if c not in schema.names]
+            if missing:
+                raise ValueError(
+                    f"{self._what}: columns {missing} not in the schema {schema.names}"
+                )
+            schema = pa.schema([schema.field(c) for c in self.columns])
+        self.schema = schema
+        self._chunk_rows = [[int(n) for n in e.meta[chunks]] for e in entries]
+        self._index_chunks()
 
     def _index_chunks(self) -> None:
         """Global chunk starts (one searchsorted finds every sample's chunk)."""

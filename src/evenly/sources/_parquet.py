@@ -18,7 +18,6 @@ True
 
 from __future__ import annotations
 
-import base64
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -29,7 +28,7 @@ import pyarrow.parquet as pq
 from fsspec.core import url_to_fs
 
 from ._base import Paths
-from ._columns import ArrowBatchSource
+from ._columns import ArrowBatchSource, schema_meta
 from ._gather import chunk_views
 from ._manifest import FileEntry
 from ._rowviews import RowAccess
@@ -85,35 +84,10 @@ class ParquetSource(ArrowBatchSource):
                 raise ValueError(f"truncated or corrupt Parquet file: {exc}") from exc
             groups = [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
             schema = meta.schema.to_arrow_schema().remove_metadata()
-        return int(meta.num_rows), {
-            "row_groups": groups,
-            "schema": schema.to_string(),
-            "arrow_schema": base64.b64encode(schema.serialize().to_pybytes()).decode("ascii"),
-        }
+        return int(meta.num_rows), {"row_groups": groups, **schema_meta(schema)}
 
     def _setup(self, entries: list[FileEntry]) -> None:
-        first = entries[0].meta["schema"]
-        for k, e in enumerate(entries):
-            if e.meta["schema"] != first:
-                raise ValueError(
-                    f"{self._what}: the schema of shard {k} ({e.url}) differs from shard 0 "
-                    f"({entries[0].url}): {_diff(first, e.meta['schema'])}; rewrite the "
-                    f"shards with one schema, or open them as separate sources"
-                )
-        packed = entries[0].meta.get("arrow_schema")
-        if packed is None:  # a manifest written before the schema was kept in it
-            packed = self._scan(0, self.urls[0])[1]["arrow_schema"]
-        schema = pa.ipc.read_schema(pa.py_buffer(base64.b64decode(packed)))
-        if self.columns is not None:
-            missing = [c for c in self.columns if c not in schema.names]
-            if missing:
-                raise ValueError(
-                    f"{self._what}: columns {missing} not in the schema {schema.names}"
-                )
-            schema = pa.schema([schema.field(c) for c in self.columns])
-        self.schema = schema
-        self._chunk_rows = [[int(n) for n in e.meta["row_groups"]] for e in entries]
-        self._index_chunks()
+        self._setup_chunks(entries, "row_groups")
 
     def shuffle_advice(self, mode: str) -> str | None:
         """A word for the user when the global shuffle will decode a row group for
@@ -187,14 +161,6 @@ class ParquetSource(ArrowBatchSource):
         state = super().__getstate__()
         state.update(_groups=OrderedDict(), _group_bytes=0, _group_access={}, _group_views={})
         return state
-
-
-def _diff(a: str, b: str) -> str:
-    la, lb = a.splitlines(), b.splitlines()
-    for x, y in zip(la, lb, strict=False):
-        if x != y:
-            return f"{x.strip()!r} vs {y.strip()!r}"
-    return f"{len(la)} vs {len(lb)} columns"
 
 
 def from_parquet(

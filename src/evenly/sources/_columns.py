@@ -161,6 +161,7 @@ class ArrowBatchSource(ShardedSource):
         raise NotImplementedError
 
     columns: list[str] | None = None
+    _gatherable = False  #: every column fixed-width numbers (set with the schema)
 
     def _setup_chunks(self, entries: list[FileEntry], chunks: str) -> None:
         """One schema for all files (the selected ``columns`` of it) and each file's rows
@@ -185,6 +186,7 @@ class ArrowBatchSource(ShardedSource):
                 )
             schema = pa.schema([schema.field(c) for c in self.columns])
         self.schema = schema
+        self._gatherable = gatherable(schema)
         self._chunk_rows = [[int(n) for n in e.meta[chunks]] for e in entries]
         self._index_chunks()
 
@@ -320,7 +322,7 @@ class ArrowBatchSource(ShardedSource):
         gathered with one numpy fancy index over the chunks in use; otherwise one Arrow
         ``take`` per chunk."""
         idx = self._check_indices(indices)
-        if gatherable(self.schema):
+        if self._gatherable:
             gathered = self._gather(idx)
             if gathered is not None:
                 return dict(gathered)

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import evenly
-from evenly._agreement import check_agreement
+from evenly.runtime.agreement import check_agreement
 
 REPEATS = 200
 

@@ -29,7 +29,7 @@ import torch
 import torch.utils.data as tud
 
 import evenly
-from evenly._rng import GENERATORS
+from evenly.runtime.seeds import GENERATORS
 
 
 def rss_mb() -> float:
@@ -78,7 +78,7 @@ def identity(x: Any) -> Any:
 def seeding_cost(generators: tuple[str, ...], n: int = 200_000) -> float:
     """Microseconds per sample to seed ``generators`` (evenly's per-sample seeding, as the
     reader does it: spread a batch's seeds at once, then seed before each sample)."""
-    from evenly._rng import RngState, SeedSpreader
+    from evenly.runtime.seeds import RngState, SeedSpreader
 
     plan = evenly.EpochPlan(num_samples=n, batch_size=256)
     spreader = SeedSpreader(generators)

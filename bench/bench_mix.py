@@ -22,10 +22,10 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import psutil
 
-from evenly._dataset import Dataset
-from evenly._mix import MixOrder, epoch_offsets, mix_counts
-from evenly._mixsource import Mix
-from evenly._pass import PassSpec
+from evenly.core.mix.plan import MixOrder, epoch_offsets, mix_counts
+from evenly.core.spec import PassSpec
+from evenly.dataset import Dataset
+from evenly.mixture import Mix
 
 SOURCES = 100
 Chunks = Iterator[np.ndarray]

@@ -26,7 +26,7 @@ from collections import OrderedDict
 import numpy as np
 
 from evenly import EpochPlan
-from evenly._order import make_order
+from evenly.core.order import make_order
 
 
 def spearman(order: np.ndarray) -> float:

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import torch.utils.data as tud
 
-from evenly._transport import Transport, unpack
+from evenly.transport.slots import Transport, unpack
 
 ROWS, WIDTH, BATCH = 200_000, 1024, 256
 

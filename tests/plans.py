@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from evenly import EpochPlan
-from evenly._order import make_order
+from evenly.core.order import make_order
 
 
 def make_plan(

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from evenly._block import BlockPermutation
+from evenly.core.block import BlockPermutation
 from tests.plans import make_plan
 
 sizes_st = st.lists(st.integers(min_value=0, max_value=40), min_size=0, max_size=30)

@@ -16,7 +16,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from evenly._plan import EpochPlan
+from evenly.core.plan import EpochPlan
 from tests.plans import make_plan
 
 #: Largest set of positions a single check may build (keeps each example fast).

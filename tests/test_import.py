@@ -105,3 +105,39 @@ def test_the_audit_modules_import_one_another_without_a_cycle() -> None:
 
     for module in sorted(graph):
         visit(module, [])
+
+
+CORE = Path(__file__).resolve().parents[1] / "src" / "evenly" / "core"
+
+
+def test_the_planning_core_imports_with_torch_blocked() -> None:
+    """Every module of ``evenly.core`` (and ``import evenly`` itself) loads in an interpreter
+    where ``import torch`` fails, and plans an epoch there."""
+    modules = sorted(
+        "evenly."
+        + ".".join(p.relative_to(CORE.parent).with_suffix("").parts).removesuffix(".__init__")
+        for p in CORE.rglob("*.py")
+    )
+    assert "evenly.core.plan" in modules and "evenly.core.permutation" in modules
+    code = (
+        "import sys\nsys.modules['torch'] = None\nimport importlib\nimport evenly\n"
+        f"for name in {modules!r}:\n    importlib.import_module(name)\n"
+        "from evenly.core.plan import EpochPlan\nfrom evenly.core.order import make_order\n"
+        "plan = EpochPlan(num_samples=10, world_size=2, batch_size=2, seed=0, epoch=1,\n"
+        "                 order=make_order('global', 10, seed=0, epoch=1))\n"
+        "assert sorted(plan.indices(plan.rank_positions(0)).tolist()\n"
+        "              + plan.indices(plan.rank_positions(1)).tolist()) == list(range(10))\n"
+        "assert sys.modules['torch'] is None  # still blocked: nothing replaced the blocker"
+    )
+    names = _modules_after(code)
+    assert "evenly.core.plan" in names
+    assert not [m for m in names if m.startswith("torch.")]
+
+
+def test_evenly_all_is_sorted_and_every_name_resolves() -> None:
+    import evenly
+
+    assert sorted(evenly.__all__) == evenly.__all__
+    for name in evenly.__all__:
+        assert getattr(evenly, name) is not None, name
+    assert "PassSpec" not in evenly.__all__

@@ -16,8 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import evenly
-from evenly._mixsource import Mix
-from evenly._pass import PassSpec
+from evenly.core.spec import PassSpec
+from evenly.mixture import Mix
 
 LENGTHS = {"web": 23, "code": 7, "books": 1}  # books: shorter than its share, length 1
 WEIGHTS = {"web": 5.0, "code": 3.0, "books": 2.0}

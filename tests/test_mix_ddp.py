@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import evenly
-from evenly._mixsource import Mix
+from evenly.mixture import Mix
 from tests.distributed import run_ranks
 
 LENGTHS = {"web": 29, "code": 6, "books": 1}

@@ -1,4 +1,4 @@
-"""The pure planning core of mixtures (evenly._mix): exact counts, streams, prefix
+"""The pure planning core of mixtures (evenly.core.mix.plan): exact counts, streams, prefix
 exactness at global step boundaries, fair slots, resume under another step size."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from evenly._mix import Apportionment, MixOrder, epoch_offsets, keyed_bijection, mix_counts
+from evenly.core.mix.plan import Apportionment, MixOrder, epoch_offsets, keyed_bijection, mix_counts
 
 
 @st.composite

@@ -14,7 +14,7 @@ import torch
 import torch.utils.data as tud
 
 import evenly
-from evenly._rng import SeedSpreader
+from evenly.runtime.seeds import SeedSpreader
 from tests.distributed import run_ranks
 
 N = 37

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from evenly._permutation import FeistelPermutation, sample_seeds
+from evenly.core.permutation import FeistelPermutation, sample_seeds
 
 
 @given(n=st.integers(0, 5000), seed=st.integers(-(2**63), 2**63), epoch=st.integers(0, 10**6))

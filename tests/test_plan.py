@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from evenly._plan import EpochPlan
+from evenly.core.plan import EpochPlan
 from tests.plans import make_plan
 
 

@@ -9,7 +9,8 @@ import pytest
 
 import evenly
 from evenly import EvenlyWarning
-from evenly._agreement import PlanMismatchError, disagreements
+from evenly.errors import PlanMismatchError
+from evenly.runtime.agreement import disagreements
 from tests.distributed import run_ranks
 
 

@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from evenly import EvenlyWarning, FeistelPermutation, StateError
-from evenly._sampler import BatchSampler
+from evenly.loader.sampler import BatchSampler
 
 pytestmark = pytest.mark.filterwarnings("ignore::evenly.EvenlyWarning")
 

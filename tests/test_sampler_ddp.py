@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from evenly._sampler import BatchSampler
+from evenly.loader.sampler import BatchSampler
 
 from .distributed import in_fresh_process, run_ranks
 from .test_sampler import Numbers as Indexed

@@ -1,4 +1,4 @@
-"""The private torch attributes that ``evenly._handoff.settle`` (the fork-hang workaround)
+"""The private torch attributes that ``evenly.loader.feed.settle`` (the fork-hang workaround)
 reads, checked on a real multi-worker DataLoader iterator.
 
 ``settle`` reads them with ``getattr`` and a default, so a torch release that renamed one

@@ -14,7 +14,7 @@ import torch
 import torch.utils.data as tud
 
 import evenly
-from evenly._transport import Packed, Transport, plain_collate, unpack
+from evenly.transport.slots import Packed, Transport, plain_collate, unpack
 
 Pair = namedtuple("Pair", ["left", "right"])
 
@@ -183,7 +183,7 @@ def test_a_copy_made_outside_a_worker_start_has_no_slots() -> None:
 
 
 def test_no_slots_when_shared_memory_is_short(monkeypatch: pytest.MonkeyPatch) -> None:
-    import evenly._transport as transport_module
+    import evenly.transport.slots as transport_module
 
     monkeypatch.setattr(transport_module, "_shm_free", lambda: 1 << 20)
     writer = Transport(1, slots=3).writer(0)

@@ -6,7 +6,8 @@
 >>> sum(len(batch) for batch in loader)
 100
 
-``import evenly`` is light: the file formats (pyarrow, fsspec) load on first use of
+``import evenly`` is light: torch loads on first use of ``evenly.Dataset`` (or any
+name that needs it), the file formats (pyarrow, fsspec) on first use of
 ``evenly.from_parquet`` ..., the audit's report dependencies when an audit runs.
 """
 
@@ -15,21 +16,22 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from ._agreement import PlanMismatchError
-from ._dataset import Dataset, EvenlyWarning, Source
-from ._loader import DataLoader
-from ._mixsource import Mix
-from ._pass import PassSpec
-from ._permutation import FeistelPermutation
-from ._plan import EpochPlan
-from ._rng import sample_seed
-from ._sampler import BatchSampler
-from ._state import StateError
-from ._topology import Topology, detect_topology
-from .audit import audit  # a light package: its heavy parts load when an audit runs
+# the function shadows its (light) package's module attribute, so it is bound eagerly
+from evenly.audit import audit
+from evenly.core.permutation import FeistelPermutation
+from evenly.core.plan import EpochPlan
+from evenly.core.source import Source
+from evenly.core.topology import Topology
+from evenly.errors import EvenlyWarning, PlanMismatchError, StateError
+from evenly.mixture import Mix
 
 if TYPE_CHECKING:
-    from .sources import from_arrow, from_jsonl, from_parquet, from_webdataset, write
+    from evenly.dataset import Dataset
+    from evenly.loader.loader import DataLoader
+    from evenly.loader.sampler import BatchSampler
+    from evenly.runtime.detect import detect_topology
+    from evenly.runtime.seeds import sample_seed
+    from evenly.sources import from_arrow, from_jsonl, from_parquet, from_webdataset, write
 
 __all__ = [
     "BatchSampler",
@@ -39,7 +41,6 @@ __all__ = [
     "EvenlyWarning",
     "FeistelPermutation",
     "Mix",
-    "PassSpec",
     "PlanMismatchError",
     "Source",
     "StateError",
@@ -57,8 +58,14 @@ __all__ = [
 
 __version__ = "0.2.0.dev0"
 
-#: Public names loaded on first use (module, attribute).
+#: Public names loaded on first use (module, attribute): torch, pyarrow and fsspec load
+#: only when something that needs them is used.
 _LAZY = {
+    "BatchSampler": ("evenly.loader.sampler", "BatchSampler"),
+    "DataLoader": ("evenly.loader.loader", "DataLoader"),
+    "Dataset": ("evenly.dataset", "Dataset"),
+    "detect_topology": ("evenly.runtime.detect", "detect_topology"),
+    "sample_seed": ("evenly.runtime.seeds", "sample_seed"),
     "from_arrow": ("evenly.sources", "from_arrow"),
     "from_jsonl": ("evenly.sources", "from_jsonl"),
     "from_parquet": ("evenly.sources", "from_parquet"),

@@ -14,8 +14,8 @@ from typing import Any
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .audit._cli import register as register_audit
-    from .sources._cli import register as register_write
+    from evenly.audit._cli import register as register_audit
+    from evenly.sources._cli import register as register_write
 
     parser = argparse.ArgumentParser(
         prog="evenly", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter

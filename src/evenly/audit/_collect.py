@@ -29,9 +29,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.utils.data import DataLoader, IterableDataset
 
-from .._dataset import Dataset as EvenlyDataset
-from .._loader import DataLoader as EvenlyLoader
-from .._mixsource import Mix
+from evenly.dataset import Dataset as EvenlyDataset
+from evenly.loader.loader import DataLoader as EvenlyLoader
+from evenly.mixture import Mix
+
 from ._factory import Factory, describe, resolve
 from ._procs import detach, exit_on_signals, stop
 from ._trace import SplitCollate, TracedIterable, TracedMap, default_id, trace_evenly

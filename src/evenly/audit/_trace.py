@@ -23,8 +23,9 @@ import torch
 from torch.utils.data import Dataset as MapDataset
 from torch.utils.data import IterableDataset, default_collate, get_worker_info
 
-from .._dataset import Dataset as EvenlyDataset
-from .._mixsource import Mix
+from evenly.dataset import Dataset as EvenlyDataset
+from evenly.mixture import Mix
+
 from ._types import IdFn
 
 __all__ = [

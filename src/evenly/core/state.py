@@ -26,9 +26,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._plan import check_int
+from evenly.errors import StateError, check_int
 
-__all__ = ["FORMAT", "VERSION", "StateError", "check_state", "make_state"]
+__all__ = ["FORMAT", "VERSION", "check_state", "make_state"]
 
 FORMAT = "evenly.state"
 VERSION = 2
@@ -36,10 +36,6 @@ VERSION = 2
 MIGRATED = (1,)
 #: The plan fields a state must agree on with the dataset it is loaded into.
 FINGERPRINT = ("num_samples", "seed", "shuffle", "drop_last")
-
-
-class StateError(ValueError):
-    """A checkpoint state that cannot be loaded into this dataset or loader."""
 
 
 def make_state(

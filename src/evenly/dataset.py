@@ -1,7 +1,7 @@
 """``evenly.Dataset``: an IterableDataset over any sized, indexable source that reads each
 sample exactly once per epoch across DDP ranks and DataLoader workers.
 
-The dataset reads its share of a pass described by a :class:`~evenly._pass.PassSpec`.
+The dataset reads its share of a pass described by a :class:`~evenly.core.spec.PassSpec`.
 Under ``evenly.DataLoader`` the loader owns the pass (and its batch size); under any
 other loader (a plain torch DataLoader, one that Accelerate or Lightning rebuilt,
 StatefulDataLoader) the dataset owns it: its topology is fixed in the main process (at
@@ -19,31 +19,22 @@ from typing import Any, Generic, TypeVar
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from ._channel import PassCounter
-from ._checks import (
-    EvenlyWarning,
-    Source,
-    check_current,
-    check_source,
-    shuffle_mode,
-    warn_about,
-)
-from ._dataset_state import Checkpoints
-from ._interop import Wrapped, accelerate_wrapper, resharded_in_worker
-from ._order import make_order
-from ._pass import PassSpec
-from ._plan import EpochPlan, Order, check_int
-from ._reader import ReadContext, read_batches
-from ._rng import GENERATORS, check_generators
-from ._stream import StreamPlan
-from ._topology import (
-    Topology,
-    group_of,
-    is_detected_from_environment,
-    resolve_topology,
-)
+from evenly.core.order import make_order
+from evenly.core.plan import EpochPlan, Order
+from evenly.core.source import Source
+from evenly.core.spec import PassSpec
+from evenly.core.stream import StreamPlan
+from evenly.core.topology import Topology
+from evenly.errors import check_int
+from evenly.interop.accelerate import Wrapped, accelerate_wrapper, resharded_in_worker
+from evenly.runtime.channel import PassCounter
+from evenly.runtime.checkpoints import Checkpoints
+from evenly.runtime.checks import check_current, check_source, shuffle_mode, warn_about
+from evenly.runtime.detect import group_of, is_detected_from_environment, resolve_topology
+from evenly.runtime.reader import ReadContext, read_batches
+from evenly.runtime.seeds import GENERATORS, check_generators
 
-__all__ = ["Dataset", "EvenlyWarning", "Source", "warn_about"]
+__all__ = ["Dataset"]
 
 T_co = TypeVar("T_co", covariant=True)
 

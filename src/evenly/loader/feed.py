@@ -12,11 +12,11 @@ from typing import Any
 import torch
 from torch.utils.data import IterableDataset, default_collate, get_worker_info
 
-from ._channel import PassChannel
-from ._dataset import Dataset
-from ._plan import EpochPlan
-from ._stream import StreamPlan
-from ._transport import Transport, plain_collate, unpack
+from evenly.core.plan import EpochPlan
+from evenly.core.stream import StreamPlan
+from evenly.dataset import Dataset
+from evenly.runtime.channel import PassChannel
+from evenly.transport.slots import Transport, plain_collate, unpack
 
 __all__ = ["NO_LENGTH", "Feed", "Pass", "PassIterator", "dead_workers", "pass_through", "settle"]
 

@@ -1,6 +1,6 @@
 """Checkpoints of an ``evenly.Dataset``: its fingerprint, and states of its own passes
 (under any loader) or at a given position (for ``evenly.DataLoader``).  See
-``evenly._state`` for the format."""
+``evenly.core.state`` for the format."""
 
 from __future__ import annotations
 
@@ -10,10 +10,11 @@ from typing import Any
 import torch
 from torch.utils.data import get_worker_info
 
-from ._channel import PassCounter
-from ._pass import PassSpec
-from ._plan import EpochPlan, check_int
-from ._state import StateError, check_state, make_state
+from evenly.core.plan import EpochPlan
+from evenly.core.spec import PassSpec
+from evenly.core.state import check_state, make_state
+from evenly.errors import StateError, check_int
+from evenly.runtime.channel import PassCounter
 
 __all__ = ["Checkpoints"]
 

@@ -20,11 +20,12 @@ from typing import Any
 import numpy as np
 from torch.utils.data import Sampler
 
-from ._dataset import EvenlyWarning
-from ._order import make_order
-from ._plan import CHUNK, EpochPlan, check_int
-from ._state import check_state, make_state
-from ._topology import Topology, resolve_topology
+from evenly.core.order import make_order
+from evenly.core.plan import CHUNK, EpochPlan
+from evenly.core.state import check_state, make_state
+from evenly.core.topology import Topology
+from evenly.errors import EvenlyWarning, check_int
+from evenly.runtime.detect import resolve_topology
 
 __all__ = ["BatchSampler"]
 

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ._permutation import mix64
+from evenly.core.permutation import mix64
 
 __all__ = ["GENERATORS", "RngState", "SeedSpreader", "check_generators", "sample_seed"]
 

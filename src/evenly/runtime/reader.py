@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
-from ._plan import EpochPlan
-from ._rng import RngState, SeedSpreader
-from ._stream import StreamPlan
+from evenly.core.plan import EpochPlan
+from evenly.core.stream import StreamPlan
+from evenly.runtime.seeds import RngState, SeedSpreader
 
 __all__ = ["ReadContext", "read_batches"]
 

@@ -64,7 +64,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ._permutation import as_int64, derive_keys, mix64
+from evenly.core.permutation import as_int64, derive_keys, mix64
 
 __all__ = ["Apportionment", "MixOrder", "epoch_offsets", "keyed_bijection", "mix_counts"]
 

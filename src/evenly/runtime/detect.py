@@ -14,29 +14,11 @@ Resolution happens in the main process: DataLoader workers started with ``spawn`
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from typing import Any
 
-from ._plan import check_int
+from evenly.core.topology import Topology
 
-__all__ = ["Topology", "detect_topology", "group_of", "resolve_topology"]
-
-
-@dataclass(frozen=True)
-class Topology:
-    """This process's global ``rank`` among ``world_size`` ranks."""
-
-    rank: int = 0
-    world_size: int = 1
-
-    def __post_init__(self) -> None:
-        check_int("world_size", self.world_size, minimum=1)
-        check_int("rank", self.rank, minimum=0)
-        if self.rank >= self.world_size:
-            raise ValueError(
-                f"rank {self.rank} is out of range for world_size {self.world_size}: "
-                f"rank must lie in [0, {self.world_size - 1}]"
-            )
+__all__ = ["detect_topology", "group_of", "resolve_topology"]
 
 
 def _env_int(name: str) -> int | None:

@@ -9,7 +9,7 @@ Per-sample seeds are those of (epoch, position in the epoch), as in epoch mode.
 
 Pure numpy: no torch, no I/O, nothing of size N.
 
->>> from evenly._permutation import FeistelPermutation
+>>> from evenly.core.permutation import FeistelPermutation
 >>> plan = StreamPlan(num_samples=5, world_size=2, batch_size=2,
 ...                   orders=lambda e: None)
 >>> [plan.batches_positions(r, [0, 1]).tolist() for r in range(2)]
@@ -27,8 +27,9 @@ from itertools import count
 import numpy as np
 import numpy.typing as npt
 
-from ._permutation import as_int64, sample_seeds
-from ._plan import CHUNK, Order, check_int
+from evenly.core.permutation import as_int64, sample_seeds
+from evenly.core.plan import CHUNK, Order
+from evenly.errors import check_int
 
 __all__ = ["StreamPlan"]
 

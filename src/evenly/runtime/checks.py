@@ -6,41 +6,22 @@ from __future__ import annotations
 import logging
 import warnings
 from collections.abc import Callable
-from typing import Protocol, TypeVar
 
 from torch.utils.data import get_worker_info
 
-from ._order import SHUFFLE_MODES
-from ._pass import PassSpec
-from ._plan import EpochPlan
+from evenly.core.order import SHUFFLE_MODES
+from evenly.core.plan import EpochPlan
+from evenly.core.spec import PassSpec
+from evenly.errors import EvenlyWarning
 
 __all__ = [
-    "EvenlyWarning",
-    "Source",
     "check_current",
     "check_source",
     "shuffle_mode",
     "warn_about",
 ]
 
-T_co = TypeVar("T_co", covariant=True)
 logger = logging.getLogger("evenly")
-
-
-class Source(Protocol[T_co]):
-    """What ``evenly.Dataset`` reads: anything with ``__len__`` and ``__getitem__``.
-
-    A source may also define ``__getitems__(indices)`` (torch's batched-fetch hook) to
-    read a whole batch at once.
-    """
-
-    def __len__(self) -> int: ...
-
-    def __getitem__(self, index: int) -> T_co: ...
-
-
-class EvenlyWarning(UserWarning):
-    """Something about the epoch the user should know: padding, idle workers, no data."""
 
 
 def check_source(source: object) -> None:

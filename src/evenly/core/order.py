@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ._block import BlockPermutation
-from ._permutation import FeistelPermutation
-from ._plan import Order
+from evenly.core.block import BlockPermutation
+from evenly.core.permutation import FeistelPermutation
+from evenly.core.plan import Order
 
 __all__ = ["SHUFFLE_MODES", "make_order"]
 

@@ -18,9 +18,10 @@ from collections import defaultdict
 from datetime import timedelta
 from typing import Any
 
+from evenly.errors import PlanMismatchError
+
 __all__ = [
     "DEFAULT_TIMEOUT",
-    "PlanMismatchError",
     "check_agreement",
     "disagreements",
     "group_ranks",
@@ -31,10 +32,6 @@ DEFAULT_TIMEOUT = 30.0
 #: Exchanges held in the store per group before old keys are deleted.
 _KEEP = 2
 _rounds: dict[str, int] = {}
-
-
-class PlanMismatchError(RuntimeError):
-    """DDP ranks disagree on the epoch's plan: they would duplicate data or hang."""
 
 
 def disagreements(views: list[dict[str, Any]]) -> list[str]:

@@ -3,7 +3,7 @@ its own passes (every sample once before any twice), exact elastic resume, and a
 change at an epoch boundary that continues every stream where it stopped.
 
 This module is the source object ``evenly.Dataset`` reads (indices, checkpoints, stream
-offsets); the planning math lives in :mod:`evenly._mix`.  No torch, no I/O of its own.
+offsets); the planning math lives in :mod:`evenly.core.mix.plan`.  No torch, no I/O of its own.
 """
 
 from __future__ import annotations
@@ -14,9 +14,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ._mix import MixOrder, epoch_offsets, mix_counts
-from ._plan import check_int
-from ._state import StateError
+from evenly.core.mix.plan import MixOrder, epoch_offsets, mix_counts
+from evenly.errors import StateError, check_int
 
 __all__ = ["Mix"]
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ._pass import PassSpec
+from evenly.core.spec import PassSpec
 
 __all__ = ["MAX_WORKERS", "PassChannel", "PassCounter"]
 

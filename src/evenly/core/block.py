@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-from ._permutation import FeistelPermutation, derive_keys
+from evenly.core.permutation import FeistelPermutation, derive_keys
 
 __all__ = ["BlockPermutation"]
 

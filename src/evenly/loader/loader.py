@@ -21,13 +21,15 @@ import torch.distributed
 import torch.utils.data
 from torch.utils.data._utils.collate import default_collate, default_convert
 
-from ._agreement import DEFAULT_TIMEOUT, check_agreement, group_ranks
-from ._channel import PassChannel
-from ._dataset import _SKIP_SLOTS, STAMPS, Dataset, EvenlyWarning, warn_about
-from ._handoff import NO_LENGTH, Feed, Pass, PassIterator, pass_through, settle
-from ._pass import PassSpec
-from ._plan import EpochPlan, check_int
-from ._transport import Transport
+from evenly.core.plan import EpochPlan
+from evenly.core.spec import PassSpec
+from evenly.dataset import _SKIP_SLOTS, STAMPS, Dataset
+from evenly.errors import EvenlyWarning, check_int
+from evenly.loader.feed import NO_LENGTH, Feed, Pass, PassIterator, pass_through, settle
+from evenly.runtime.agreement import DEFAULT_TIMEOUT, check_agreement, group_ranks
+from evenly.runtime.channel import PassChannel
+from evenly.runtime.checks import warn_about
+from evenly.transport.slots import Transport
 
 __all__ = ["DataLoader"]
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import astuple, dataclass, fields
 
-from ._plan import check_int
+from evenly.errors import check_int
 
 __all__ = ["PassSpec"]
 
@@ -40,7 +40,7 @@ class PassSpec:
         generation: the dataset's generation (bumped when ``source`` or ``transform`` is
             replaced): a worker holding an older copy raises instead of reading stale data.
         infinite: batches over an endless stream of epochs (``start`` is then a stream
-            position: ``epoch * num_samples + position``); see ``evenly._stream``.
+            position: ``epoch * num_samples + position``); see ``evenly.core.stream``.
     """
 
     epoch: int

@@ -31,10 +31,11 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
-from ._permutation import as_int64 as as_positions
-from ._permutation import sample_seeds
+from evenly.core.permutation import as_int64 as as_positions
+from evenly.core.permutation import sample_seeds
+from evenly.errors import check_int
 
-__all__ = ["EpochPlan", "Order", "as_positions", "check_int"]
+__all__ = ["EpochPlan", "Order", "as_positions"]
 
 I64 = npt.NDArray[np.int64]
 
@@ -47,16 +48,6 @@ class Order(Protocol):
 
 #: Positions computed per numpy call when walking a worker's share.
 CHUNK = 8192
-
-
-def check_int(name: str, value: object, *, minimum: int | None = None) -> int:
-    """Return ``value`` as an int, or raise a clear error naming the setting."""
-    if isinstance(value, bool) or not isinstance(value, int | np.integer):
-        raise TypeError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
-    value = int(value)
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
 
 
 @dataclass(frozen=True)
@@ -74,7 +65,7 @@ class EpochPlan:
     True
 
     ``seed`` and ``epoch`` key the per-sample random streams (:meth:`seeds`); the order
-    is built by the caller (``evenly._order.make_order``) from the same values.
+    is built by the caller (``evenly.core.order.make_order``) from the same values.
     """
 
     num_samples: int

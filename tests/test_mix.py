@@ -334,7 +334,7 @@ def test_plans_over_ranks_and_workers_are_exact_per_source_and_epoch(
     seen: list[int] = []
     for epoch in range(3):
         spec = PassSpec(epoch, 0, total, batch, drop_last, 0, world)
-        plan = ds.plan_for(spec)
+        plan = ds._planner.plan_for(spec)
         per_rank = []
         for rank in range(world):
             chunks = [

@@ -1,51 +1,46 @@
 """``evenly.Dataset``: an IterableDataset over any sized, indexable source that reads each
 sample exactly once per epoch across DDP ranks and DataLoader workers.
 
-The dataset reads its share of a pass described by a :class:`~evenly.core.spec.PassSpec`.
-Under ``evenly.DataLoader`` the loader owns the pass (and its batch size); under any
+This is the user's view: settings, topology, ``set_epoch``, ``len``, checkpoints of its
+own passes.  Under ``evenly.DataLoader`` the loader owns the pass (and its batch size)
+and talks to the dataset through its :class:`~evenly.runtime.planner.Planner`; under any
 other loader (a plain torch DataLoader, one that Accelerate or Lightning rebuilt,
-StatefulDataLoader) the dataset owns it: its topology is fixed in the main process (at
-the latest when it is pickled for the workers), ``set_epoch`` marks a pass start, and
-every further pass of a worker is the next epoch.
+StatefulDataLoader) the dataset owns its passes (:mod:`evenly.runtime.own_passes`): its
+topology is fixed in the main process (at the latest when it is pickled for the
+workers), ``set_epoch`` marks a pass start, and every further pass is the next epoch.
 """
 
 from __future__ import annotations
 
-import hashlib
-import itertools
 from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar
 
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from evenly.core.order import make_order
-from evenly.core.plan import EpochPlan, Order
+from evenly.core.plan import EpochPlan
 from evenly.core.source import Source
 from evenly.core.spec import PassSpec
-from evenly.core.stream import StreamPlan
+from evenly.core.state import PassState
 from evenly.core.topology import Topology
-from evenly.errors import check_int
+from evenly.errors import StateError, check_int
 from evenly.interop.accelerate import Wrapped, accelerate_wrapper, resharded_in_worker
-from evenly.runtime.channel import PassCounter
-from evenly.runtime.checkpoints import Checkpoints
-from evenly.runtime.checks import check_current, check_source, shuffle_mode, warn_about
+from evenly.runtime.checks import warn_about
 from evenly.runtime.detect import group_of, is_detected_from_environment, resolve_topology
-from evenly.runtime.reader import ReadContext, read_batches
-from evenly.runtime.seeds import GENERATORS, check_generators
+from evenly.runtime.own_passes import OwnPasses
+from evenly.runtime.planner import Planner
+from evenly.runtime.seeds import GENERATORS
 
 __all__ = ["Dataset"]
 
 T_co = TypeVar("T_co", covariant=True)
 
-#: Stamps ordering set_epoch / load_state_dict calls on datasets and loaders.
-STAMPS = itertools.count(1)
 #: Per-worker counters of samples replaced under on_error="skip".
-_SKIP_SLOTS = 64
+SKIP_SLOTS = 64
 _UNSET = -1
 
 
-class Dataset(Checkpoints, IterableDataset[Any], Generic[T_co]):
+class Dataset(IterableDataset[Any], Generic[T_co]):
     """An iterable dataset that shards, shuffles and batches correctly.
 
     Each epoch every sample is read exactly once across all ranks and workers (up to the
@@ -87,8 +82,6 @@ class Dataset(Checkpoints, IterableDataset[Any], Generic[T_co]):
             batch count), logged, counted in ``num_skipped`` and reported at epoch end.
     """
 
-    _source: Source[T_co]
-
     def __init__(
         self,
         source: Source[T_co],
@@ -104,18 +97,17 @@ class Dataset(Checkpoints, IterableDataset[Any], Generic[T_co]):
         block_shards: int = 8,
         on_error: str = "raise",
     ) -> None:
-        check_source(source)
-        self._generation = 0
-        self._source = source
-        self._transform = transform
-        self.shuffle_mode = shuffle_mode(shuffle, source)
-        self.block_shards = check_int("block_shards", block_shards, minimum=1)
-        if on_error not in ("raise", "skip"):
-            raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
-        self.on_error = on_error
-        self.seed = check_int("seed", seed)
-        self.drop_last = bool(drop_last)
-        self.seed_generators = check_generators(seed_generators)
+        #: plans, reads and checkpoints passes: what loaders talk to
+        self._planner = Planner(
+            source,
+            shuffle=shuffle,
+            seed=seed,
+            drop_last=drop_last,
+            transform=transform,
+            seed_generators=seed_generators,
+            block_shards=block_shards,
+            on_error=on_error,
+        )
         self._rank = None if rank is None else check_int("rank", rank, minimum=0)
         self._world_size = (
             None if world_size is None else check_int("world_size", world_size, minimum=1)
@@ -125,68 +117,70 @@ class Dataset(Checkpoints, IterableDataset[Any], Generic[T_co]):
             Topology(self._rank, self._world_size)
         #: the topology as fixed in the main process (None until it can be detected)
         self._fixed: Topology | None = None
-        self._counter = PassCounter()
+        self._passes = OwnPasses()
         #: what the main process saw last (len, fingerprint, generation), for workers
         self._seen = torch.tensor([_UNSET, 0, 0], dtype=torch.int64).share_memory_()  # type: ignore[no-untyped-call]
-        self._skipped = torch.zeros(_SKIP_SLOTS, dtype=torch.int64).share_memory_()  # type: ignore[no-untyped-call]
-        #: samples this process's iterator has handed out in the current pass
+        self._skipped = torch.zeros(SKIP_SLOTS, dtype=torch.int64).share_memory_()  # type: ignore[no-untyped-call]
+        #: samples this process's iterator has handed out in its current pass
         self._progress = [0]
-        #: samples the next pass of this process skips (a worker restored by
-        #: StatefulDataLoader: what it had yielded of the interrupted pass)
-        self._local_skip = 0
-        #: (stamp, epoch) of the last set_epoch call, for an evenly.DataLoader to follow
-        self.epoch_request: tuple[int, int] | None = None
         #: a framework wrapper driving the dataset's own passes (Accelerate), if seen
         self._wrapped: Wrapped | None = None
         self.topology()
         self._note_main_view()
 
-    # ---- what may change between passes ------------------------------------------
+    # ---- settings (the source and transform may change between passes) ------------
     @property
     def source(self) -> Source[T_co]:
         """The samples.  Replacing it starts a new generation: a DataLoader's persistent
         workers holding the old one raise instead of reading it (evenly.DataLoader
         restarts them)."""
-        return self._source
+        source: Source[T_co] = self._planner.source
+        return source
 
     @source.setter
     def source(self, value: Source[T_co]) -> None:
-        check_source(value)
-        self._source = value
-        self._new_generation()
+        self._planner.replace(value, which="source")
+        self._note_main_view()
 
     @property
     def transform(self) -> Callable[[Any], Any] | None:
         """The per-sample transform (replacing it starts a new generation, as ``source``)."""
-        return self._transform
+        return self._planner.transform
 
     @transform.setter
     def transform(self, value: Callable[[Any], Any] | None) -> None:
-        self._transform = value
-        self._new_generation()
-
-    def _new_generation(self) -> None:
-        self._generation += 1
+        self._planner.replace(transform=value, which="transform")
         self._note_main_view()
 
     @property
-    def generation(self) -> int:
-        """How many times ``source`` or ``transform`` was replaced."""
-        return self._generation
+    def shuffle_mode(self) -> str:
+        """``"none"``, ``"global"`` or ``"block"`` (``shuffle=True`` resolved)."""
+        return self._planner.shuffle_mode
 
-    def source_fingerprint(self) -> int:
-        """A 63-bit digest of ``source.fingerprint`` (0 if the source has none)."""
-        fp = getattr(self._source, "fingerprint", None)
-        if not isinstance(fp, str):
-            return 0
-        return int.from_bytes(hashlib.blake2b(fp.encode(), digest_size=8).digest(), "little") >> 1
+    @property
+    def seed(self) -> int:
+        return self._planner.seed
+
+    @property
+    def drop_last(self) -> bool:
+        return self._planner.drop_last
+
+    @property
+    def block_shards(self) -> int:
+        return self._planner.block_shards
+
+    @property
+    def on_error(self) -> str:
+        return self._planner.on_error
+
+    @property
+    def seed_generators(self) -> tuple[str, ...]:
+        return self._planner.seed_generators
 
     def _note_main_view(self) -> None:
         """Record, for workers, the source length, fingerprint and generation seen now."""
         if get_worker_info() is None:
-            self._seen[0] = len(self._source)
-            self._seen[1] = self.source_fingerprint()
-            self._seen[2] = self._generation
+            self._seen[:] = torch.tensor(self._planner.main_view(), dtype=torch.int64)
 
     # ---- topology ----------------------------------------------------------------
     def topology(self) -> Topology:
@@ -223,7 +217,7 @@ class Dataset(Checkpoints, IterableDataset[Any], Generic[T_co]):
     @property
     def epoch(self) -> int:
         """The epoch of the dataset's own pass in progress (or of the next one)."""
-        return self._counter.current()[0]
+        return self._passes.current().epoch
 
     def set_epoch(self, epoch: int) -> None:
         """Make the next pass epoch ``epoch``, from its start; later passes follow it.
@@ -236,86 +230,28 @@ class Dataset(Checkpoints, IterableDataset[Any], Generic[T_co]):
         epoch = check_int("epoch", epoch, minimum=0)
         if get_worker_info() is None:
             self._wrapped = accelerate_wrapper(self) or self._wrapped
-        self.epoch_request = (next(STAMPS), epoch)
-        start = 0
-        base = self._counter.base()
-        if self._counter.started() == 0 and base[0] == epoch:
-            start = base[1]  # a loaded state of this very epoch keeps its position
-        self._counter.reset(epoch, start)
+        self._passes.set_epoch(epoch)
         self._skipped.zero_()
         self._note_main_view()
         self.topology()
 
-    def _own_spec(self, worker_id: int, num_workers: int, count: bool) -> PassSpec:
-        if count:
-            epoch, start = self._counter.begin(worker_id, num_workers)
-        else:
-            epoch, start = self._counter.current()
+    def _own_spec(self, state: PassState) -> PassSpec:
         topo = self.topology()
-        n = len(self._source)
+        n = self._planner.num_samples()
         return PassSpec(
-            epoch=epoch,
-            start=min(start, n),
+            epoch=state.epoch,
+            start=min(state.position, n),
             num_samples=n,
             batch_size=self._wrapped.batch_size if self._wrapped is not None else 1,
             drop_last=self.drop_last,
             rank=topo.rank,
             world_size=topo.world_size,
-            generation=self._generation,
+            generation=self._planner.generation,
         )
 
     def plan(self) -> EpochPlan:
         """The plan of the dataset's own pass in progress, or of the next one."""
-        return self.plan_for(self._own_spec(0, 1, count=False))
-
-    def plan_for(self, spec: PassSpec) -> EpochPlan:
-        """The epoch plan a pass spec describes (the one code path that builds plans;
-        ``stream_plan_for`` for an infinite pass)."""
-        if spec.infinite:
-            raise ValueError("an infinite pass has a stream plan: use stream_plan_for")
-        return EpochPlan(
-            num_samples=spec.num_samples,
-            world_size=spec.world_size,
-            batch_size=spec.batch_size,
-            drop_last=spec.drop_last,
-            seed=self.seed,
-            epoch=spec.epoch,
-            start=spec.start,
-            order=self.order_for(
-                spec.epoch, spec.num_samples, spec.world_size * spec.batch_size, spec.start
-            ),
-        )
-
-    def stream_plan_for(self, spec: PassSpec) -> StreamPlan:
-        """The endless plan over consecutive epochs of an infinite pass."""
-        step = spec.world_size * spec.batch_size
-        return StreamPlan(
-            num_samples=spec.num_samples,
-            world_size=spec.world_size,
-            batch_size=spec.batch_size,
-            seed=self.seed,
-            start=spec.start,
-            orders=lambda epoch: self.order_for(epoch, spec.num_samples, step, 0),
-        )
-
-    def order_for(self, epoch: int, num_samples: int, step: int, start: int) -> Order | None:
-        """Epoch ``epoch``'s order.  A source that plans its own (``evenly.Mix``:
-        ``epoch_order``) gets the global step and the pass's start; any other source is
-        ordered by the shuffle mode."""
-        epoch_order = getattr(self._source, "epoch_order", None)
-        if epoch_order is not None:
-            order: Order | None = epoch_order(
-                self.seed, epoch, shuffle=self.shuffle_mode != "none", step=step, start=start
-            )
-            return order
-        return make_order(
-            self.shuffle_mode,
-            num_samples,
-            seed=self.seed,
-            epoch=epoch,
-            shard_sizes=getattr(self._source, "shard_sizes", None),
-            block_shards=self.block_shards,
-        )
+        return self._planner.plan_for(self._own_spec(self._passes.current()))
 
     def __len__(self) -> int:
         """Samples this rank yields in the dataset's own pass (in progress or next)."""
@@ -344,63 +280,76 @@ class Dataset(Checkpoints, IterableDataset[Any], Generic[T_co]):
                 f"evenly.DataLoader to accelerator.prepare() (it is kept as it is), or let "
                 f"the wrapper call dataset.set_epoch() before iterating"
             )
-        spec = self._own_spec(worker_id, num_workers, count=True)
-        skip, self._local_skip = self._local_skip, 0
+        state, skip = self._passes.begin(self._passes.key(info))
+        spec = self._own_spec(state)
         if info is None:
             self._skipped.zero_()
-            warn_about(self.plan_for(spec), num_workers, spec.rank)
-        yield from self.read(spec, worker_id, num_workers, skip=skip)
-
-    # ---- reading a pass (both owners) --------------------------------------------
-    def read(
-        self,
-        spec: PassSpec,
-        worker_id: int,
-        num_workers: int,
-        *,
-        skip: int = 0,
-        collate: Callable[[list[Any]], Any] | None = None,
-        columnar: bool = False,
-        skipped: torch.Tensor | None = None,
-    ) -> Iterator[Any]:
-        """This worker's share of the pass ``spec``: single samples, or with ``collate``
-        (or ``columnar``) one collated batch per plan batch.  A generator: every check
-        runs on the first ``next()``."""
-        self._check_current(spec, own=not spec.handoff)
-        plan = self.stream_plan_for(spec) if spec.infinite else self.plan_for(spec)
-        self._progress[0] = skip
-        ctx = ReadContext(
-            self._source,
-            plan,
-            spec.rank,
-            num_workers,
-            worker_id,
-            self._transform,
-            self.on_error,
-            self._skipped if skipped is None else skipped,
-            self._progress,
-            self.seed_generators,
-            columnar,
-        )
-        batches = read_batches(ctx, skip)
-        if columnar:
-            yield from batches
-        elif collate is None:
-            for batch in batches:
-                yield from batch
-        else:
-            for batch in batches:
-                yield collate(batch)
-
-    def _check_current(self, spec: PassSpec, own: bool = False) -> None:
-        """Raise if this process's copy of the source or transform is not the one the
-        pass was planned over (a persistent worker that outlived a change): checked
-        against the spec, and for the dataset's own passes against what the main process
-        last saw (its ``set_epoch``, ``len()`` or pickling)."""
-        check_current(
+            warn_about(self._planner.plan_for(spec), num_workers, spec.rank)
+        yield from self._planner.read(
             spec,
-            len(self._source),
-            self._generation,
-            self._seen.tolist() if own else None,
-            self.source_fingerprint,
+            worker_id,
+            num_workers,
+            skip=skip,
+            skipped=self._skipped,
+            progress=self._progress,
+            seen=self._seen.tolist(),
         )
+
+    # ---- checkpoints of the dataset's own passes -----------------------------------
+    def state_dict(self, samples_received: int | None = None) -> dict[str, Any]:
+        """The position in the dataset's own pass as a small JSON-serialisable dict.
+
+        With ``evenly.DataLoader`` use ``loader.state_dict()``.  Here, the position is
+        ``samples_received``: the samples this rank's loop received in the pass.  It may
+        be left out where this process counted them itself (``num_workers=0``); under a
+        loader with workers it must be given (``StateError`` otherwise).  Inside a
+        DataLoader worker (as torchdata's ``StatefulDataLoader`` calls it) the state also
+        records that worker's progress.
+        """
+        info = get_worker_info()
+        if info is not None:
+            running = self._passes.running or self._passes.current()
+            # the pass's start (a planned source, a Mix, adds its part), never past it
+            state = self._planner.to_state(running)
+            state["worker"] = {
+                "id": info.id,
+                "num_workers": info.num_workers,
+                "yielded": self._progress[0],
+            }
+            return state
+        if samples_received is None and self._passes.last_ran_in_a_worker():
+            raise StateError(
+                "evenly: dataset.state_dict() cannot know how many samples the training "
+                "loop received: the pass runs in DataLoader workers, which read ahead. "
+                "Pass state_dict(samples_received=<samples this rank's loop received in "
+                "the epoch>), or use evenly.DataLoader (loader.state_dict() counts them)"
+            )
+        plan = self.plan()
+        received = self._progress[0] if samples_received is None else samples_received
+        received = check_int("samples_received", received, minimum=0)
+        position = plan.consumed_after(received // plan.batch_size)
+        if received >= plan.samples_per_rank or position >= plan.end:
+            return self._planner.to_state(PassState(plan.epoch + 1))
+        return self._planner.to_state(PassState(plan.epoch, position))
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume the dataset's own passes from ``state``: the next pass continues with
+        the first sample not yet consumed, under any number of ranks, workers or batch
+        size (``evenly.DataLoader`` users: ``loader.load_state_dict``).
+
+        Raises ``evenly.StateError`` naming every field that does not match.
+        """
+        loaded = self._planner.from_state(state)
+        worker = state.get("worker")
+        info = get_worker_info()
+        if isinstance(worker, dict) and info is not None:
+            if (worker.get("id"), worker.get("num_workers")) != (info.id, info.num_workers):
+                raise StateError(
+                    f"worker state of worker {worker.get('id')} of {worker.get('num_workers')} "
+                    f"loaded into worker {info.id} of {info.num_workers}"
+                )
+            skip = check_int("state['worker']['yielded']", worker.get("yielded"), minimum=0)
+            self._passes.restore_worker(loaded, skip)
+            return
+        self._passes.load(loaded)
+        self._skipped.zero_()

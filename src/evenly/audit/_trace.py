@@ -6,16 +6,14 @@ user's collate runs, so batches keep the structure the user's code expects.
 three draws are made in the worker right after the sample is produced, from the
 generators the user's augmentations would use, so two workers sharing a stream show the
 same draws.  ``read`` is the global index an ``evenly.Mix`` was asked for to produce the
-sample (its class is swapped for a recording subclass in the rank process, before the
-workers start), ``-1`` for any other source: it tells which source a sample came from,
-whatever the samples look like.
+sample (the reader's tap sees the indices it reads), ``-1`` for any other source: it
+tells which source a sample came from, whatever the samples look like.
 """
 
 from __future__ import annotations
 
 import random
-from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -30,13 +28,13 @@ from ._types import IdFn
 
 __all__ = [
     "ID_KEYS",
+    "EvenlyTap",
     "IdFn",
     "SplitCollate",
-    "TracedEvenly",
     "TracedIterable",
     "TracedMap",
     "default_id",
-    "record_mix_reads",
+    "trace_evenly",
 ]
 
 #: Keys looked up, in order, when a sample is a dict.
@@ -98,57 +96,11 @@ def _meta(worker: int, sample: Any, id_fn: IdFn, read: int = UNKNOWN_READ) -> Me
     )
 
 
-def _traced(
-    items: Iterator[Any], id_fn: IdFn, reads: deque[int] | None = None
-) -> Iterator[tuple[Any, Meta]]:
-    """``(sample, meta)`` for each sample; with ``reads`` (a recording Mix's log of the
-    indices it was asked for, in order), each sample takes the oldest index logged."""
+def _traced(items: Iterator[Any], id_fn: IdFn) -> Iterator[tuple[Any, Meta]]:
+    """``(sample, meta)`` for each sample."""
     worker = _worker_id()
     for sample in items:
-        yield sample, _meta(worker, sample, id_fn, _next_read(reads))
-
-
-def _next_read(reads: deque[int] | None) -> int:
-    return reads.popleft() if reads else UNKNOWN_READ
-
-
-# ---- which index an evenly.Mix read ---------------------------------------------------
-def _recording_getitem(self: Any, index: int) -> Any:
-    sample = super(type(self), self).__getitem__(index)  # the Mix's own read
-    self._audit_reads.append(int(index))  # logged once the read succeeded
-    return sample
-
-
-def _recording_getitems(self: Any, indices: Sequence[int]) -> list[Any]:
-    samples: list[Any] = super(type(self), self).__getitems__(indices)
-    self._audit_reads.extend(int(i) for i in indices)
-    return samples
-
-
-class RecordingMix(Mix):
-    """An ``evenly.Mix`` that logs, in this process, each global index it reads
-    (``__getitem__`` and ``__getitems__``, the only ways the reader gets a sample)."""
-
-    _audit_reads: deque[int]
-    _audit_recording = True
-    __getitem__ = _recording_getitem
-    __getitems__ = _recording_getitems
-
-
-def record_mix_reads(mix: Mix) -> deque[int]:
-    """Make ``mix`` log the indices it reads (a user subclass keeps its own methods: the
-    recording class derives from it); return the log."""
-    if type(mix) is Mix:
-        mix.__class__ = RecordingMix
-    elif not getattr(type(mix), "_audit_recording", False):
-        attrs = {
-            "_audit_recording": True,
-            "__getitem__": _recording_getitem,
-            "__getitems__": _recording_getitems,
-        }
-        mix.__class__ = type(f"Recording{type(mix).__name__}", (type(mix),), attrs)
-    mix._audit_reads = deque()  # type: ignore[attr-defined]
-    return mix._audit_reads  # type: ignore[attr-defined,no-any-return]
+        yield sample, _meta(worker, sample, id_fn)
 
 
 class TracedIterable(IterableDataset[tuple[Any, Meta]]):
@@ -184,58 +136,29 @@ class TracedMap(MapDataset[tuple[Any, Meta]]):
         return len(self.inner)
 
 
-class TracedEvenly(EvenlyDataset[Any]):
-    """An ``evenly.Dataset`` whose samples leave the worker as ``(sample, meta)``:
-    installed on an existing instance by ``trace_evenly`` so ``evenly.DataLoader`` keeps
-    driving it.  It traces ``read``, the one path by which every pass reaches the
-    samples (the dataset's own passes and evenly.DataLoader's batch hand-off)."""
+class EvenlyTap:
+    """The audit's tap on an ``evenly.Dataset``'s reads (``Planner.tap``): each sample
+    leaves the reader as ``(sample, meta)``, in the process that read it, whichever loader
+    drives the pass (the dataset's own passes, or ``evenly.DataLoader``'s hand-off);
+    over an ``evenly.Mix``, ``meta`` also names the global index it was read from."""
 
-    _audit_id_fn: IdFn
+    def __init__(self, id_fn: IdFn, records_reads: bool) -> None:
+        self.id_fn = id_fn
+        self.records_reads = records_reads
 
-    def read(  # type: ignore[override]
-        self,
-        spec: Any,
-        worker_id: int,
-        num_workers: int,
-        *,
-        collate: Callable[[list[Any]], Any] | None = None,
-        **kwargs: Any,
-    ) -> Iterator[Any]:
-        id_fn = self._audit_id_fn
-        kwargs["columnar"] = False  # the trace needs the samples themselves
-        reads: deque[int] | None = getattr(self.source, "_audit_reads", None)
-        if reads is not None:
-            reads.clear()  # a pass left unfinished in this process must not shift the log
-        if collate is None:
-            yield from _traced(
-                EvenlyDataset.read(self, spec, worker_id, num_workers, **kwargs), id_fn, reads
-            )
-            return
-        worker = _worker_id()
-
-        def traced_collate(batch: list[Any]) -> Any:
-            return collate(
-                [(sample, _meta(worker, sample, id_fn, _next_read(reads))) for sample in batch]
-            )
-
-        yield from EvenlyDataset.read(
-            self, spec, worker_id, num_workers, collate=traced_collate, **kwargs
-        )
+    def __call__(self, indices: list[int], samples: list[Any]) -> list[Any]:
+        worker, id_fn = _worker_id(), self.id_fn
+        reads = indices if self.records_reads else [UNKNOWN_READ] * len(samples)
+        return [
+            (sample, _meta(worker, sample, id_fn, int(read)))
+            for sample, read in zip(samples, reads, strict=True)
+        ]
 
 
 def trace_evenly(dataset: EvenlyDataset[Any], id_fn: IdFn) -> EvenlyDataset[Any]:
-    """Make ``dataset`` yield ``(sample, meta)`` while staying an ``evenly.Dataset``
-    (over an ``evenly.Mix``, ``meta`` also names the index each sample was read from)."""
-    if isinstance(dataset.source, Mix):
-        record_mix_reads(dataset.source)
-    if type(dataset) is not EvenlyDataset:
-        # A user subclass: trace it through a subclass of its own class (fork workers).
-        name = f"Traced{type(dataset).__name__}"
-        cls = type(name, (type(dataset),), {"read": TracedEvenly.read})
-        dataset.__class__ = cls
-    else:
-        dataset.__class__ = TracedEvenly
-    dataset._audit_id_fn = id_fn  # type: ignore[attr-defined]
+    """Make ``dataset`` yield ``(sample, meta)`` while staying what it is (the tap lives
+    on its planner, so workers started by any method get it with the dataset)."""
+    dataset._planner.tap = EvenlyTap(id_fn, records_reads=isinstance(dataset.source, Mix))
     return dataset
 
 

@@ -1,10 +1,33 @@
-"""What a source is: the protocol ``evenly.Dataset`` reads."""
+"""What a source is, and what it may offer: the protocols ``evenly.Dataset`` reads.
+
+A source needs ``__len__`` and ``__getitem__``.  Everything else is optional and said by
+a protocol below; :class:`SourceView` finds what a source offers once, when the dataset
+is built (or its source replaced), so that no hot path asks ``getattr``.
+
+>>> view = SourceView.of([10, 20, 30])
+>>> view.getitems is None, view.shard_sizes, view.fingerprint
+(True, None, None)
+"""
 
 from __future__ import annotations
 
-from typing import Protocol, TypeVar
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
-__all__ = ["Source"]
+from evenly.core.plan import Order
+
+__all__ = [
+    "BatchedSource",
+    "ColumnarSource",
+    "IdentifiedSource",
+    "LocatingSource",
+    "PlannedSource",
+    "PrefetchingSource",
+    "ShardedSource",
+    "Source",
+    "SourceView",
+]
 
 T_co = TypeVar("T_co", covariant=True)
 
@@ -13,9 +36,108 @@ class Source(Protocol[T_co]):
     """What ``evenly.Dataset`` reads: anything with ``__len__`` and ``__getitem__``.
 
     A source may also define ``__getitems__(indices)`` (torch's batched-fetch hook) to
-    read a whole batch at once.
+    read a whole batch at once, and any of the optional protocols of this module.
     """
 
     def __len__(self) -> int: ...
 
     def __getitem__(self, index: int) -> T_co: ...
+
+
+@runtime_checkable
+class BatchedSource(Protocol):
+    """Reads a batch of indices in one call (torch's batched-fetch hook)."""
+
+    def __getitems__(self, indices: Sequence[int]) -> list[Any]: ...
+
+
+@runtime_checkable
+class PrefetchingSource(Protocol):
+    """Told the indices of the next batches ahead of reading them."""
+
+    def prefetch(self, indices: Sequence[int]) -> None: ...
+
+
+@runtime_checkable
+class LocatingSource(Protocol):
+    """Names where a sample lives (a file and row) for error messages."""
+
+    def locate(self, index: int) -> str: ...
+
+
+@runtime_checkable
+class ColumnarSource(Protocol):
+    """Reads a batch column by column (no per-sample Python objects)."""
+
+    def read_columns(self, indices: Sequence[int]) -> dict[str, Any]: ...
+
+
+@runtime_checkable
+class ShardedSource(Protocol):
+    """Stored in shards: their sizes (for the block shuffle)."""
+
+    shard_sizes: Sequence[int]
+
+
+@runtime_checkable
+class IdentifiedSource(Protocol):
+    """Has an identity that changes when its data does (checked on resume)."""
+
+    fingerprint: str
+
+
+@runtime_checkable
+class PlannedSource(Protocol):
+    """Plans its own epochs (``evenly.Mix``): the order, and its part of a checkpoint."""
+
+    def epoch_order(
+        self, seed: int, epoch: int, *, shuffle: bool, step: int, start: int = 0
+    ) -> Order: ...
+
+    def source_state(self, epoch: int, position: int) -> dict[str, Any]: ...
+
+    def load_source_state(self, state: Any, epoch: int, position: int) -> None: ...
+
+
+@dataclass(frozen=True)
+class SourceView:
+    """What one source offers, found once: each field is the source's own method or
+    value, or ``None`` where it offers none."""
+
+    source: Any
+    getitems: Callable[[Sequence[int]], list[Any]] | None
+    prefetch: Callable[[Sequence[int]], None] | None
+    locate: Callable[[int], str] | None
+    read_columns: Callable[[Sequence[int]], dict[str, Any]] | None
+    #: the source's columns equal ``default_collate``'s output (automatic columnar)
+    columnar_exact: bool
+    shard_sizes: Sequence[int] | None
+    fingerprint: str | None
+    planned: PlannedSource | None
+    preferred_shuffle: str
+    #: mode -> a warning about that shuffle for this source, or None
+    shuffle_advice: Callable[[str], str | None] | None
+
+    @classmethod
+    def of(cls, source: Any) -> SourceView:
+        """Find what ``source`` offers (it must have ``__len__`` and ``__getitem__``)."""
+        if not (hasattr(source, "__len__") and hasattr(source, "__getitem__")):
+            raise TypeError(
+                f"evenly.Dataset needs a source with __len__ and __getitem__, got "
+                f"{type(source).__name__}; wrap a generator in a list, or write its "
+                f"samples to shards with evenly.write()"
+            )
+        fingerprint = getattr(source, "fingerprint", None)
+        return cls(
+            source=source,
+            getitems=getattr(source, "__getitems__", None),
+            prefetch=source.prefetch if isinstance(source, PrefetchingSource) else None,
+            locate=source.locate if isinstance(source, LocatingSource) else None,
+            read_columns=source.read_columns if isinstance(source, ColumnarSource) else None,
+            columnar_exact=bool(getattr(source, "columnar_exact", False)),
+            shard_sizes=getattr(source, "shard_sizes", None),
+            fingerprint=fingerprint if isinstance(fingerprint, str) else None,
+            planned=source if isinstance(source, PlannedSource) else None,
+            preferred_shuffle=str(getattr(source, "preferred_shuffle", "global")),
+            shuffle_advice=getattr(source, "shuffle_advice", None),
+        )

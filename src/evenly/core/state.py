@@ -24,11 +24,12 @@ guessed at.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 from evenly.errors import StateError, check_int
 
-__all__ = ["FORMAT", "VERSION", "check_state", "make_state"]
+__all__ = ["FORMAT", "VERSION", "PassState", "check_state"]
 
 FORMAT = "evenly.state"
 VERSION = 2
@@ -38,18 +39,60 @@ MIGRATED = (1,)
 FINGERPRINT = ("num_samples", "seed", "shuffle", "drop_last")
 
 
-def make_state(
-    fingerprint: dict[str, Any], epoch: int, position: int, batches: int = 0
-) -> dict[str, Any]:
-    """Build a state dict from the dataset's fingerprint and the consumed prefix."""
-    return {
-        "format": FORMAT,
-        "version": VERSION,
-        "epoch": epoch,
-        "position": position,
-        "batches": batches,
-        **fingerprint,
-    }
+@dataclass(frozen=True)
+class PassState:
+    """Where a pass starts, or where one stands: a prefix of one epoch's global order.
+
+    ``position`` counts the epoch's positions consumed on all ranks, ``batches`` the
+    batches this rank's loop had received in that epoch before ``position`` (0 at an
+    epoch start), ``source`` a planned source's own part (an ``evenly.Mix``'s stream
+    offsets and step history).  The same value for every owner of passes:
+    ``evenly.DataLoader``, ``evenly.BatchSampler`` and the dataset's own passes.
+
+    >>> state = PassState(epoch=2, position=40, batches=5)
+    >>> saved = state.to_dict({"num_samples": 100, "seed": 0, "shuffle": "none",
+    ...                        "drop_last": False})
+    >>> PassState.from_dict(saved, {"num_samples": 100, "seed": 0, "shuffle": "none",
+    ...                             "drop_last": False}) == state
+    True
+    """
+
+    epoch: int = 0
+    position: int = 0
+    batches: int = 0
+    source: Any = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        check_int("epoch", self.epoch, minimum=0)
+        check_int("position", self.position, minimum=0)
+        check_int("batches", self.batches, minimum=0)
+
+    @property
+    def resumes(self) -> bool:
+        """True for a state inside an epoch (a pass starting here continues one)."""
+        return self.position > 0
+
+    def to_dict(self, fingerprint: dict[str, Any]) -> dict[str, Any]:
+        """The checkpoint dict: this state and the plan's ``fingerprint``."""
+        state = {
+            "format": FORMAT,
+            "version": VERSION,
+            "epoch": self.epoch,
+            "position": self.position,
+            "batches": self.batches,
+            **fingerprint,
+        }
+        if self.source is not None:
+            state["source_state"] = self.source
+        return state
+
+    @classmethod
+    def from_dict(cls, state: object, fingerprint: dict[str, Any]) -> PassState:
+        """Validate a checkpoint dict against ``fingerprint`` (every field that differs
+        is named in one error, with the saved and current values)."""
+        epoch, position, batches = check_state(state, fingerprint)
+        assert isinstance(state, dict)  # checked above
+        return cls(epoch, position, batches if position else 0, state.get("source_state"))
 
 
 def check_state(state: object, fingerprint: dict[str, Any]) -> tuple[int, int, int]:

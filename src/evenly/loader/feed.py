@@ -12,13 +12,14 @@ from typing import Any
 import torch
 from torch.utils.data import IterableDataset, default_collate, get_worker_info
 
+from evenly.core.passes import Pass
 from evenly.core.plan import EpochPlan
 from evenly.core.stream import StreamPlan
-from evenly.dataset import Dataset
 from evenly.runtime.channel import PassChannel
+from evenly.runtime.planner import Planner
 from evenly.transport.slots import Transport, plain_collate, unpack
 
-__all__ = ["NO_LENGTH", "Feed", "Pass", "PassIterator", "dead_workers", "pass_through", "settle"]
+__all__ = ["NO_LENGTH", "Feed", "PassIterator", "dead_workers", "pass_through", "settle"]
 
 
 def pass_through(item: Any) -> Any:
@@ -66,13 +67,13 @@ class Feed(IterableDataset[Any]):
 
     def __init__(
         self,
-        dataset: Dataset[Any],
+        planner: Planner,
         channel: PassChannel,
         collate: Callable[[Any], Any] | None,
         per_sample: Callable[[Any], Any] | None,
         skipped: torch.Tensor,
     ) -> None:
-        self.dataset = dataset
+        self.planner = planner
         self.channel = channel
         self.collate = collate
         self.per_sample = per_sample
@@ -96,7 +97,7 @@ class Feed(IterableDataset[Any]):
             pack = writer.pack
             if collate is default_collate:
                 collate = plain_collate
-        items = self.dataset.read(
+        items = self.planner.read(
             spec,
             worker_id,
             num_workers,
@@ -113,28 +114,19 @@ class Feed(IterableDataset[Any]):
                 yield pack(item)
 
 
-class Pass:
-    """The pass in progress: its plan, the batches the loop received before it in the
-    same epoch (a resume) and in it."""
-
-    __slots__ = ("finished", "plan", "prior", "received", "stream")
-
-    def __init__(self, plan: EpochPlan, prior: int, stream: StreamPlan | None = None) -> None:
-        self.stream = stream
-        self.plan = plan
-        self.prior = prior
-        self.received = 0
-        self.finished = False
-
-
 class PassIterator(Iterator[Any]):
     """Counts the batches handed to the training loop (not those prefetched)."""
 
     def __init__(
-        self, inner: Iterator[Any], current: Pass, on_end: Callable[[EpochPlan], None]
+        self,
+        inner: Iterator[Any],
+        current: Pass,
+        plan: EpochPlan | StreamPlan,
+        on_end: Callable[[EpochPlan], None] | None,
     ) -> None:
         self._inner = inner
         self._pass = current
+        self._plan = plan
         self._on_end = on_end
 
     @property
@@ -162,15 +154,16 @@ class PassIterator(Iterator[Any]):
             if not self._pass.finished:
                 self._pass.finished = True
                 settle(self._inner)
-                self._on_end(self._pass.plan)
+                if self._on_end is not None and isinstance(self._plan, EpochPlan):
+                    self._on_end(self._plan)
             raise
         self._pass.received += 1
         return batch
 
     def __len__(self) -> int:
-        if self._pass.stream is not None:
+        if self._pass.total is None:
             raise TypeError(NO_LENGTH)
-        return self._pass.prior + self._pass.plan.num_batches
+        return self._pass.prior + self._pass.total
 
 
 NO_LENGTH = (

@@ -13,7 +13,6 @@ from __future__ import annotations
 import warnings
 import weakref
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -21,11 +20,14 @@ import torch.distributed
 import torch.utils.data
 from torch.utils.data._utils.collate import default_collate, default_convert
 
+from evenly.core.passes import Pass, PassTracker
 from evenly.core.plan import EpochPlan
 from evenly.core.spec import PassSpec
-from evenly.dataset import _SKIP_SLOTS, STAMPS, Dataset
+from evenly.core.state import PassState
+from evenly.core.stream import StreamPlan
+from evenly.dataset import SKIP_SLOTS, Dataset
 from evenly.errors import EvenlyWarning, check_int
-from evenly.loader.feed import NO_LENGTH, Feed, Pass, PassIterator, pass_through, settle
+from evenly.loader.feed import NO_LENGTH, Feed, PassIterator, pass_through, settle
 from evenly.runtime.agreement import DEFAULT_TIMEOUT, check_agreement, group_ranks
 from evenly.runtime.channel import PassChannel
 from evenly.runtime.checks import warn_about
@@ -41,7 +43,7 @@ def _distributed() -> bool:
 def _refuse_planned_source(dataset: Dataset[Any]) -> None:
     """A source that plans its own epochs (an ``evenly.Mix``) lays its steps out from each
     epoch's start, which a stream of epochs does not keep: refused until it can."""
-    if getattr(dataset.source, "epoch_order", None) is not None:
+    if dataset._planner.view.planned is not None:
         raise ValueError(
             f"evenly.DataLoader(infinite=True) does not support a "
             f"{type(dataset.source).__name__} source yet: its per-step proportions and its "
@@ -165,10 +167,10 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         self.check_plan = check_plan
         self.agreement_timeout = float(agreement_timeout)
         self._channel = PassChannel()
-        self._skipped = torch.zeros(_SKIP_SLOTS, dtype=torch.int64).share_memory_()  # type: ignore[no-untyped-call]
+        self._skipped = torch.zeros(SKIP_SLOTS, dtype=torch.int64).share_memory_()  # type: ignore[no-untyped-call]
         batched = batch_size is not None
         self._feed = Feed(
-            dataset,
+            dataset._planner,
             self._channel,
             collate=(collate_fn or default_collate) if batched else None,
             per_sample=None if batched else (collate_fn or default_convert),
@@ -184,99 +186,83 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
             collate_fn=pass_through,
             **engine_args,
         )
-        #: (stamp, epoch, start, batches received before) of the next pass, if set
-        self._next: tuple[int, int, int, int] | None = None
-        #: the stamp of the last dataset.set_epoch call this loader followed
-        self._followed = dataset.epoch_request[0] if dataset.epoch_request else 0
-        self._last_epoch: int | None = None
+        self._passes = PassTracker()
+        #: dataset.set_epoch calls this loader has followed (it follows only later ones)
+        self._followed = dataset._passes.epoch_calls[0]
         self._last_num_samples: int | None = None
-        self._pass: Pass | None = None
-        #: stream position an infinite loader's next pass continues from
-        self._stream_next = 0
+        #: the plan of the pass in progress (or the last one)
+        self._plan: EpochPlan | StreamPlan | None = None
         self._pass_iterator: weakref.ref[PassIterator] | None = None
         #: (len, fingerprint, generation) of the dataset when the workers started
         self._workers_view: tuple[int, int, int] | None = None
 
     # ---- epochs ----------------------------------------------------------------
+    def _follow_dataset(self) -> None:
+        """A ``dataset.set_epoch`` made since the last one this loader followed counts
+        as this loader's own ``set_epoch`` (the later call wins)."""
+        calls, epoch = self.dataset._passes.epoch_calls
+        if calls > self._followed:
+            self._followed = calls
+            self._passes.set_epoch(epoch)
+
     def set_epoch(self, epoch: int) -> None:
         """Make the next pass epoch ``epoch`` (reproduced exactly); later passes follow it.
         A pass in progress is not affected; a loaded state of that same epoch keeps its
         position (frameworks call ``set_epoch`` on the resumed epoch too)."""
-        epoch = check_int("epoch", epoch, minimum=0)
-        if self._next is not None and self._next[1] == epoch and self._next[2] > 0:
-            return
-        self._next = (next(STAMPS), epoch, 0, 0)
+        self._follow_dataset()
+        self._passes.set_epoch(epoch)
 
     @property
     def epoch(self) -> int:
         """The epoch of the pass in progress, or of the next pass if none is in progress."""
-        if self._pass is not None and self._pass.stream is not None:
-            stream = self._pass.stream
-            return stream.consumed_after(self._pass.received) // stream.num_samples
-        if not self._idle():
-            assert self._pass is not None
-            return self._pass.plan.epoch
-        return self._peek_next()[0]
+        self._follow_dataset()
+        current = self._passes.current
+        if current is not None:
+            return current.state().epoch
+        return self._passes.next_start().epoch
 
-    def _idle(self) -> bool:
-        return self._pass is None or self._pass.finished
-
-    def _peek_next(self) -> tuple[int, int, int]:
-        """(epoch, start, batches received before) of the next pass: the latest of this
-        loader's set_epoch/load_state_dict and the dataset's set_epoch, else the epoch
-        after the last pass."""
-        request = self.dataset.epoch_request
-        if request is not None and request[0] > self._followed:
-            # a framework calling dataset.set_epoch(e) for the epoch a loaded state resumes
-            # keeps the loaded position (Accelerate calls it every epoch, resumed or not)
-            nxt = self._next
-            keeps_loaded = nxt is not None and nxt[1] == request[1] and nxt[2] > 0
-            if not keeps_loaded and (nxt is None or request[0] > nxt[0]):
-                return request[1], 0, 0
-        if self._next is not None:
-            return self._next[1:]
-        return (0 if self._last_epoch is None else self._last_epoch + 1), 0, 0
-
-    def _spec(self, epoch: int, start: int) -> PassSpec:
+    def _spec(self, start: PassState, infinite: bool = False) -> PassSpec:
         topo = self.dataset.topology()
-        n = len(self.dataset.source)  # a pass is planned over the length it has then
+        n = self.dataset._planner.num_samples()  # a pass is planned over the length it has
         return PassSpec(
-            epoch=epoch,
-            start=min(start, n),
+            epoch=start.epoch,
+            start=start.epoch * n + min(start.position, n) if infinite else min(start.position, n),
             num_samples=n,
             batch_size=self._plan_batch,
-            drop_last=self._drop,
+            drop_last=self._drop and not infinite,
             rank=topo.rank,
             world_size=topo.world_size,
             handoff=True,
-            generation=self.dataset.generation,
+            generation=self.dataset._planner.generation,
+            infinite=infinite,
         )
 
     @property
     def plan(self) -> EpochPlan:
         """The plan of the pass in progress (or of the next one): padding, drops, sizes."""
-        if not self._idle():
-            assert self._pass is not None
-            return self._pass.plan
-        epoch, start, _ = self._peek_next()
-        return self.dataset.plan_for(self._spec(epoch, start))
+        if self._passes.current is not None and isinstance(self._plan, EpochPlan):
+            return self._plan
+        self._follow_dataset()
+        return self.dataset._planner.plan_for(self._spec(self._passes.next_start()))
 
     def __len__(self) -> int:
         if self.infinite:
             raise TypeError(NO_LENGTH)
-        if not self._idle():
-            assert self._pass is not None
-            return self._pass.prior + self._pass.plan.num_batches
-        return self._peek_next()[2] + self.plan.num_batches
+        current = self._passes.current
+        if current is not None and current.total is not None:
+            return current.prior + current.total
+        self._follow_dataset()
+        start = self._passes.next_start()
+        return (start.batches if start.resumes else 0) + self.plan.num_batches
 
     @property
     def remaining_batches(self) -> int:
         """Batches this rank has still to receive in the pass in progress (or the next)."""
         if self.infinite:
             raise TypeError(NO_LENGTH)
-        if not self._idle():
-            assert self._pass is not None
-            return self._pass.plan.num_batches - self._pass.received
+        current = self._passes.current
+        if current is not None:
+            return current.remaining
         return self.plan.num_batches
 
     @property
@@ -318,35 +304,20 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         >>> [batch.tolist() for batch in fresh]
         [[4, 5, 6, 7, 8], [9]]
         """
+        self._follow_dataset()
+        state = self._passes.state()
         if self.infinite:
-            current = self._pass
-            if current is None or current.stream is None or self._stream_request():
-                # where the next iter() starts: a set_epoch / loaded state, or the start
-                epoch, position, _ = self._peek_next()
-                return self.dataset.state_at(
-                    epoch, position, len(self.dataset.source) + 1, 0, self._drop
-                )
-            stream = current.stream
-            epoch, position = divmod(stream.consumed_after(current.received), stream.num_samples)
-            return self.dataset.state_at(epoch, position, stream.num_samples + 1, 0, self._drop)
-        if self._idle():
-            epoch, position, prior = self._peek_next()
-            end = len(self.dataset.source) + 1  # never "over" before it starts
-            return self.dataset.state_at(epoch, position, end, prior, self._drop)
-        assert self._pass is not None
-        plan, done = self._pass.plan, self._pass.received
-        return self.dataset.state_at(
-            plan.epoch, plan.consumed_after(done), plan.end, self._pass.prior + done, self._drop
-        )
+            state = PassState(state.epoch, state.position)
+        return self.dataset._planner.to_state(state, self._drop)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Make the next pass resume ``state`` exactly: under any number of ranks, workers
         or batch size, with persistent workers running or not.  Later passes continue
         with the following epochs.  Raises ``evenly.StateError`` on a mismatch.
         """
-        epoch, position, batches = self.dataset.check_state(state, self._drop)
-        self._next = (next(STAMPS), epoch, position, batches if position else 0)
-        self._pass = None
+        loaded = self.dataset._planner.from_state(state, self._drop)
+        self._follow_dataset()
+        self._passes.load(loaded)
 
     # ---- passes ----------------------------------------------------------------
     def _workers_stale(self, view: tuple[int, int, int]) -> bool:
@@ -365,49 +336,67 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
     def _use_columns(self) -> bool:
         if self._columnar_choice is False or self.batch_size is None:
             return False
-        source = self.dataset.source
+        view = self.dataset._planner.view
         if self._columnar_choice is True:
-            if not hasattr(source, "read_columns"):
+            if view.read_columns is None:
                 raise TypeError(
-                    f"evenly.DataLoader(columnar=True): {type(source).__name__} has no "
+                    f"evenly.DataLoader(columnar=True): {type(view.source).__name__} has no "
                     f"read_columns(); use an Arrow-backed source (evenly.from_arrow, "
                     f"from_parquet) or columnar=None"
                 )
             return True
         return (
-            bool(getattr(source, "columnar_exact", False))
+            view.columnar_exact
             and self.dataset.transform is None
             and self._user_collate in (None, default_collate)
         )
 
     def __iter__(self) -> PassIterator:  # type: ignore[override]
+        self._follow_dataset()
         if self.infinite:
             return self._iter_stream()
-        epoch, start, prior = self._peek_next()
-        self._next = None
-        if self.dataset.epoch_request is not None:
-            self._followed = self.dataset.epoch_request[0]
-        spec = self._spec(epoch, start)
-        plan = self.dataset.plan_for(spec)
+        start = self._passes.next_start()
+        spec = self._spec(start)
+        plan = self.dataset._planner.plan_for(spec)
         warn_about(plan, self.num_workers, spec.rank)
         if self._last_num_samples not in (None, spec.num_samples):
             warnings.warn(
                 f"evenly: the source had {self._last_num_samples} samples last epoch and has "
-                f"{spec.num_samples} now; epoch {epoch} is planned over the new length",
+                f"{spec.num_samples} now; epoch {spec.epoch} is planned over the new length",
                 EvenlyWarning,
                 stacklevel=2,
             )
         self._last_num_samples = spec.num_samples
-        self._last_epoch = epoch
-        return self._start(spec, Pass(plan, prior if start else 0))
+        current = Pass.epoch_of(
+            PassState(spec.epoch, spec.start, start.batches, start.source),
+            plan.num_batches,
+            plan.consumed_after,
+            plan.end,
+        )
+        return self._start(spec, plan, current)
 
-    def _start(self, spec: PassSpec, current: Pass) -> PassIterator:
+    def _iter_stream(self) -> PassIterator:
+        """One endless pass over consecutive epochs (``infinite=True``), continuing from
+        what the loop received so far, or from a loaded state / ``set_epoch``."""
+        n = self.dataset._planner.num_samples()
+        if n == 0:
+            raise ValueError("evenly.DataLoader(infinite=True): the source is empty")
+        _refuse_planned_source(self.dataset)
+        spec = self._spec(self._passes.next_start(), infinite=True)
+        stream = self.dataset._planner.stream_plan_for(spec)
+
+        def locate(received: int) -> PassState:
+            return PassState(*divmod(stream.consumed_after(received), n))
+
+        return self._start(spec, stream, Pass(locate(0), None, locate))
+
+    def _start(self, spec: PassSpec, plan: EpochPlan | StreamPlan, current: Pass) -> PassIterator:
         """Publish the pass to the workers (restarting persistent ones that hold a stale
         dataset) and start iterating the private loader."""
         previous = self._pass_iterator() if self._pass_iterator is not None else None
         if previous is not None:  # the previous pass, finished or abandoned
             settle(previous.inner, shut_down=True)
-        view = (spec.num_samples, self.dataset.source_fingerprint(), spec.generation)
+        view = (spec.num_samples, self.dataset._planner.source_fingerprint(), spec.generation)
         self._workers_stale(view)
         if getattr(self._engine, "_iterator", None) is None:
             self._workers_view = view
@@ -418,12 +407,14 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         self._feed.columnar = self._use_columns()
         self._skipped.zero_()
         self._channel.publish(spec)
-        self._pass = current
+        self._passes.begin(current)
+        self._plan = plan
+        on_end = self._warn_skipped if isinstance(plan, EpochPlan) else None
         # workers fork before the agreement exchange, never right after a collective: a
         # process forked while a gloo thread is finishing a collective can hang in os.fork
-        iterator = PassIterator(iter(self._engine), current, self._warn_skipped)
+        iterator = PassIterator(iter(self._engine), current, plan, on_end)
         self._pass_iterator = weakref.ref(iterator)  # a weak one: do not keep workers alive
-        self._check_agreement(current.plan, spec)
+        self._check_agreement(plan, spec)
         return iterator
 
     def _new_transport(self) -> None:
@@ -435,57 +426,21 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
             prefetch = self.prefetch_factor or 2
             self._feed.transport = Transport(self.num_workers, slots=prefetch + 1)
 
-    def _stream_request(self) -> bool:
-        """Whether a set_epoch or a loaded state (not the stream so far) says where an
-        infinite loader's next pass starts."""
-        request = self.dataset.epoch_request
-        return self._next is not None or (request is not None and request[0] > self._followed)
-
-    def _iter_stream(self) -> PassIterator:
-        """One endless pass over consecutive epochs (``infinite=True``), continuing from
-        what the loop received so far, or from a loaded state / ``set_epoch``."""
-        n = len(self.dataset.source)
-        if n == 0:
-            raise ValueError("evenly.DataLoader(infinite=True): the source is empty")
-        _refuse_planned_source(self.dataset)
-        if self._stream_request():
-            epoch, start, _ = self._peek_next()
-            self._stream_next = epoch * n + min(start, n)
-        elif self._pass is not None and self._pass.stream is not None:
-            self._stream_next = self._pass.stream.consumed_after(self._pass.received)
-        self._next = None
-        if self.dataset.epoch_request is not None:
-            self._followed = self.dataset.epoch_request[0]
-        topo = self.dataset.topology()
-        spec = PassSpec(
-            epoch=self._stream_next // n,
-            start=self._stream_next,
-            num_samples=n,
-            batch_size=self._plan_batch,
-            rank=topo.rank,
-            world_size=topo.world_size,
-            handoff=True,
-            generation=self.dataset.generation,
-            infinite=True,
-        )
-        epoch_plan = self.dataset.plan_for(replace(spec, start=0, infinite=False))
-        return self._start(spec, Pass(epoch_plan, 0, self.dataset.stream_plan_for(spec)))
-
-    def _check_agreement(self, plan: EpochPlan, spec: PassSpec) -> None:
+    def _check_agreement(self, plan: EpochPlan | StreamPlan, spec: PassSpec) -> None:
         """Only a plan split over the data-parallel group must agree across it (a dataset
         built with world_size=1 on purpose, e.g. for evaluation, is not)."""
         if not (self.check_plan and _distributed()):
             return
         group = self.dataset.process_group
-        if plan.world_size != len(group_ranks(group)):
+        if spec.world_size != len(group_ranks(group)):
             return
         view = {
-            **self.dataset.fingerprint(self._drop),
-            "batch_size": plan.batch_size,
-            "epoch": plan.epoch,
+            **self.dataset._planner.fingerprint(self._drop),
+            "batch_size": spec.batch_size,
+            "epoch": spec.epoch,
             "start": spec.start,
             "infinite": spec.infinite,
-            "world_size": plan.world_size,
+            "world_size": spec.world_size,
             "rank": spec.rank,
         }
         check_agreement(view, group=group, timeout=self.agreement_timeout)

@@ -21,27 +21,14 @@ import numpy as np
 from torch.utils.data import Sampler
 
 from evenly.core.order import make_order
+from evenly.core.passes import Pass, PassTracker
 from evenly.core.plan import CHUNK, EpochPlan
-from evenly.core.state import check_state, make_state
+from evenly.core.state import PassState
 from evenly.core.topology import Topology
 from evenly.errors import EvenlyWarning, check_int
 from evenly.runtime.detect import resolve_topology
 
 __all__ = ["BatchSampler"]
-
-
-class _Pass:
-    """A pass that has started: its plan, this rank, and the batches drawn from it."""
-
-    __slots__ = ("before", "exhausted", "plan", "rank", "yielded")
-
-    def __init__(self, plan: EpochPlan, rank: int, before: int) -> None:
-        self.plan = plan
-        self.rank = rank
-        #: Batches this rank had received in this epoch before the plan's start.
-        self.before = before
-        self.yielded = 0
-        self.exhausted = False
 
 
 class BatchSampler(Sampler[list[int]]):
@@ -114,12 +101,11 @@ class BatchSampler(Sampler[list[int]]):
         if self._rank is not None and self._world_size is not None:
             Topology(self._rank, self._world_size)
         self.process_group = process_group
-        #: The next pass: (epoch, start position, batches received before the start).
-        self._next = (0, 0, 0)
-        #: True while ``_next`` comes from ``load_state_dict`` (``set_epoch`` keeps it).
-        self._loaded = False
+        self._passes = PassTracker()
         #: The pass in progress (or the last one); ``None`` once a new one is due.
-        self._pass: _Pass | None = None
+        self._pass: Pass | None = None
+        self._current_plan = self._plan(0, 0, 1)
+        self._current_rank = 0
 
     # ---- plan ------------------------------------------------------------------
     def topology(self) -> Topology:
@@ -139,24 +125,24 @@ class BatchSampler(Sampler[list[int]]):
             order=make_order(mode, self.num_samples, seed=self.seed, epoch=epoch),
         )
 
-    def _in_progress(self) -> _Pass | None:
+    def _in_progress(self) -> Pass | None:
         current = self._pass
-        return current if current is not None and not current.exhausted else None
+        return current if current is not None and not current.finished else None
 
     @property
     def plan(self) -> EpochPlan:
         """The plan of the pass in progress, or of the next one: sizes, padding, drops."""
         current = self._in_progress()
         if current is not None:
-            return current.plan
-        epoch, start, _ = self._next
-        return self._plan(epoch, start, self.topology().world_size)
+            return self._current_plan
+        start = self._passes.next_start()
+        return self._plan(start.epoch, start.position, self.topology().world_size)
 
     @property
     def epoch(self) -> int:
         """The epoch of the pass in progress, or of the next one."""
         current = self._in_progress()
-        return current.plan.epoch if current is not None else self._next[0]
+        return current.start.epoch if current is not None else self._passes.next_start().epoch
 
     def __len__(self) -> int:
         """This rank's batches in the epoch of the pass in progress (or the next one).
@@ -166,16 +152,17 @@ class BatchSampler(Sampler[list[int]]):
         :attr:`remaining_batches` is what the pass still yields.
         """
         current = self._in_progress()
-        if current is not None:
-            return current.before + current.plan.num_batches
-        return self._next[2] + self.plan.num_batches
+        if current is not None and current.total is not None:
+            return current.prior + current.total
+        start = self._passes.next_start()
+        return (start.batches if start.resumes else 0) + self.plan.num_batches
 
     @property
     def remaining_batches(self) -> int:
         """Batches this rank has still to draw in the pass in progress (or the next)."""
         current = self._in_progress()
         if current is not None:
-            return current.plan.num_batches - current.yielded
+            return current.remaining
         return self.plan.num_batches
 
     def set_epoch(self, epoch: int) -> None:
@@ -185,37 +172,37 @@ class BatchSampler(Sampler[list[int]]):
         A state loaded for this very epoch and not started yet is kept: frameworks
         (Lightning) call ``set_epoch`` before every epoch, resumed ones included.
         """
-        epoch = check_int("epoch", epoch, minimum=0)
-        if not (self._loaded and self._next[0] == epoch):
-            self._next = (epoch, 0, 0)
-            self._loaded = False
+        self._passes.set_epoch(epoch)
         current = self._pass
-        if current is not None and current.yielded == current.plan.num_batches:
+        if current is not None and current.remaining == 0:
             self._pass = None
 
     # ---- iteration -------------------------------------------------------------
     def __iter__(self) -> _Batches:
         """This rank's batches of the next epoch.  The pass starts at the first
         ``next()``: an iterator made and dropped unused takes no epoch."""
+        if self._pass is not None:
+            self._pass.finished = True  # abandoned, or over
         self._pass = None
         return _Batches(self)
 
-    def _begin(self) -> _Pass:
-        epoch, start, before = self._next
+    def _begin(self) -> tuple[Pass, EpochPlan, int]:
+        start = self._passes.next_start()
         topo = self.topology()
-        current = _Pass(self._plan(epoch, start, topo.world_size), topo.rank, before)
-        self._pass = current
-        self._next = (epoch + 1, 0, 0)
-        self._loaded = False
+        plan = self._plan(start.epoch, start.position, topo.world_size)
+        current = self._passes.begin(
+            Pass.epoch_of(start, plan.num_batches, plan.consumed_after, plan.end)
+        )
+        self._pass, self._current_plan, self._current_rank = current, plan, topo.rank
         if self.num_samples == 0:
             warnings.warn(
                 "evenly: BatchSampler has num_samples=0, so every rank yields 0 batches",
                 EvenlyWarning,
                 stacklevel=4,
             )
-        elif current.plan.num_padded:
-            warnings.warn(f"evenly: {current.plan.describe()}", EvenlyWarning, stacklevel=4)
-        return current
+        elif plan.num_padded:
+            warnings.warn(f"evenly: {plan.describe()}", EvenlyWarning, stacklevel=4)
+        return current, plan, topo.rank
 
     # ---- checkpoints -----------------------------------------------------------
     def fingerprint(self) -> dict[str, Any]:
@@ -253,24 +240,19 @@ class BatchSampler(Sampler[list[int]]):
             if batches_received:
                 raise ValueError(
                     f"batches_received={batches_received}, but no pass is in progress: the "
-                    f"next one (epoch {self._next[0]}) has not started"
+                    f"next one (epoch {self.epoch}) has not started"
                 )
-            epoch, position, before = self._next
-            return self._state(epoch, position, before)
-        plan = current.plan
-        received = current.yielded if batches_received is None else batches_received
+            return self._passes.next_start().to_dict(self.fingerprint())
+        received = current.received if batches_received is None else batches_received
         received = check_int("batches_received", received, minimum=0)
-        if received > plan.num_batches:
+        if current.total is not None and received > current.total:
             raise ValueError(
-                f"batches_received={received}, but rank {current.rank} has only "
-                f"{plan.num_batches} batch(es) in this pass of epoch {plan.epoch}"
+                f"batches_received={received}, but rank {self._current_rank} has only "
+                f"{current.total} batch(es) in this pass of epoch {current.start.epoch}"
             )
-        if received == plan.num_batches:  # the pass is over: point at the next one
-            return self._state(*self._next)
-        return self._state(plan.epoch, plan.consumed_after(received), current.before + received)
-
-    def _state(self, epoch: int, position: int, before: int) -> dict[str, Any]:
-        return make_state(self.fingerprint(), epoch, position, before)
+        if received == current.total:  # the pass is over: point at the next one
+            return self._passes.next_start().to_dict(self.fingerprint())
+        return current.locate(received).to_dict(self.fingerprint())
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Make the next ``iter()`` continue ``state`` exactly, under any world size or
@@ -278,14 +260,12 @@ class BatchSampler(Sampler[list[int]]):
 
         Raises ``evenly.StateError`` naming every field that does not match this sampler.
         """
-        self._next = check_state(state, self.fingerprint())
-        self._loaded = True
+        self._passes.load(PassState.from_dict(state, self.fingerprint()))
         self._pass = None
 
 
-def _generate(current: _Pass) -> Iterator[list[int]]:
+def _generate(current: Pass, plan: EpochPlan, rank: int) -> Iterator[list[int]]:
     """The pass's batches, computed a chunk of ``CHUNK`` positions at a time."""
-    plan, rank = current.plan, current.rank
     total = plan.num_batches
     last = plan.samples_per_rank - (total - 1) * plan.batch_size if total else 0
     per = max(1, CHUNK // plan.batch_size)
@@ -298,9 +278,9 @@ def _generate(current: _Pass) -> Iterator[list[int]]:
             size = last if b == total - 1 else plan.batch_size
             batch = flat[offset : offset + size]
             offset += size
-            current.yielded += 1
+            current.received += 1
             yield batch
-    current.exhausted = True
+    current.finished = True
 
 
 class _Batches(Iterator[list[int]]):
@@ -314,7 +294,7 @@ class _Batches(Iterator[list[int]]):
 
     def __init__(self, sampler: BatchSampler) -> None:
         self._sampler = sampler
-        self._pass: _Pass | None = None
+        self._pass: Pass | None = None
         self._batches: Iterator[list[int]] = iter(())
         self._over = False
 
@@ -325,13 +305,13 @@ class _Batches(Iterator[list[int]]):
         if self._pass is None:
             if self._over:
                 raise StopIteration
-            self._pass = self._sampler._begin()
-            self._batches = _generate(self._pass)
+            self._pass, plan, rank = self._sampler._begin()
+            self._batches = _generate(self._pass, plan, rank)
         return next(self._batches)
 
     def state_dict(self) -> dict[str, Any]:
         """``{"pass_over": True}`` once every batch of the pass has been drawn."""
-        done = self._pass is not None and self._pass.yielded == self._pass.plan.num_batches
+        done = self._pass is not None and self._pass.remaining == 0
         return {"pass_over": done or self._over}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

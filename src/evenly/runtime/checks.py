@@ -9,52 +9,16 @@ from collections.abc import Callable
 
 from torch.utils.data import get_worker_info
 
-from evenly.core.order import SHUFFLE_MODES
 from evenly.core.plan import EpochPlan
 from evenly.core.spec import PassSpec
 from evenly.errors import EvenlyWarning
 
 __all__ = [
     "check_current",
-    "check_source",
-    "shuffle_mode",
     "warn_about",
 ]
 
 logger = logging.getLogger("evenly")
-
-
-def check_source(source: object) -> None:
-    if not (hasattr(source, "__len__") and hasattr(source, "__getitem__")):
-        raise TypeError(
-            f"evenly.Dataset needs a source with __len__ and __getitem__, got "
-            f"{type(source).__name__}; wrap a generator in a list, or write its "
-            f"samples to shards with evenly.write()"
-        )
-
-
-def shuffle_mode(shuffle: bool | str, source: object) -> str:
-    """'none', 'global' or 'block'; ``True`` takes the source's preferred mode."""
-    if shuffle is True:
-        mode = getattr(source, "preferred_shuffle", "global")
-        logger.info("evenly: shuffle=True uses the %r shuffle for %s", mode, type(source).__name__)
-    elif shuffle is False:
-        mode = "none"
-    else:
-        mode = shuffle
-    advice = getattr(source, "shuffle_advice", None)
-    message = advice(mode) if advice is not None else None
-    if message:
-        logger.warning(message)
-    if mode not in SHUFFLE_MODES:
-        raise ValueError(f"shuffle must be True, False, 'global' or 'block', got {shuffle!r}")
-    if mode == "block" and not hasattr(source, "shard_sizes"):
-        raise ValueError(
-            f"shuffle='block' needs a sharded source with shard_sizes (evenly.from_parquet, "
-            f"from_webdataset, from_jsonl); {type(source).__name__} has none: use "
-            f"shuffle='global'"
-        )
-    return str(mode)
 
 
 def warn_about(plan: EpochPlan, num_workers: int, rank: int) -> None:

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from evenly.core.plan import EpochPlan
+from evenly.core.source import SourceView
 from evenly.core.stream import StreamPlan
 from evenly.runtime.seeds import RngState, SeedSpreader
 
@@ -34,7 +35,7 @@ MAX_REPLACEMENTS = 16
 class ReadContext:
     """Everything a worker needs to read its share."""
 
-    source: Any
+    view: SourceView
     plan: EpochPlan | StreamPlan
     rank: int
     num_workers: int
@@ -46,9 +47,15 @@ class ReadContext:
     generators: tuple[str, ...] = ("random", "numpy", "torch")
     #: read batches with ``source.read_columns`` (a dict of columns per batch)
     columnar: bool = False
+    #: sees each batch's source indices and samples (the audit), after the transform
+    tap: Callable[[list[int], list[Any]], list[Any]] | None = None
+
+    @property
+    def source(self) -> Any:
+        return self.view.source
 
     def locate(self, index: int) -> str:
-        locate = getattr(self.source, "locate", None)
+        locate = self.view.locate
         if locate is None:
             return ""
         try:
@@ -71,8 +78,7 @@ def read_batches(ctx: ReadContext, skip: int = 0) -> Iterator[Any]:
     """Yield this worker's batches in order, from its sample ``skip`` on: a list of
     samples per batch, or with ``ctx.columnar`` a dict of columns per batch."""
     plan = ctx.plan
-    getitems = getattr(ctx.source, "__getitems__", None)
-    prefetch = getattr(ctx.source, "prefetch", None)
+    getitems, prefetch, tap = ctx.view.getitems, ctx.view.prefetch, ctx.tap
     first, drop = divmod(skip, plan.batch_size)
     chunks = plan.iter_worker_chunks(ctx.rank, ctx.num_workers, ctx.worker_id, first=first)
     spreader = SeedSpreader(ctx.generators) if ctx.transform is not None else None
@@ -103,14 +109,17 @@ def read_batches(ctx: ReadContext, skip: int = 0) -> Iterator[Any]:
                 spreader.prepare(seeds[lo : lo + length])
                 samples = _transform(ctx, spreader, samples, batch, pos)
             if drop:
-                samples, drop = samples[drop:], 0
+                samples, batch, drop = samples[drop:], batch[drop:], 0
+            if tap is not None:
+                samples = tap(batch, samples)
             ctx.progress[0] += len(samples)
             yield samples
 
 
 def _fetch_columns(ctx: ReadContext, batch: list[int]) -> dict[str, Any]:
     try:
-        columns: dict[str, Any] = ctx.source.read_columns(batch)
+        assert ctx.view.read_columns is not None  # chosen only for sources that have it
+        columns: dict[str, Any] = ctx.view.read_columns(batch)
     except Exception as exc:
         ctx.note(exc, f"a batch of samples {batch[:8]}{'...' if len(batch) > 8 else ''}")
         raise

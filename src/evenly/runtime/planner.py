@@ -1,0 +1,262 @@
+"""The dataset as its loaders see it: one typed object that plans passes, reads them and
+turns pass states into checkpoints and back.
+
+``evenly.Dataset`` is the user's view (settings, ``set_epoch``, ``state_dict``, ``len``);
+``evenly.DataLoader``, its feed, ``evenly.BatchSampler``'s shared checks and the audit
+talk to a dataset only through its :class:`Planner` (``dataset._planner``).  What the
+source offers is found once (:class:`~evenly.core.source.SourceView`), when the source is
+set, not on each pass.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import get_worker_info
+
+from evenly.core.order import SHUFFLE_MODES, make_order
+from evenly.core.plan import EpochPlan, Order
+from evenly.core.source import SourceView
+from evenly.core.spec import PassSpec
+from evenly.core.state import PassState
+from evenly.core.stream import StreamPlan
+from evenly.errors import check_int
+from evenly.runtime.checks import check_current
+from evenly.runtime.reader import ReadContext, read_batches
+from evenly.runtime.seeds import check_generators
+
+__all__ = ["Planner", "ReadTap"]
+
+logger = logging.getLogger("evenly")
+
+#: Something that sees every sample a pass reads (the audit): called in the process that
+#: reads, with the batch's source indices and samples, before they are collated.
+ReadTap = Callable[[list[int], list[Any]], list[Any]]
+
+
+def _shuffle_mode(shuffle: bool | str, view: SourceView) -> str:
+    """'none', 'global' or 'block'; ``True`` takes the source's preferred mode."""
+    source = view.source
+    if shuffle is True:
+        mode: object = view.preferred_shuffle
+        logger.info("evenly: shuffle=True uses the %r shuffle for %s", mode, type(source).__name__)
+    elif shuffle is False:
+        mode = "none"
+    else:
+        mode = shuffle
+    message = view.shuffle_advice(str(mode)) if view.shuffle_advice is not None else None
+    if message:
+        logger.warning(message)
+    if mode not in SHUFFLE_MODES:
+        raise ValueError(f"shuffle must be True, False, 'global' or 'block', got {shuffle!r}")
+    if mode == "block" and view.shard_sizes is None:
+        raise ValueError(
+            f"shuffle='block' needs a sharded source with shard_sizes (evenly.from_parquet, "
+            f"from_webdataset, from_jsonl); {type(source).__name__} has none: use "
+            f"shuffle='global'"
+        )
+    return str(mode)
+
+
+class Planner:
+    """Plans, reads and checkpoints the passes of one dataset (its settings live here)."""
+
+    def __init__(
+        self,
+        source: Any,
+        *,
+        shuffle: bool | str,
+        seed: int,
+        drop_last: bool,
+        transform: Callable[[Any], Any] | None,
+        seed_generators: tuple[str, ...] | list[str],
+        block_shards: int,
+        on_error: str,
+    ) -> None:
+        self.view = SourceView.of(source)
+        self.generation = 0
+        self.transform = transform
+        self.shuffle_mode = _shuffle_mode(shuffle, self.view)
+        self.block_shards = check_int("block_shards", block_shards, minimum=1)
+        if on_error not in ("raise", "skip"):
+            raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+        self.on_error = on_error
+        self.seed = check_int("seed", seed)
+        self.drop_last = bool(drop_last)
+        self.seed_generators = check_generators(seed_generators)
+        #: the audit's tap on every read (None: no one is watching)
+        self.tap: ReadTap | None = None
+
+    # ---- what may change between passes ------------------------------------------
+    @property
+    def source(self) -> Any:
+        return self.view.source
+
+    def replace(self, source: Any = None, transform: Any = None, *, which: str) -> None:
+        """Replace the source or the transform: a new generation."""
+        if which == "source":
+            self.view = SourceView.of(source)
+        else:
+            self.transform = transform
+        self.generation += 1
+
+    def num_samples(self) -> int:
+        return len(self.view.source)
+
+    def source_fingerprint(self) -> int:
+        """A 63-bit digest of ``source.fingerprint`` (0 if the source has none)."""
+        fp = self.view.fingerprint
+        if fp is None:
+            return 0
+        return int.from_bytes(hashlib.blake2b(fp.encode(), digest_size=8).digest(), "little") >> 1
+
+    def main_view(self) -> tuple[int, int, int]:
+        """(len, fingerprint, generation) as seen now."""
+        return self.num_samples(), self.source_fingerprint(), self.generation
+
+    # ---- plans -------------------------------------------------------------------
+    def plan_for(self, spec: PassSpec) -> EpochPlan:
+        """The epoch plan a pass spec describes (the one code path that builds plans;
+        ``stream_plan_for`` for an infinite pass)."""
+        if spec.infinite:
+            raise ValueError("an infinite pass has a stream plan: use stream_plan_for")
+        return EpochPlan(
+            num_samples=spec.num_samples,
+            world_size=spec.world_size,
+            batch_size=spec.batch_size,
+            drop_last=spec.drop_last,
+            seed=self.seed,
+            epoch=spec.epoch,
+            start=spec.start,
+            order=self.order_for(
+                spec.epoch, spec.num_samples, spec.world_size * spec.batch_size, spec.start
+            ),
+        )
+
+    def stream_plan_for(self, spec: PassSpec) -> StreamPlan:
+        """The endless plan over consecutive epochs of an infinite pass."""
+        step = spec.world_size * spec.batch_size
+        return StreamPlan(
+            num_samples=spec.num_samples,
+            world_size=spec.world_size,
+            batch_size=spec.batch_size,
+            seed=self.seed,
+            start=spec.start,
+            orders=lambda epoch: self.order_for(epoch, spec.num_samples, step, 0),
+        )
+
+    def order_for(self, epoch: int, num_samples: int, step: int, start: int) -> Order | None:
+        """Epoch ``epoch``'s order.  A source that plans its own (``evenly.Mix``) gets the
+        global step and the pass's start; any other is ordered by the shuffle mode."""
+        planned = self.view.planned
+        if planned is not None:
+            order: Order = planned.epoch_order(
+                self.seed, epoch, shuffle=self.shuffle_mode != "none", step=step, start=start
+            )
+            return order
+        return make_order(
+            self.shuffle_mode,
+            num_samples,
+            seed=self.seed,
+            epoch=epoch,
+            shard_sizes=self.view.shard_sizes,
+            block_shards=self.block_shards,
+        )
+
+    # ---- checkpoints -------------------------------------------------------------
+    def fingerprint(self, drop_last: bool | None = None) -> dict[str, Any]:
+        """What a checkpoint state must agree on: N, seed, shuffle, drop_last (the
+        loader's, when a loader owns the passes), source."""
+        fp: dict[str, Any] = {
+            "num_samples": self.num_samples(),
+            "seed": self.seed,
+            "shuffle": self.shuffle_mode,
+            "drop_last": self.drop_last if drop_last is None else bool(drop_last),
+        }
+        if self.shuffle_mode == "block":
+            fp["block_shards"] = self.block_shards
+        if self.view.fingerprint is not None:
+            fp["source"] = self.view.fingerprint
+        if self.view.planned is not None:
+            # a planned source (a Mix) checks its own state: its length may change at an
+            # epoch boundary (new samples_per_epoch)
+            del fp["num_samples"]
+        return fp
+
+    def to_state(self, state: PassState, drop_last: bool | None = None) -> dict[str, Any]:
+        """The checkpoint dict of ``state`` (a planned source adds its part)."""
+        planned = self.view.planned
+        if planned is not None:
+            state = PassState(
+                state.epoch,
+                state.position,
+                state.batches,
+                planned.source_state(state.epoch, state.position),
+            )
+        return state.to_dict(self.fingerprint(drop_last))
+
+    def from_state(self, state: dict[str, Any], drop_last: bool | None = None) -> PassState:
+        """Validate a checkpoint dict for this dataset (a planned source takes its part)."""
+        fingerprint = self.fingerprint(drop_last)
+        planned = self.view.planned
+        if planned is not None:
+            fingerprint["num_samples"] = self.num_samples()
+            state = {**state, "num_samples": self.num_samples()}
+        loaded = PassState.from_dict(state, fingerprint)
+        if planned is not None:
+            planned.load_source_state(state.get("source_state"), loaded.epoch, loaded.position)
+        return loaded
+
+    # ---- reading -----------------------------------------------------------------
+    def read(
+        self,
+        spec: PassSpec,
+        worker_id: int,
+        num_workers: int,
+        *,
+        skip: int = 0,
+        collate: Callable[[list[Any]], Any] | None = None,
+        columnar: bool = False,
+        skipped: torch.Tensor | None = None,
+        progress: list[int] | None = None,
+        seen: list[int] | None = None,
+    ) -> Iterator[Any]:
+        """This worker's share of the pass ``spec``: single samples, or with ``collate``
+        (or ``columnar``) one collated batch per plan batch.  A generator: every check
+        runs on the first ``next()``.  ``seen``: (len, fingerprint, generation) as the
+        main process last saw them, for the dataset's own passes."""
+        check_current(spec, self.num_samples(), self.generation, seen, self.source_fingerprint)
+        plan = self.stream_plan_for(spec) if spec.infinite else self.plan_for(spec)
+        tap = self.tap
+        ctx = ReadContext(
+            self.view,
+            plan,
+            spec.rank,
+            num_workers,
+            worker_id,
+            self.transform,
+            self.on_error,
+            skipped,
+            [skip] if progress is None else progress,
+            self.seed_generators,
+            columnar and tap is None,  # the tap needs the samples themselves
+            tap,
+        )
+        if progress is not None:
+            progress[0] = skip
+        batches = read_batches(ctx, skip)
+        if ctx.columnar:
+            yield from batches
+        elif collate is None:
+            for batch in batches:
+                yield from batch
+        else:
+            for batch in batches:
+                yield collate(batch)
+
+    def in_worker(self) -> bool:
+        return get_worker_info() is not None

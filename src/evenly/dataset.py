@@ -71,7 +71,8 @@ class Dataset(IterableDataset[Any], Generic[T_co]):
         seed_generators: which global generators to seed per sample: any of ``"random"``,
             ``"numpy"``, ``"torch"`` (default: all three).  ``()`` seeds none: build your
             own generator from :func:`evenly.sample_seed` inside the transform.
-        rank, world_size: override what is detected.
+        rank: overrides the detected rank.
+        world_size: overrides the detected world size.
         process_group: the data-parallel group (a torch ProcessGroup or a DeviceMesh
             dimension): rank and world size are taken within it, the plan agreement runs
             in it, and ranks outside it with the same group rank (tensor/pipeline peers of

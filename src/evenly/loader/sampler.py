@@ -64,8 +64,9 @@ class BatchSampler(Sampler[list[int]]):
         seed: the seed of the shuffle; every rank must use the same one.
         drop_last: drop the epoch's remainder (fewer than ``world_size * batch_size``
             samples) instead of padding the last batches.
-        rank, world_size: override what is detected (``process_group``, else
+        rank: overrides the detected rank (detected from ``process_group``, else
             ``torch.distributed``'s default group, else ``RANK``/``WORLD_SIZE``).
+        world_size: overrides the detected world size (detected as ``rank`` is).
         process_group: the data-parallel group (a ProcessGroup or a DeviceMesh
             dimension): the rank and world size are taken within it.
     """

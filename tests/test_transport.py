@@ -161,12 +161,12 @@ def test_an_abandoned_pass_and_a_worker_restart_keep_every_epoch_exact() -> None
     for _ in range(3):  # stop early: prefetched batches hold slots that are never freed
         next(it)
     for epoch in range(1, 3):
-        slots = loader._feed.transport
+        slots = loader._engine.feed.transport
         if epoch == 2:  # a new source restarts the workers with new slots
             ds.source = rows_source(300)  # a new object: new workers
         ids = [i for b in loader for i in b["id"].tolist()]
         assert sorted(ids) == list(range(len(ds.source))), epoch
-        assert (loader._feed.transport is slots) == (epoch == 1)
+        assert (loader._engine.feed.transport is slots) == (epoch == 1)
 
 
 def test_an_unknown_transport_is_refused() -> None:

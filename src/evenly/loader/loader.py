@@ -11,14 +11,13 @@ a private torch DataLoader over a feed that yields one collated batch per plan b
 from __future__ import annotations
 
 import warnings
-import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed
 import torch.utils.data
-from torch.utils.data._utils.collate import default_collate, default_convert
+from torch.utils.data._utils.collate import default_collate
 
 from evenly.core.passes import Pass, PassTracker
 from evenly.core.plan import EpochPlan
@@ -27,11 +26,10 @@ from evenly.core.state import PassState
 from evenly.core.stream import StreamPlan
 from evenly.dataset import SKIP_SLOTS, Dataset
 from evenly.errors import EvenlyWarning, check_int
-from evenly.loader.feed import NO_LENGTH, Feed, PassIterator, pass_through, settle
+from evenly.loader.engine import Engine
+from evenly.loader.feed import NO_LENGTH, PassIterator
 from evenly.runtime.agreement import DEFAULT_TIMEOUT, check_agreement, group_ranks
-from evenly.runtime.channel import PassChannel
 from evenly.runtime.checks import warn_about
-from evenly.transport.slots import Transport
 
 __all__ = ["DataLoader"]
 
@@ -166,35 +164,24 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         self._drop = effective_drop
         self.check_plan = check_plan
         self.agreement_timeout = float(agreement_timeout)
-        self._channel = PassChannel()
         self._skipped = torch.zeros(SKIP_SLOTS, dtype=torch.int64).share_memory_()  # type: ignore[no-untyped-call]
-        batched = batch_size is not None
-        self._feed = Feed(
+        self._engine = Engine(
             dataset._planner,
-            self._channel,
-            collate=(collate_fn or default_collate) if batched else None,
-            per_sample=None if batched else (collate_fn or default_convert),
+            batched=batch_size is not None,
+            collate_fn=collate_fn,
+            num_workers=num_workers,
+            transport=transport,
             skipped=self._skipped,
+            loader_args=kwargs,
         )
         self._columnar_choice = columnar
         self._user_collate = collate_fn
-        engine_args = {k: v for k, v in kwargs.items() if k not in ("shuffle", "sampler")}
-        self._engine = torch.utils.data.DataLoader(
-            self._feed,
-            batch_size=None,
-            num_workers=num_workers,
-            collate_fn=pass_through,
-            **engine_args,
-        )
         self._passes = PassTracker()
         #: dataset.set_epoch calls this loader has followed (it follows only later ones)
         self._followed = dataset._passes.epoch_calls[0]
         self._last_num_samples: int | None = None
         #: the plan of the pass in progress (or the last one)
         self._plan: EpochPlan | StreamPlan | None = None
-        self._pass_iterator: weakref.ref[PassIterator] | None = None
-        #: (len, fingerprint, generation) of the dataset when the workers started
-        self._workers_view: tuple[int, int, int] | None = None
 
     # ---- epochs ----------------------------------------------------------------
     def _follow_dataset(self) -> None:
@@ -320,19 +307,6 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         self._passes.load(loaded)
 
     # ---- passes ----------------------------------------------------------------
-    def _workers_stale(self, view: tuple[int, int, int]) -> bool:
-        """Persistent workers hold the dataset as it was when they started: restart them
-        when its length, source fingerprint or generation changed since."""
-        running = getattr(self._engine, "_iterator", None)
-        stale = running is not None and self._workers_view not in (None, view)
-        if stale:
-            settle(running, shut_down=False)
-            shutdown = getattr(running, "_shutdown_workers", None)
-            if shutdown is not None:
-                shutdown()
-            self._engine._iterator = None
-        return stale
-
     def _use_columns(self) -> bool:
         if self._columnar_choice is False or self.batch_size is None:
             return False
@@ -391,40 +365,21 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         return self._start(spec, stream, Pass(locate(0), None, locate))
 
     def _start(self, spec: PassSpec, plan: EpochPlan | StreamPlan, current: Pass) -> PassIterator:
-        """Publish the pass to the workers (restarting persistent ones that hold a stale
-        dataset) and start iterating the private loader."""
-        previous = self._pass_iterator() if self._pass_iterator is not None else None
-        if previous is not None:  # the previous pass, finished or abandoned
-            settle(previous.inner, shut_down=True)
-        view = (spec.num_samples, self.dataset._planner.source_fingerprint(), spec.generation)
-        self._workers_stale(view)
-        if getattr(self._engine, "_iterator", None) is None:
-            self._workers_view = view
-        if self.num_workers > 0 and (
-            getattr(self._engine, "_iterator", None) is None or not self.persistent_workers
-        ):
-            self._new_transport()
-        self._feed.columnar = self._use_columns()
+        """Start the pass on the engine, then check that the ranks agree on it."""
         self._skipped.zero_()
-        self._channel.publish(spec)
         self._passes.begin(current)
         self._plan = plan
-        on_end = self._warn_skipped if isinstance(plan, EpochPlan) else None
         # workers fork before the agreement exchange, never right after a collective: a
         # process forked while a gloo thread is finishing a collective can hang in os.fork
-        iterator = PassIterator(iter(self._engine), current, plan, on_end)
-        self._pass_iterator = weakref.ref(iterator)  # a weak one: do not keep workers alive
+        iterator = self._engine.start(
+            spec,
+            plan,
+            current,
+            columnar=self._use_columns(),
+            on_end=self._warn_skipped if isinstance(plan, EpochPlan) else None,
+        )
         self._check_agreement(plan, spec)
         return iterator
-
-    def _new_transport(self) -> None:
-        """Fresh slots for workers about to start (the old ones' are dropped)."""
-        if self._feed.transport is not None:
-            self._feed.transport.close()
-            self._feed.transport = None
-        if self.transport == "slots":
-            prefetch = self.prefetch_factor or 2
-            self._feed.transport = Transport(self.num_workers, slots=prefetch + 1)
 
     def _check_agreement(self, plan: EpochPlan | StreamPlan, spec: PassSpec) -> None:
         """Only a plan split over the data-parallel group must agree across it (a dataset

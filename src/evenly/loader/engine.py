@@ -1,0 +1,113 @@
+"""The engine under ``evenly.DataLoader``: a private torch DataLoader over the feed, its
+workers and their shared-memory slots.  The loader owns the passes; the engine runs one:
+it publishes the pass spec, restarts persistent workers that hold a stale dataset, gives
+workers that are about to start fresh slots, and hands back the iterator that counts
+what the loop received."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.utils.data
+from torch.utils.data._utils.collate import default_collate, default_convert
+
+from evenly.core.passes import Pass
+from evenly.core.plan import EpochPlan
+from evenly.core.spec import PassSpec
+from evenly.core.stream import StreamPlan
+from evenly.loader.feed import Feed, PassIterator, pass_through, settle
+from evenly.runtime.channel import PassChannel
+from evenly.runtime.planner import Planner
+from evenly.transport.slots import Transport
+
+__all__ = ["Engine"]
+
+
+class Engine:
+    """The private loader of one ``evenly.DataLoader``, and what its workers share."""
+
+    def __init__(
+        self,
+        planner: Planner,
+        *,
+        batched: bool,
+        collate_fn: Callable[[list[Any]], Any] | None,
+        num_workers: int,
+        transport: str,
+        skipped: torch.Tensor,
+        loader_args: dict[str, Any],
+    ) -> None:
+        self.planner = planner
+        self.num_workers = num_workers
+        self.transport = transport
+        self.channel = PassChannel()
+        self.feed = Feed(
+            planner,
+            self.channel,
+            collate=(collate_fn or default_collate) if batched else None,
+            per_sample=None if batched else (collate_fn or default_convert),
+            skipped=skipped,
+        )
+        args = {k: v for k, v in loader_args.items() if k not in ("shuffle", "sampler")}
+        self.persistent_workers = bool(args.get("persistent_workers", False))
+        self.prefetch_factor = args.get("prefetch_factor") or 2
+        self.loader = torch.utils.data.DataLoader(
+            self.feed,
+            batch_size=None,
+            num_workers=num_workers,
+            collate_fn=pass_through,
+            **args,
+        )
+        self._iterator: weakref.ref[PassIterator] | None = None
+        #: (len, fingerprint, generation) of the dataset when the workers started
+        self._workers_view: tuple[int, int, int] | None = None
+
+    def _running(self) -> Any:
+        return getattr(self.loader, "_iterator", None)
+
+    def _restart_stale_workers(self, view: tuple[int, int, int]) -> None:
+        """Persistent workers hold the dataset as it was when they started: shut them
+        down when its length, source fingerprint or generation changed since."""
+        running = self._running()
+        if running is not None and self._workers_view not in (None, view):
+            settle(running, shut_down=False)
+            shutdown = getattr(running, "_shutdown_workers", None)
+            if shutdown is not None:
+                shutdown()
+            self.loader._iterator = None
+
+    def _new_transport(self) -> None:
+        """Fresh slots for workers about to start (the old ones' are dropped)."""
+        if self.feed.transport is not None:
+            self.feed.transport.close()
+            self.feed.transport = None
+        if self.transport == "slots":
+            self.feed.transport = Transport(self.num_workers, slots=self.prefetch_factor + 1)
+
+    def start(
+        self,
+        spec: PassSpec,
+        plan: EpochPlan | StreamPlan,
+        current: Pass,
+        *,
+        columnar: bool,
+        on_end: Callable[[EpochPlan], None] | None,
+    ) -> PassIterator:
+        """Publish the pass to the workers and start iterating the private loader."""
+        previous = self._iterator() if self._iterator is not None else None
+        if previous is not None:  # the previous pass, finished or abandoned
+            settle(previous.inner, shut_down=True)
+        view = (spec.num_samples, self.planner.source_fingerprint(), spec.generation)
+        self._restart_stale_workers(view)
+        if self._running() is None:
+            self._workers_view = view
+        if self.num_workers > 0 and (self._running() is None or not self.persistent_workers):
+            self._new_transport()
+        self.feed.columnar = columnar
+        self.channel.publish(spec)
+        iterator = PassIterator(iter(self.loader), current, plan, on_end)
+        self._iterator = weakref.ref(iterator)  # a weak one: do not keep workers alive
+        return iterator

@@ -20,8 +20,8 @@ import numpy.typing as npt
 
 import evenly
 from evenly.core.block import BlockPermutation
-from evenly.core.mix.plan import MixOrder, epoch_offsets, keyed_bijection, mix_counts
-from evenly.core.permutation import FeistelPermutation
+from evenly.core.mix.plan import MixOrder, epoch_offsets, mix_counts
+from evenly.core.permutation import FeistelPermutation, keyed_bijection
 
 I64 = npt.NDArray[np.int64]
 #: values kept in clear per case (the hash covers the rest)

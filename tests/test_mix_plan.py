@@ -10,7 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from evenly.core.mix.plan import Apportionment, MixOrder, epoch_offsets, keyed_bijection, mix_counts
+from evenly.core.mix.plan import Apportionment, MixOrder, epoch_offsets, mix_counts
+from evenly.core.permutation import keyed_bijection
 
 
 @st.composite

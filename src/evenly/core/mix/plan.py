@@ -64,14 +64,12 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from evenly.core.permutation import as_int64, derive_keys, mix64
+from evenly.core.permutation import as_int64, derive_keys, keyed_bijection, mix64
 
-__all__ = ["Apportionment", "MixOrder", "epoch_offsets", "keyed_bijection", "mix_counts"]
+__all__ = ["Apportionment", "MixOrder", "epoch_offsets", "mix_counts"]
 
 I64 = npt.NDArray[np.int64]
-U64 = npt.NDArray[np.uint64]
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-_ROUND_KEYS = derive_keys("mix-rounds", 0, 0, 6)
 _INT64_SAFE = 3_037_000_499  # floor(sqrt(2**63 - 1)): P * c_d fits in int64 below it
 
 
@@ -253,47 +251,6 @@ class Apportionment:
             if d >= 0:
                 out[:, d] = node[n]
         return out.astype(np.int64)
-
-
-def _encrypt(x: U64, keys: list[U64], lbits: U64, rbits: U64) -> U64:
-    one = np.uint64(1)
-    for key in keys:  # (left, right) -> (right, left ^ f(right)); the widths swap
-        left, right = x >> rbits, x & ((one << rbits) - one)
-        x = (right << lbits) | (left ^ (mix64(right ^ key) & ((one << lbits) - one)))
-        lbits, rbits = rbits, lbits
-    return x
-
-
-def keyed_bijection(values: I64, sizes: I64, keys: U64) -> I64:
-    """Element ``i`` maps ``values[i]`` by a bijection of ``[0, sizes[i])`` keyed by
-    ``keys[i]``: an unbalanced 6-round Feistel network over the smallest power-of-two
-    domain (>= 4) that holds the size, cycle walked (fewer than 2 walks on average),
-    vectorised over elements with different keys and sizes.
-
-    >>> keys = np.full(5, 7, dtype=np.uint64)
-    >>> sorted(keyed_bijection(np.arange(5), np.full(5, 5), keys).tolist())
-    [0, 1, 2, 3, 4]
-    """
-    out = values.copy()
-    sel = np.flatnonzero(sizes > 1)
-    bits = np.maximum(2, _bit_length(sizes[sel] - 1)).astype(np.uint64)
-    lbits = bits // np.uint64(2)
-    rbits = bits - lbits
-    rk = [keys[sel] ^ np.uint64(k) for k in _ROUND_KEYS]
-    bound = sizes[sel].astype(np.uint64)
-    x = _encrypt(values[sel].astype(np.uint64), rk, lbits, rbits)
-    outside = np.flatnonzero(x >= bound)
-    while outside.size:
-        keys_out = [k[outside] for k in rk]
-        x[outside] = _encrypt(x[outside], keys_out, lbits[outside], rbits[outside])
-        outside = outside[x[outside] >= bound[outside]]
-    out[sel] = x.astype(np.int64)
-    return out
-
-
-def _bit_length(x: I64) -> I64:
-    """``int.bit_length`` of each element of ``x`` (0 <= x < 2**53)."""
-    return np.frexp(np.maximum(x, 0).astype(np.float64))[1].astype(np.int64)
 
 
 class MixOrder:

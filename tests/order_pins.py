@@ -20,7 +20,8 @@ import numpy.typing as npt
 
 import evenly
 from evenly.core.block import BlockPermutation
-from evenly.core.mix.plan import MixOrder, epoch_offsets, mix_counts
+from evenly.core.mix.apportion import epoch_offsets, mix_counts
+from evenly.core.mix.order import MixOrder
 from evenly.core.permutation import FeistelPermutation, keyed_bijection
 
 I64 = npt.NDArray[np.int64]

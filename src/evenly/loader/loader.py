@@ -19,13 +19,14 @@ from typing import Any
 import torch
 import torch.distributed
 import torch.utils.data
-from torch.utils.data._utils.collate import default_collate, default_convert
+from torch.utils.data import default_collate, default_convert
 
 from evenly.core.plan import EpochPlan
 from evenly.core.spec import PassSpec
 from evenly.dataset import _SKIP_SLOTS, STAMPS, Dataset
 from evenly.errors import EvenlyWarning, check_int
 from evenly.loader.feed import NO_LENGTH, Feed, Pass, PassIterator, pass_through, settle
+from evenly.runtime import torch_compat
 from evenly.runtime.agreement import DEFAULT_TIMEOUT, check_agreement, group_ranks
 from evenly.runtime.channel import PassChannel
 from evenly.runtime.checks import warn_about
@@ -352,14 +353,12 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
     def _workers_stale(self, view: tuple[int, int, int]) -> bool:
         """Persistent workers hold the dataset as it was when they started: restart them
         when its length, source fingerprint or generation changed since."""
-        running = getattr(self._engine, "_iterator", None)
+        running = torch_compat.running_iterator(self._engine)
         stale = running is not None and self._workers_view not in (None, view)
         if stale:
             settle(running, shut_down=False)
-            shutdown = getattr(running, "_shutdown_workers", None)
-            if shutdown is not None:
-                shutdown()
-            self._engine._iterator = None
+            torch_compat.shut_down_workers(running)
+            torch_compat.drop_iterator(self._engine)
         return stale
 
     def _use_columns(self) -> bool:
@@ -409,10 +408,10 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
             settle(previous.inner, shut_down=True)
         view = (spec.num_samples, self.dataset.source_fingerprint(), spec.generation)
         self._workers_stale(view)
-        if getattr(self._engine, "_iterator", None) is None:
+        if torch_compat.running_iterator(self._engine) is None:
             self._workers_view = view
         if self.num_workers > 0 and (
-            getattr(self._engine, "_iterator", None) is None or not self.persistent_workers
+            torch_compat.running_iterator(self._engine) is None or not self.persistent_workers
         ):
             self._new_transport()
         self._feed.columnar = self._use_columns()

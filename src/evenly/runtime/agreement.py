@@ -130,11 +130,12 @@ def check_agreement(
     ``PlanMismatchError`` on every rank if they differ, or if a rank of ``group`` does not
     post its view within ``timeout`` seconds."""
     import torch.distributed as dist
-    from torch.distributed import distributed_c10d
+
+    from evenly.runtime.torch_compat import default_store
 
     ranks = group_ranks(group)
     me = dist.get_rank(group) if group is not None else dist.get_rank()
-    store = distributed_c10d._get_default_store()
+    store = default_store()
     views = exchange(store, ranks, me, view, timeout=timeout)
     problems = disagreements(views)
     if problems:

@@ -34,7 +34,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data._utils.collate import collate, default_collate_fn_map
+
+from evenly.runtime import torch_compat
 
 __all__ = ["RECEIVERS", "Packed", "Receivers", "Transport", "plain_collate", "unpack"]
 
@@ -77,14 +78,17 @@ def _stack(batch: Sequence[torch.Tensor], *, collate_fn_map: Any = None) -> torc
     return torch.stack(list(batch), 0)
 
 
-_PLAIN_MAP: dict[Any, Callable[..., Any]] = {**default_collate_fn_map, torch.Tensor: _stack}
+_PLAIN_MAP: dict[Any, Callable[..., Any]] = {
+    **torch_compat.default_collate_fn_map(),
+    torch.Tensor: _stack,
+}
 
 
 def plain_collate(batch: list[Any]) -> Any:
     """``default_collate``'s result, with tensors stacked in ordinary memory (in a worker,
     ``default_collate`` puts each stacked tensor in a new shared-memory segment, which
     the slots make unnecessary)."""
-    return collate(batch, collate_fn_map=_PLAIN_MAP)
+    return torch_compat.collate_with(batch, _PLAIN_MAP)
 
 
 class _Leaf:
@@ -179,9 +183,7 @@ class Packed:
 
     def pin_memory(self, device: Any = None) -> Any:
         """Called by torch's pin-memory thread: the batch, unpacked and pinned."""
-        from torch.utils.data._utils.pin_memory import pin_memory
-
-        return pin_memory(unpack(self), device)  # type: ignore[no-untyped-call]
+        return torch_compat.pin_memory(unpack(self), device)
 
 
 def unpack(item: Any) -> Any:

@@ -22,7 +22,8 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import psutil
 
-from evenly.core.mix.plan import MixOrder, epoch_offsets, mix_counts
+from evenly.core.mix.apportion import epoch_offsets, mix_counts
+from evenly.core.mix.order import MixOrder
 from evenly.core.spec import PassSpec
 from evenly.dataset import Dataset
 from evenly.mixture import Mix

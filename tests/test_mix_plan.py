@@ -1,4 +1,4 @@
-"""The pure planning core of mixtures (evenly.core.mix.plan): exact counts, streams, prefix
+"""The pure planning core of mixtures (evenly.core.mix): exact counts, streams, prefix
 exactness at global step boundaries, fair slots, resume under another step size."""
 
 from __future__ import annotations
@@ -10,7 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from evenly.core.mix.plan import Apportionment, MixOrder, epoch_offsets, keyed_bijection, mix_counts
+from evenly.core.mix.apportion import Apportionment, epoch_offsets, mix_counts
+from evenly.core.mix.order import MixOrder
+from evenly.core.permutation import keyed_bijection
 
 
 @st.composite

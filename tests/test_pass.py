@@ -3,6 +3,7 @@ failed on the code before the pass spec."""
 
 from __future__ import annotations
 
+import contextvars
 import os
 import warnings
 from collections import Counter
@@ -202,6 +203,27 @@ def test_sample_seed_is_the_samples_own_and_only_inside_transforms() -> None:
     ds = evenly.Dataset(list(range(5)), transform=record, seed_generators=(), seed=4)
     list(ds)
     assert seen == evenly.EpochPlan(num_samples=5, seed=4).seeds(np.arange(5)).tolist()
+    with pytest.raises(RuntimeError, match="only available inside"):
+        evenly.sample_seed()
+
+
+def test_sample_seed_is_a_context_variable_reset_after_each_call() -> None:
+    """Set and reset around each transform call (a contextvar, not a process global): a
+    context copied inside the call keeps that sample's seed, and a transform that raises
+    leaves no seed behind."""
+    contexts: list[contextvars.Context] = []
+
+    def keep(x: int) -> int:
+        contexts.append(contextvars.copy_context())
+        if x == 2:
+            raise ValueError("boom")
+        return x
+
+    ds = evenly.Dataset(list(range(3)), transform=keep, seed_generators=(), seed=4)
+    with pytest.raises(ValueError, match="boom"):
+        list(ds)
+    expected = evenly.EpochPlan(num_samples=3, seed=4).seeds(np.arange(3)).tolist()
+    assert [c.run(evenly.sample_seed) for c in contexts] == expected
     with pytest.raises(RuntimeError, match="only available inside"):
         evenly.sample_seed()
 

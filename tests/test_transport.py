@@ -14,7 +14,7 @@ import torch
 import torch.utils.data as tud
 
 import evenly
-from evenly.transport.slots import Packed, Transport, plain_collate, unpack
+from evenly.transport.slots import RECEIVERS, Packed, Transport, plain_collate, unpack
 
 Pair = namedtuple("Pair", ["left", "right"])
 
@@ -127,6 +127,28 @@ def test_the_pin_memory_thread_unpacks_before_pinning(monkeypatch: pytest.Monkey
     out = item.pin_memory()
     assert_same(out, {"x": torch.arange(5)})
     assert pinned == [out]
+
+
+def test_a_batch_that_crossed_a_queue_finds_its_transport_by_id_alone() -> None:
+    """Why a per-process registry (``RECEIVERS``): a packed batch arrives pickled, naming
+    its transport by id only, and is unpacked where nothing else is at hand (torch's
+    pin-memory thread).  The registry is weak: a dropped loader's batch raises clearly."""
+    import gc
+    import pickle
+
+    transport = Transport(1, slots=1)
+    item = pickle.loads(pickle.dumps(transport.writer(0).pack({"x": torch.arange(3)})))
+    assert type(item) is Packed and item.owner == transport.id
+    assert RECEIVERS.find(transport.id) is transport
+    assert_same(unpack(item), {"x": torch.arange(3)})
+
+    late = pickle.loads(pickle.dumps(transport.writer(0).pack({"x": torch.arange(4)})))
+    owner = transport.id
+    del transport
+    gc.collect()
+    assert RECEIVERS.find(owner) is None
+    with pytest.raises(RuntimeError, match="from workers of a loader that is gone"):
+        unpack(late)
 
 
 def rows_source(n: int) -> list[dict[str, Any]]:

@@ -14,7 +14,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from evenly.core.mix.plan import MixOrder, epoch_offsets, mix_counts
+from evenly.core.mix.apportion import epoch_offsets, mix_counts
+from evenly.core.mix.order import MixOrder
 from evenly.errors import StateError, check_int
 
 __all__ = ["Mix"]

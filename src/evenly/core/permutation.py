@@ -1,12 +1,21 @@
-"""A keyed bijection of ``[0, n)`` with O(1) memory and O(1) access to any position.
+"""Keyed bijections of ``[0, n)`` with O(1) memory and O(1) access to any position.
 
 This is the shuffle of the planning core: the epoch's global order is
-``order[p] = permutation(p)``.  It is a balanced Feistel network over the smallest
-power-of-four domain that holds ``n``, made exact on ``[0, n)`` by cycle walking:
-a value that lands outside ``[0, n)`` is encrypted again until it lands inside.
+``order[p] = permutation(p)``.  There is one Feistel network (:func:`feistel_walk`): six
+rounds over a domain of ``2 ** (lbits + rbits)`` values, made exact on ``[0, n)`` by cycle
+walking: a value that lands outside ``[0, n)`` is encrypted again until it lands inside.
 Because the network is a bijection of its domain, cycle walking is a bijection of
-``[0, n)``.  The domain is less than ``4 * n``, so a position takes fewer than four
-rounds of walking on average.
+``[0, n)``.
+
+Two key schedules drive it, each fixed by the orders it has produced (saved orders must
+not change):
+
+* the Dataset's (:class:`FeistelPermutation`): one ``n`` and six round keys per
+  ``(seed, epoch)``; balanced halves over the smallest power-of-four domain that holds
+  ``n`` (less than ``4 * n``: fewer than four encryptions per position on average);
+* the Mix's (:func:`keyed_bijection`): a size and a key per element, vectorised; the
+  element's key xor six fixed round constants; unbalanced halves over the smallest
+  power-of-two domain (>= 4) that holds the size (fewer than two on average).
 
 Everything here is pure numpy: no torch, no I/O, and no array of size ``n``.
 """
@@ -18,9 +27,20 @@ import hashlib
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["FeistelPermutation", "as_int64", "derive_keys", "mix64", "sample_seeds"]
+__all__ = [
+    "FeistelPermutation",
+    "as_int64",
+    "derive_keys",
+    "feistel_walk",
+    "keyed_bijection",
+    "mix64",
+    "sample_seeds",
+]
 
+I64 = npt.NDArray[np.int64]
 U64 = npt.NDArray[np.uint64]
+#: a scalar shared by every element, or one value per element
+Word = np.uint64 | U64
 
 _ROUNDS = 6
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -50,6 +70,42 @@ def derive_keys(domain: str, seed: int, epoch: int, count: int) -> list[int]:
     return [int.from_bytes(digest[8 * i : 8 * i + 8], "little") for i in range(count)]
 
 
+def feistel_walk(values: U64, bound: Word, keys: list[Word], lbits: Word, rbits: Word) -> U64:
+    """Encrypt each value of ``[0, bound)`` by the Feistel network, cycle walked into
+    ``[0, bound)``.
+
+    A value is ``left << rbits | right``; round ``r`` maps ``(left, right)`` to
+    ``(right, left ^ (mix64(right ^ keys[r]) & mask))``, the two widths swapping.  Keys,
+    widths and bound are scalars or one per element (then of the values' shape).
+
+    >>> out = feistel_walk(np.arange(5, dtype=np.uint64), np.uint64(5), [np.uint64(9)] * 6,
+    ...                    np.uint64(2), np.uint64(1))
+    >>> sorted(out.tolist())
+    [0, 1, 2, 3, 4]
+    """
+    out = _encrypt(values, keys, lbits, rbits)
+    outside = np.flatnonzero(out >= bound)
+    while outside.size:
+        part = [_at(key, outside) for key in keys]
+        out[outside] = _encrypt(out[outside], part, _at(lbits, outside), _at(rbits, outside))
+        outside = outside[out[outside] >= _at(bound, outside)]
+    return out
+
+
+def _encrypt(x: U64, keys: list[Word], lbits: Word, rbits: Word) -> U64:
+    one = np.uint64(1)
+    lmask, rmask = (one << lbits) - one, (one << rbits) - one
+    left, right = x >> rbits, x & rmask
+    for key in keys:
+        left, right = right, left ^ (mix64(right ^ key) & lmask)
+        lbits, rbits, lmask, rmask = rbits, lbits, rmask, lmask
+    return (left << rbits) | right
+
+
+def _at(word: Word, index: I64) -> Word:
+    return word[index] if isinstance(word, np.ndarray) else word
+
+
 class FeistelPermutation:
     """A pseudo-random permutation of ``[0, n)`` keyed by ``(seed, epoch)``.
 
@@ -64,18 +120,12 @@ class FeistelPermutation:
         if n >= 2**62:
             raise ValueError(f"the permutation size must be < 2**62, got {n}")
         self.n = n
+        # the Dataset's key schedule: balanced halves, six keys from (seed, epoch)
         bits = max(2, (n - 1).bit_length()) if n > 1 else 2
-        self._half = (bits + 1) // 2
-        self._mask = np.uint64((1 << self._half) - 1)
-        self._shift = np.uint64(self._half)
-        self._keys = [np.uint64(k) for k in derive_keys("shuffle", seed, epoch, _ROUNDS)]
-
-    def _encrypt(self, x: U64) -> U64:
-        left = x >> self._shift
-        right = x & self._mask
-        for key in self._keys:
-            left, right = right, left ^ (mix64(right ^ key) & self._mask)
-        return (left << self._shift) | right
+        self._half = np.uint64((bits + 1) // 2)
+        self._keys: list[Word] = [
+            np.uint64(k) for k in derive_keys("shuffle", seed, epoch, _ROUNDS)
+        ]
 
     def __call__(self, positions: npt.ArrayLike) -> npt.NDArray[np.int64]:
         """Map positions in ``[0, n)`` to sample indices in ``[0, n)`` (any shape: a
@@ -87,13 +137,37 @@ class FeistelPermutation:
         if self.n <= 1:
             return pos.copy()
         flat = pos.reshape(-1).astype(np.uint64)
-        out = self._encrypt(flat)
-        bound = np.uint64(self.n)
-        outside = np.flatnonzero(out >= bound)
-        while outside.size:
-            out[outside] = self._encrypt(out[outside])
-            outside = outside[out[outside] >= bound]
+        out = feistel_walk(flat, np.uint64(self.n), self._keys, self._half, self._half)
         return out.astype(np.int64).reshape(pos.shape)
+
+
+#: the Mix's round constants, xor-ed into each element's key
+_MIX_ROUND_KEYS = [np.uint64(k) for k in derive_keys("mix-rounds", 0, 0, _ROUNDS)]
+
+
+def keyed_bijection(values: I64, sizes: I64, keys: U64) -> I64:
+    """Element ``i`` maps ``values[i]`` by a bijection of ``[0, sizes[i])`` keyed by
+    ``keys[i]`` (the Mix's key schedule, see the module): vectorised over elements with
+    different keys and sizes; sizes 0 and 1 map to themselves.
+
+    >>> keys = np.full(5, 7, dtype=np.uint64)
+    >>> sorted(keyed_bijection(np.arange(5), np.full(5, 5), keys).tolist())
+    [0, 1, 2, 3, 4]
+    """
+    out = values.copy()
+    sel = np.flatnonzero(sizes > 1)
+    bits = np.maximum(2, _bit_length(sizes[sel] - 1)).astype(np.uint64)
+    lbits = bits // np.uint64(2)
+    round_keys: list[Word] = [keys[sel] ^ k for k in _MIX_ROUND_KEYS]
+    bound = sizes[sel].astype(np.uint64)
+    x = feistel_walk(values[sel].astype(np.uint64), bound, round_keys, lbits, bits - lbits)
+    out[sel] = x.astype(np.int64)
+    return out
+
+
+def _bit_length(x: I64) -> I64:
+    """``int.bit_length`` of each element of ``x`` (0 <= x < 2**53)."""
+    return np.frexp(np.maximum(x, 0).astype(np.float64))[1].astype(np.int64)
 
 
 def as_int64(values: npt.ArrayLike) -> npt.NDArray[np.int64]:

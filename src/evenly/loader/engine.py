@@ -12,13 +12,14 @@ from typing import Any
 
 import torch
 import torch.utils.data
-from torch.utils.data._utils.collate import default_collate, default_convert
+from torch.utils.data import default_collate, default_convert
 
 from evenly.core.passes import Pass
 from evenly.core.plan import EpochPlan
 from evenly.core.spec import PassSpec
 from evenly.core.stream import StreamPlan
 from evenly.loader.feed import Feed, PassIterator, pass_through, settle
+from evenly.runtime import torch_compat
 from evenly.runtime.channel import PassChannel
 from evenly.runtime.planner import Planner
 from evenly.transport.slots import Transport
@@ -66,7 +67,7 @@ class Engine:
         self._workers_view: tuple[int, int, int] | None = None
 
     def _running(self) -> Any:
-        return getattr(self.loader, "_iterator", None)
+        return torch_compat.running_iterator(self.loader)
 
     def _restart_stale_workers(self, view: tuple[int, int, int]) -> None:
         """Persistent workers hold the dataset as it was when they started: shut them
@@ -74,10 +75,8 @@ class Engine:
         running = self._running()
         if running is not None and self._workers_view not in (None, view):
             settle(running, shut_down=False)
-            shutdown = getattr(running, "_shutdown_workers", None)
-            if shutdown is not None:
-                shutdown()
-            self.loader._iterator = None
+            torch_compat.shut_down_workers(running)
+            torch_compat.drop_iterator(self.loader)
 
     def _new_transport(self) -> None:
         """Fresh slots for workers about to start (the old ones' are dropped)."""

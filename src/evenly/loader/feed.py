@@ -15,6 +15,7 @@ from torch.utils.data import IterableDataset, default_collate, get_worker_info
 from evenly.core.passes import Pass
 from evenly.core.plan import EpochPlan
 from evenly.core.stream import StreamPlan
+from evenly.runtime import torch_compat
 from evenly.runtime.channel import PassChannel
 from evenly.runtime.planner import Planner
 from evenly.transport.slots import Transport, plain_collate, unpack
@@ -37,22 +38,18 @@ def settle(inner: Any, shut_down: bool = False) -> None:
     an epoch ends but does not wait for their threads; evenly does, before any new fork.
     With ``shut_down``, an iterator abandoned mid-epoch is shut down first.
     """
-    if shut_down and not getattr(inner, "_persistent_workers", True):
-        shutdown = getattr(inner, "_shutdown_workers", None)
-        if shutdown is not None:
-            shutdown()
-    if not getattr(inner, "_shutdown", False):
+    if shut_down and not torch_compat.is_persistent(inner):
+        torch_compat.shut_down_workers(inner)
+    if not torch_compat.is_shut_down(inner):
         return
-    for queue in getattr(inner, "_index_queues", []):
-        thread = getattr(queue, "_thread", None)
-        if thread is not None:
-            thread.join(timeout=10)
+    for thread in torch_compat.index_queue_feeders(inner):
+        thread.join(timeout=10)
 
 
 def dead_workers(iterator: Any, wait: float = 2.0) -> list[int]:
     """Pids of the iterator's workers that died (waiting briefly: a worker killed an
     instant ago closes its sockets a moment before it can be seen dead)."""
-    workers = getattr(iterator, "_workers", [])
+    workers = torch_compat.worker_processes(iterator)
     deadline = time.monotonic() + wait
     while True:
         dead = [w.pid for w in workers if not w.is_alive()]

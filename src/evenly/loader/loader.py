@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed
 import torch.utils.data
-from torch.utils.data._utils.collate import default_collate
+from torch.utils.data import default_collate
 
 from evenly.core.passes import Pass, PassTracker
 from evenly.core.plan import EpochPlan

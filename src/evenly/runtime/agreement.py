@@ -8,12 +8,17 @@ bounded timeout, for the views of the others; every rank then raises the same er
 naming the fields and ranks that differ.  A rank that never posts (it built its loader
 with another world size, or not at all) makes the others raise naming it, instead of
 hanging until the process group's timeout.
+
+Each exchange writes new keys to the store, numbered by :class:`ExchangeRounds`: a count
+of the exchanges per group that this process has made, held once per process
+(:data:`ROUNDS`) because the store and the groups it serves are the process's.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import threading
 from collections import defaultdict
 from datetime import timedelta
 from typing import Any
@@ -22,8 +27,11 @@ from evenly.errors import PlanMismatchError
 
 __all__ = [
     "DEFAULT_TIMEOUT",
+    "ROUNDS",
+    "ExchangeRounds",
     "check_agreement",
     "disagreements",
+    "exchange",
     "group_ranks",
 ]
 
@@ -31,7 +39,43 @@ __all__ = [
 DEFAULT_TIMEOUT = 30.0
 #: Exchanges held in the store per group before old keys are deleted.
 _KEEP = 2
-_rounds: dict[str, int] = {}
+
+
+class ExchangeRounds:
+    """The number of plan exchanges this process has started, per group of ranks.
+
+    An exchange's keys are ``evenly/agree/<group>/<round>/<rank>`` and must be new: a rank
+    that found another exchange's keys would read the views left there and go on without
+    waiting.  Every rank numbers a group's exchanges identically because every rank starts
+    the same passes in the same order (what the agreement checks in the first place).
+
+    Why one registry per process rather than a count per loader: the keys live in the
+    default process group's store, one per process, and a group is named by its ranks
+    only, so every loader over a group shares that group's keys.  A count per loader
+    would start a second loader at round 0 again and read the first loader's views
+    (``tests/test_agreement.py`` shows both).  The registry lives as long as the process
+    (a new process group after ``destroy_process_group`` continues the count, on every
+    rank alike).
+
+    >>> rounds = ExchangeRounds()
+    >>> rounds.take("a"), rounds.take("a"), rounds.take("b")
+    (0, 1, 0)
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._next: dict[str, int] = {}
+
+    def take(self, group: str) -> int:
+        """The round of the next exchange in ``group`` (counted from 0)."""
+        with self._lock:
+            round_ = self._next.get(group, 0)
+            self._next[group] = round_ + 1
+            return round_
+
+
+#: The process's registry (see :class:`ExchangeRounds`).
+ROUNDS = ExchangeRounds()
 
 
 def disagreements(views: list[dict[str, Any]]) -> list[str]:
@@ -86,14 +130,39 @@ def check_agreement(
     ``PlanMismatchError`` on every rank if they differ, or if a rank of ``group`` does not
     post its view within ``timeout`` seconds."""
     import torch.distributed as dist
-    from torch.distributed import distributed_c10d
+
+    from evenly.runtime.torch_compat import default_store
 
     ranks = group_ranks(group)
     me = dist.get_rank(group) if group is not None else dist.get_rank()
+    store = default_store()
+    views = exchange(store, ranks, me, view, timeout=timeout)
+    problems = disagreements(views)
+    if problems:
+        raise PlanMismatchError(
+            "evenly: the DDP ranks disagree on the plan of epoch "
+            f"{view.get('epoch')}, so they would read overlapping data or hang: "
+            + " | ".join(problems)
+            + ". Build the dataset identically on every rank (same source, seed, "
+            "shuffle, drop_last, batch_size), or switch this check off with "
+            "evenly.DataLoader(..., check_plan=False)."
+        )
+
+
+def exchange(
+    store: Any,
+    ranks: list[int],
+    me: int,
+    view: dict[str, Any],
+    *,
+    timeout: float,
+    rounds: ExchangeRounds = ROUNDS,
+) -> list[dict[str, Any]]:
+    """Post ``view`` as group rank ``me`` of the group of global ``ranks`` and return
+    every group rank's view (raise ``PlanMismatchError`` naming the ranks that did not
+    post within ``timeout`` seconds).  ``store`` is a torch ``Store``."""
     tag = hashlib.blake2b(repr(ranks).encode(), digest_size=6).hexdigest()
-    round_ = _rounds.get(tag, 0)
-    _rounds[tag] = round_ + 1
-    store = distributed_c10d._get_default_store()
+    round_ = rounds.take(tag)
     prefix = f"evenly/agree/{tag}"
     keys = [f"{prefix}/{round_}/{r}" for r in range(len(ranks))]
     store.set(keys[me], json.dumps(view, sort_keys=True, default=str))
@@ -113,14 +182,4 @@ def check_agreement(
     finally:
         if round_ >= _KEEP:  # every rank has read those: they all reached this round
             store.delete_key(f"{prefix}/{round_ - _KEEP}/{me}")
-    views = [json.loads(store.get(key)) for key in keys]
-    problems = disagreements(views)
-    if problems:
-        raise PlanMismatchError(
-            "evenly: the DDP ranks disagree on the plan of epoch "
-            f"{view.get('epoch')}, so they would read overlapping data or hang: "
-            + " | ".join(problems)
-            + ". Build the dataset identically on every rank (same source, seed, "
-            "shuffle, drop_last, batch_size), or switch this check off with "
-            "evenly.DataLoader(..., check_plan=False)."
-        )
+    return [json.loads(store.get(key)) for key in keys]

@@ -231,9 +231,8 @@ def _transform(
     saved = RngState(ctx.generators)
     try:
         for i, sample in enumerate(samples):
-            spreader.seed(i)
             try:
-                result = transform(sample)
+                result = spreader.call(i, transform, sample)
             except Exception as exc:
                 ctx.note(exc, f"sample {batch[i]} (position {positions[i]})", batch[i])
                 raise

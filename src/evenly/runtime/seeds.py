@@ -18,13 +18,17 @@ Seeding costs a few microseconds per sample and generator (``bench/bench_core.py
 name only the generators your transform uses (``seed_generators=``), or none and build
 your own generator from :func:`sample_seed`.  The user's state of the seeded generators
 is saved and restored once per batch.
+
+The seed :func:`sample_seed` returns lives in a :class:`contextvars.ContextVar`, set
+around each call of the transform and reset after it (each thread sees its own).
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
+from contextvars import ContextVar
+from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -38,7 +42,9 @@ _MASK32 = 0xFFFFFFFF
 _NUMPY_KEY = np.uint64(0x6A09E667F3BCC909)
 _TORCH_KEY = np.uint64(0xBB67AE8584CAA73B)
 
-_current: list[int | None] = [None]
+#: The seed of the sample being transformed; ``None`` outside a transform call.
+_SAMPLE_SEED: ContextVar[int | None] = ContextVar("evenly.sample_seed", default=None)
+R = TypeVar("R")
 
 
 def sample_seed() -> int:
@@ -55,7 +61,7 @@ def sample_seed() -> int:
     >>> len(list(ds))
     4
     """
-    seed = _current[0]
+    seed = _SAMPLE_SEED.get()
     if seed is None:
         raise RuntimeError(
             "evenly.sample_seed() is only available inside an evenly.Dataset transform"
@@ -116,13 +122,28 @@ class SeedSpreader:
     def seed(self, i: int) -> None:
         """Seed the chosen generators for sample ``i`` of the prepared batch."""
         seed = self._py[i]
-        _current[0] = seed
         if self._random:
             random.seed(seed)
         if self._numpy:
             np.random.seed(self._np[i])
         if self._torch:
             self._gen.manual_seed(self._th[i])
+
+    def call(self, i: int, fn: Callable[[Any], R], sample: Any) -> R:
+        """``fn(sample)`` for sample ``i``: the generators seeded, and
+        :func:`sample_seed` giving its seed during the call (only then).
+
+        >>> spreader = SeedSpreader(())
+        >>> spreader.prepare(np.array([7], dtype=np.uint64))
+        >>> spreader.call(0, lambda x: (x, sample_seed()), "a")
+        ('a', 7)
+        """
+        self.seed(i)
+        token = _SAMPLE_SEED.set(self._py[i])
+        try:
+            return fn(sample)
+        finally:
+            _SAMPLE_SEED.reset(token)
 
 
 class RngState:
@@ -140,7 +161,6 @@ class RngState:
     def restore(self) -> None:
         import torch
 
-        _current[0] = None
         if self._python is not None:
             random.setstate(self._python)
         if self._numpy is not None:

@@ -14,6 +14,9 @@ Correctness does not rest on the slot count: a worker that finds no free slot (t
 main process holds several of its batches waiting for their turn, or a batch was
 dropped with an abandoned pass) hands that batch over the way torch does.  Every use of
 a slot carries a ticket, so a late "free" message never frees a slot that was reused.
+
+A packed batch names its transport by id only; the main process finds the transport in
+its :data:`RECEIVERS` registry (see :class:`Receivers` for why that one is per process).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import os
 import struct
+import threading
 import weakref
 from collections.abc import Callable, Sequence
 from multiprocessing import Pipe
@@ -30,27 +34,61 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data._utils.collate import collate, default_collate_fn_map
 
-__all__ = ["Packed", "Transport", "plain_collate", "unpack"]
+from evenly.runtime import torch_compat
+
+__all__ = ["RECEIVERS", "Packed", "Receivers", "Transport", "plain_collate", "unpack"]
 
 _ALIGN = 64
 _RELEASE = struct.Struct("<qqq")  # arena key, slot, ticket
-_RECEIVERS: weakref.WeakValueDictionary[int, Transport] = weakref.WeakValueDictionary()
+
+
+class Receivers:
+    """The main process's transports by id: how a packed batch finds the one that reads it.
+
+    A :class:`Packed` batch crosses torch's result queue pickled, carrying its transport's
+    id and nothing else of the main process.  It is unpacked by :func:`unpack`, from the
+    loop's iterator or from torch's pin-memory thread (:meth:`Packed.pin_memory`), where
+    torch hands over the item alone.  So the lookup is by id in a table of the process
+    the item lands in: one registry per process, :data:`RECEIVERS`.  Its values are weak:
+    a loader that is dropped takes its transport with it, and a batch of it that arrives
+    later raises a clear error (``tests/test_transport.py`` pins both).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_id: weakref.WeakValueDictionary[int, Transport] = weakref.WeakValueDictionary()
+
+    def register(self, transport: Transport) -> None:
+        """Make ``transport`` findable by its id (while something else holds it)."""
+        with self._lock:
+            self._by_id[transport.id] = transport
+
+    def find(self, owner: int) -> Transport | None:
+        """The live transport of id ``owner``, if any."""
+        with self._lock:
+            return self._by_id.get(owner)
+
+
+#: The process's registry (see :class:`Receivers`).
+RECEIVERS = Receivers()
 
 
 def _stack(batch: Sequence[torch.Tensor], *, collate_fn_map: Any = None) -> torch.Tensor:
     return torch.stack(list(batch), 0)
 
 
-_PLAIN_MAP: dict[Any, Callable[..., Any]] = {**default_collate_fn_map, torch.Tensor: _stack}
+_PLAIN_MAP: dict[Any, Callable[..., Any]] = {
+    **torch_compat.default_collate_fn_map(),
+    torch.Tensor: _stack,
+}
 
 
 def plain_collate(batch: list[Any]) -> Any:
     """``default_collate``'s result, with tensors stacked in ordinary memory (in a worker,
     ``default_collate`` puts each stacked tensor in a new shared-memory segment, which
     the slots make unnecessary)."""
-    return collate(batch, collate_fn_map=_PLAIN_MAP)
+    return torch_compat.collate_with(batch, _PLAIN_MAP)
 
 
 class _Leaf:
@@ -145,16 +183,14 @@ class Packed:
 
     def pin_memory(self, device: Any = None) -> Any:
         """Called by torch's pin-memory thread: the batch, unpacked and pinned."""
-        from torch.utils.data._utils.pin_memory import pin_memory
-
-        return pin_memory(unpack(self), device)  # type: ignore[no-untyped-call]
+        return torch_compat.pin_memory(unpack(self), device)
 
 
 def unpack(item: Any) -> Any:
     """The batch ``item`` stands for (anything not packed is returned as it is)."""
     if type(item) is not Packed:
         return item
-    receiver = _RECEIVERS.get(item.owner)
+    receiver = RECEIVERS.find(item.owner)
     if receiver is None:
         raise RuntimeError("evenly: a batch arrived from workers of a loader that is gone")
     return receiver.receive(item)
@@ -261,7 +297,7 @@ class Transport:
         self._release: list[Connection] | None = [w for _, w in pipes]  # main process
         self._arenas: dict[int, tuple[int, torch.Tensor]] = {}  # worker -> (key, arena)
         self._writer: _Writer | None = None
-        _RECEIVERS[self.id] = self
+        RECEIVERS.register(self)
 
     def __getstate__(self) -> dict[str, Any]:
         # the pipes travel only to workers being started (a copy made any other way,

@@ -355,3 +355,34 @@ def test_plans_over_ranks_and_workers_are_exact_per_source_and_epoch(
         seen += mix.__getitems__(ids.tolist())  # the sample ids (1000 * d + i)
         if not drop_last:
             assert_once_before_twice(seen, lengths)
+
+
+def test_a_state_loaded_under_running_persistent_workers_reaches_them() -> None:
+    """The loaded state's stream offsets travel with the pass to workers that started
+    before the load (persistent workers of a loader that already ran an epoch)."""
+    (saver,) = loaders(make_mix, world=1, batch=4, workers=0, shuffle=False)
+    run([saver], 1)
+    state = json.loads(json.dumps(saver.state_dict()))  # epoch 1, streams after epoch 0
+    make_new = lambda: make_mix(weights={"web": 1, "code": 1, "books": 1}, samples_per_epoch=30)  # noqa: E731
+    (running,) = loaders(make_new, world=1, batch=3, workers=2, shuffle=False)
+    run([running], 1)  # the workers start (and persist) before the load
+    running.load_state_dict(state)
+    (fresh,) = loaders(make_new, world=1, batch=3, workers=0, shuffle=False)
+    fresh.load_state_dict(state)
+    assert run([running], 2) == run([fresh], 2)
+
+
+def test_a_state_loaded_into_one_loader_is_not_seen_by_another_over_the_same_mix() -> None:
+    """What a loaded state fixes (stream offsets) belongs to the loader that loaded it."""
+    (saver,) = loaders(make_mix, world=1, batch=4, workers=0)
+    run([saver], 2)
+    state = json.loads(json.dumps(saver.state_dict()))
+    ds = evenly.Dataset(make_mix(), shuffle=True, seed=7, rank=0, world_size=1)
+    resumed = evenly.DataLoader(ds, batch_size=4)
+    other = evenly.DataLoader(ds, batch_size=4)
+    resumed.load_state_dict(state)
+    untouched = evenly.DataLoader(
+        evenly.Dataset(make_mix(), shuffle=True, seed=7, rank=0, world_size=1), batch_size=4
+    )
+    assert run([other], 1) == run([untouched], 1)
+    assert run([resumed], 1) == run([saver], 1)

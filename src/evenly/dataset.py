@@ -248,6 +248,7 @@ class Dataset(IterableDataset[Any], Generic[T_co]):
             rank=topo.rank,
             world_size=topo.world_size,
             generation=self._planner.generation,
+            source=state.source,
         )
 
     def plan(self) -> EpochPlan:
@@ -325,13 +326,15 @@ class Dataset(IterableDataset[Any], Generic[T_co]):
                 "Pass state_dict(samples_received=<samples this rank's loop received in "
                 "the epoch>), or use evenly.DataLoader (loader.state_dict() counts them)"
             )
-        plan = self.plan()
+        current = self._passes.current()
+        plan = self._planner.plan_for(self._own_spec(current))
         received = self._progress[0] if samples_received is None else samples_received
         received = check_int("samples_received", received, minimum=0)
         position = plan.consumed_after(received // plan.batch_size)
         if received >= plan.samples_per_rank or position >= plan.end:
-            return self._planner.to_state(PassState(plan.epoch + 1))
-        return self._planner.to_state(PassState(plan.epoch, position))
+            return self._planner.to_state(PassState(plan.epoch + 1, source=current.source))
+        at = PassState(plan.epoch, position, source=current.source)
+        return self._planner.to_state(at, order=plan.order)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume the dataset's own passes from ``state``: the next pass continues with
@@ -352,5 +355,5 @@ class Dataset(IterableDataset[Any], Generic[T_co]):
             skip = check_int("state['worker']['yielded']", worker.get("yielded"), minimum=0)
             self._passes.restore_worker(loaded, skip)
             return
-        self._passes.load(loaded)
+        self._passes.load(loaded, self._planner.carried(loaded))
         self._skipped.zero_()

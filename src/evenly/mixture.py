@@ -3,7 +3,9 @@ its own passes (every sample once before any twice), exact elastic resume, and a
 change at an epoch boundary that continues every stream where it stopped.
 
 This module is the source object ``evenly.Dataset`` reads (indices, checkpoints, stream
-offsets); the planning math lives in :mod:`evenly.core.mix.plan`.  No torch, no I/O of its own.
+offsets); the planning math lives in :mod:`evenly.core.mix`, and what a pass over a Mix
+carries (a loaded state's stream offsets and steps) in its pass state
+(:mod:`evenly.core.mix.checkpoint`), never on the Mix.  No torch, no I/O of its own.
 """
 
 from __future__ import annotations
@@ -15,14 +17,13 @@ import numpy as np
 import numpy.typing as npt
 
 from evenly.core.mix.apportion import epoch_offsets, mix_counts
+from evenly.core.mix.checkpoint import MixPart, check_saved_part
 from evenly.core.mix.order import MixOrder
 from evenly.errors import StateError, check_int
 
 __all__ = ["Mix"]
 
 I64 = npt.NDArray[np.int64]
-#: Orders remembered per epoch (for a checkpoint's step history): a few per process.
-_REMEMBERED = 4
 
 
 class _TooSmallStep:
@@ -113,12 +114,6 @@ class Mix:
         ends = np.cumsum(np.array(self.lengths, dtype=np.int64))
         self._ends = ends
         self._base = ends - np.array(self.lengths, dtype=np.int64)
-        #: (stream offsets at the start of epoch, that epoch), once a state fixed them
-        self._fixed: tuple[tuple[int, ...], int] | None = None
-        #: (epoch, position, segments before it, hold) of a loaded mid-epoch state
-        self._resume: tuple[int, int, tuple[tuple[int, int], ...], int] | None = None
-        #: epoch -> the (segments, hold) of the orders planned in this process
-        self._planned: dict[int, list[tuple[tuple[tuple[int, int], ...], int]]] = {}
 
     def _check_weights(self, weights: Mapping[str, float]) -> dict[str, float]:
         if not isinstance(weights, Mapping):
@@ -222,24 +217,32 @@ class Mix:
         return where + (f" ({inner(local)})" if inner is not None else "")
 
     # ---- planning ----------------------------------------------------------------
-    def stream_offsets(self, epoch: int) -> dict[str, int]:
-        """Each stream's offset at the start of ``epoch`` (items read before it)."""
-        return dict(zip(self.names, self._epoch_start(epoch), strict=True))
+    def stream_offsets(self, epoch: int, part: Any = None) -> dict[str, int]:
+        """Each stream's offset at the start of ``epoch`` (items read before it), from
+        epoch 0 or from the anchor of a loaded state (``part``)."""
+        return dict(zip(self.names, self._epoch_start(epoch, MixPart.from_json(part)), strict=True))
 
-    def _epoch_start(self, epoch: int) -> tuple[int, ...]:
-        if self._fixed is None:
+    def _epoch_start(self, epoch: int, part: MixPart | None) -> tuple[int, ...]:
+        if part is None:
             return epoch_offsets(self._counts, epoch)
-        fixed, fixed_epoch = self._fixed
-        return epoch_offsets(self._counts, epoch, fixed=fixed, fixed_epoch=fixed_epoch)
+        return epoch_offsets(
+            self._counts, epoch, fixed=part.anchor_offsets, fixed_epoch=part.anchor_epoch
+        )
 
     def _order(
-        self, seed: int, epoch: int, shuffle: bool, segments: Sequence[tuple[int, int]], hold: int
+        self,
+        seed: int,
+        epoch: int,
+        shuffle: bool,
+        segments: Sequence[tuple[int, int]],
+        hold: int,
+        part: MixPart | None,
     ) -> MixOrder:
         *history, (start, step) = segments
         return MixOrder(
             self.lengths,
             self._counts,
-            self._epoch_start(epoch),
+            self._epoch_start(epoch, part),
             names=self.names,
             seed=seed,
             epoch=epoch,
@@ -251,11 +254,19 @@ class Mix:
         )
 
     def epoch_order(
-        self, seed: int, epoch: int, *, shuffle: bool, step: int, start: int = 0
+        self,
+        seed: int,
+        epoch: int,
+        *,
+        shuffle: bool,
+        step: int,
+        start: int = 0,
+        part: Any = None,
     ) -> MixOrder | _TooSmallStep:
         """Epoch ``epoch``'s order (position -> index) dealt in global steps of ``step``
-        from position ``start`` (a resume: only after loading a state of that position).
-        O(number of sources): ``evenly.Dataset`` calls it once per pass and worker.
+        from position ``start`` (a resume: only with the ``part`` of a loaded state of that
+        position, as the pass state carries it).  O(number of sources):
+        ``evenly.Dataset`` calls it once per pass and worker.
 
         >>> mix = Mix({"a": [0, 1, 2], "b": [10, 11]}, weights={"a": 1, "b": 1},
         ...           samples_per_epoch=4)
@@ -265,16 +276,16 @@ class Mix:
         """
         step = check_int("step", step, minimum=1)
         start = check_int("start", start, minimum=0)
+        loaded = MixPart.from_json(part)
         hold = step if self.min_step is None else self.min_step
         history: tuple[tuple[int, int], ...] = ()
         if start:
-            resume = self._resume
-            if resume is None or resume[:2] != (epoch, start):
+            if loaded is None or loaded.resume is None or loaded.hold is None:
                 raise ValueError(
                     f"evenly.Mix: a pass of epoch {epoch} cannot start at position {start} "
                     "without a loaded state of that position (load_state_dict)"
                 )
-            history, hold = resume[2], resume[3]
+            history, hold = loaded.resume, loaded.hold
         if step < hold:  # refused when read, so that len(dataset) still works
             return _TooSmallStep(
                 f"evenly.Mix: the global step (world_size x batch_size) is {step} but epoch "
@@ -284,38 +295,34 @@ class Mix:
                 "min_step=<the smallest step> from the start (under a loader other than "
                 "evenly.DataLoader the step is world_size)"
             )
-        segments = (*history, (start, step))
         try:
-            order = self._order(seed, epoch, shuffle, segments, hold)
+            return self._order(seed, epoch, shuffle, (*history, (start, step)), hold, loaded)
         except ValueError as exc:
             raise ValueError(f"evenly.Mix, epoch {epoch}: {exc}") from exc
-        planned = self._planned.setdefault(epoch, [])
-        if (segments, hold) not in planned:
-            planned.append((segments, hold))
-            del planned[:-_REMEMBERED]
-        for old in [e for e in self._planned if e < epoch - 1]:
-            del self._planned[old]
-        return order
 
     def bounds(self, step: int) -> dict[str, float]:
         """Per source: ``|count among the first P positions - P * c_d / len| <= bound``
         at every step boundary ``P`` of an epoch dealt in steps of ``step``."""
-        order = self._order(
-            0, 0, False, [(0, step)], step if self.min_step is None else self.min_step
-        )
+        hold = step if self.min_step is None else self.min_step
+        order = self._order(0, 0, False, [(0, step)], hold, None)
         return dict(zip(self.names, order.bounds, strict=True))
 
     # ---- checkpoints ---------------------------------------------------------------
-    def source_state(self, epoch: int, position: int) -> dict[str, Any]:
+    def source_state(
+        self, epoch: int, position: int, part: Any = None, order: Any = None
+    ) -> dict[str, Any]:
         """The mixture's part of a checkpoint at ``position`` of ``epoch`` (a global step
-        boundary): each stream's offset at the epoch start and at ``position``, the
-        counts, and the steps the epoch was dealt in (JSON-serialisable)."""
-        start = self._epoch_start(epoch)
+        boundary of the pass's ``order``): each stream's offset at the epoch start and at
+        ``position``, the counts, and the steps the epoch was dealt in
+        (JSON-serialisable).  ``part`` is what the pass state carries (a loaded state's
+        anchor and resume)."""
+        loaded = MixPart.from_json(part)
+        start = self._epoch_start(epoch, loaded)
         segments: list[list[int]] = []
         hold: int | None = None
         now = start
         if position:
-            segments, hold, now = self._dealt(epoch, position)
+            segments, hold, now = self._dealt(epoch, position, loaded, order)
         return {
             "names": list(self.names),
             "lengths": list(self.lengths),
@@ -328,100 +335,58 @@ class Mix:
             "hold": hold,
         }
 
-    def _dealt(self, epoch: int, position: int) -> tuple[list[list[int]], int, tuple[int, ...]]:
-        """The segments and hold of this process's pass of ``epoch`` that reached
-        ``position``: of several planned (say a loader's and ``len(dataset)``'s), the one
-        with the largest step at ``position``."""
-        resume = self._resume
-        if resume is not None and resume[:2] == (epoch, position):  # loaded, not yet read
-            history, hold = resume[2], resume[3]
-            order = self._order(0, epoch, False, (*history, (position, hold)), hold)
-            return [[s, g] for s, g in history], hold, order.offsets_at(position)
-        candidates = self._planned.get(epoch, [])
-        best: tuple[int, list[list[int]], int, tuple[int, ...]] | None = None
-        for segments, hold in candidates:
-            try:
-                order = self._order(0, epoch, False, segments, hold)
-                offsets = order.offsets_at(position)
-            except ValueError:
-                continue
-            before = [[s, g] for s, g in segments if s < position]
-            if best is None or before[-1][1] >= best[0]:
-                best = (before[-1][1], before, hold, offsets)
-        if best is None:
+    def _dealt(
+        self, epoch: int, position: int, part: MixPart | None, order: Any
+    ) -> tuple[list[list[int]], int, tuple[int, ...]]:
+        """The segments and hold of the pass that reached ``position``, and the stream
+        offsets there: from its ``order``, or from the loaded ``part`` when ``position``
+        is where that pass starts."""
+        if not (isinstance(order, MixOrder) and order.epoch == epoch):
+            if part is None or part.resume is None or part.hold is None:
+                order = None
+            else:  # a loaded state not read yet: its own resume point
+                order = self._order(0, epoch, False, (*part.resume, (position, part.hold)),
+                                    part.hold, part)  # fmt: skip
+        try:
+            if order is None:
+                raise ValueError("no pass")
+            offsets = order.offsets_at(position)
+        except ValueError:
             raise ValueError(
                 f"evenly.Mix: position {position} of epoch {epoch} is not a global step "
-                "boundary of a pass planned in this process: a mixture is checkpointed "
+                "boundary of the pass in progress: a mixture is checkpointed "
                 "exactly only after whole global steps (take the state from "
                 "loader.state_dict() in the process that iterates)"
-            )
-        return best[1], best[2], best[3]
+            ) from None
+        before = [[s, g] for s, g in order.segments if s < position]
+        return before, order.hold, offsets
 
-    def load_source_state(self, state: Any, epoch: int, position: int) -> None:
-        """Check the mixture's part of a checkpoint and continue every stream from it.
+    def carried_part(self, part: Any) -> Any:
+        """What of a pass state's ``part`` holds for the owner's later passes (the
+        anchor: streams continue from the loaded offsets)."""
+        loaded = MixPart.from_json(part)
+        return None if loaded is None else loaded.carried().to_json()
+
+    def load_source_state(self, state: Any, epoch: int, position: int) -> dict[str, Any]:
+        """Check the mixture's part of a checkpoint; return what the pass state carries
+        from it (every stream continues from the saved offsets; mid-epoch, the steps).
 
         Other source names or lengths raise ``evenly.StateError`` naming the source; at
         an epoch boundary (``position == 0``) other weights or ``samples_per_epoch`` are
         fine (each stream continues where it stopped); mid-epoch they raise.
         """
-        if not isinstance(state, dict) or "epoch_offsets" not in state:
-            raise StateError(
-                "evenly.Mix: the state has no mixture part ('source_state'): it was not "
-                "saved by a dataset over an evenly.Mix"
-            )
-        names, lengths = list(state.get("names", [])), list(state.get("lengths", []))
-        for d, name in enumerate(self.names):
-            if name not in names:
-                raise StateError(
-                    f"evenly.Mix: source {name!r} is not in the saved mixture {names}: "
-                    "resume with the same sources (names and lengths)"
-                )
-            saved = lengths[names.index(name)]
-            if saved != self.lengths[d]:
-                raise StateError(
-                    f"evenly.Mix: source {name!r} has {self.lengths[d]} samples but had "
-                    f"{saved} when the state was saved: its streams cannot continue"
-                )
-        if names != list(self.names):
-            raise StateError(
-                f"evenly.Mix: the saved mixture has sources {names}, this one "
-                f"{list(self.names)}: resume with the same sources in the same order"
-            )
-        if (state.get("epoch"), state.get("position")) != (epoch, position):
-            raise StateError(
-                f"evenly.Mix: the mixture part is for epoch {state.get('epoch')} position "
-                f"{state.get('position')}, the state for epoch {epoch} position {position}"
-            )
-        offsets = tuple(check_int("stream offset", o, minimum=0) for o in state["epoch_offsets"])
-        if len(offsets) != len(self.names):
-            raise StateError(
-                f"evenly.Mix: {len(offsets)} stream offsets for {len(self.names)} sources"
-            )
-        resume = None
+        offsets, segments, hold = check_saved_part(
+            state, self.names, self.lengths, tuple(self._counts), epoch, position
+        )
+        part = MixPart(epoch, offsets)
         if position:
-            if list(state.get("counts", [])) != list(self._counts):
-                saved_counts = dict(zip(names, state.get("counts", []), strict=False))
-                raise StateError(
-                    f"evenly.Mix: the state is mid-epoch (epoch {epoch}, position {position}) "
-                    f"and was saved with per-epoch counts {saved_counts}, this Mix has "
-                    f"{self.counts}: other weights or samples_per_epoch work "
-                    "only at an epoch boundary; finish the epoch with the old Mix, or load a "
-                    "state saved at the end of an epoch"
-                )
-            segments = tuple((int(s), int(g)) for s, g in state.get("segments", []))
-            hold = check_int("state hold", state.get("hold"), minimum=1)
+            assert hold is not None
             try:  # the saved steps must reach ``position`` exactly
-                MixOrder(
-                    self.lengths, self._counts, offsets, names=self.names, seed=0,
-                    epoch=epoch, shuffle=False, step=hold, start=position,
-                    history=segments, hold=hold,
-                )  # fmt: skip
+                self._order(0, epoch, False, (*segments, (position, hold)), hold, part)
             except ValueError as exc:
                 raise StateError(f"evenly.Mix: the saved step history is invalid: {exc}") from exc
-            resume = (epoch, position, segments, hold)
-        self._fixed = (offsets, epoch)
-        self._resume = resume
-        self._planned = {}
+            part = MixPart(epoch, offsets, segments, hold)
+        return part.to_json()
 
     def __repr__(self) -> str:
         return f"evenly.Mix({self.counts}, samples_per_epoch={len(self)})"

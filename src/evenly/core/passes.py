@@ -29,6 +29,7 @@ PassState(epoch=4, position=0, batches=0)
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from evenly.core.state import PassState
 from evenly.errors import check_int
@@ -80,8 +81,8 @@ class Pass:
         def state_after(k: int) -> PassState:
             position = locate(k)
             if position >= end or k >= batches:
-                return PassState(start.epoch + 1)
-            return PassState(start.epoch, position, prior + k)
+                return PassState(start.epoch + 1, source=start.source)
+            return PassState(start.epoch, position, prior + k, start.source)
 
         begun = PassState(start.epoch, start.position, prior, start.source)
         return cls(begun, batches, state_after)
@@ -117,12 +118,14 @@ class PassTracker:
     """The passes of one owner: the next one (asked for, or the default) and the one in
     progress."""
 
-    __slots__ = ("_current", "_loaded", "_pending")
+    __slots__ = ("_anchor", "_current", "_loaded", "_pending")
 
     def __init__(self) -> None:
         self._pending: PassState | None = None
         self._loaded = False
         self._current: Pass | None = None
+        #: what a loaded state's source part fixed for every later pass (a Mix's streams)
+        self._anchor: Any = None
 
     def set_epoch(self, epoch: int) -> None:
         """The next pass is epoch ``epoch`` from its start (a loaded state of that epoch
@@ -130,11 +133,13 @@ class PassTracker:
         self._pending = after_set_epoch(self._pending, self._loaded, epoch)
         self._loaded = self._loaded and self._pending.resumes
 
-    def load(self, state: PassState) -> None:
-        """The next pass continues ``state``; a pass in progress is dropped."""
+    def load(self, state: PassState, carried: Any = None) -> None:
+        """The next pass continues ``state``; a pass in progress is dropped.  ``carried``:
+        what of its source part holds for every later pass too."""
         self._pending = state
         self._loaded = True
         self._current = None
+        self._anchor = carried
 
     @property
     def requested(self) -> bool:
@@ -142,12 +147,16 @@ class PassTracker:
         return self._pending is not None
 
     def next_start(self) -> PassState:
-        """Where the next pass starts."""
+        """Where the next pass starts (with what a loaded state fixed for it)."""
         if self._pending is not None:
-            return self._pending
-        if self._current is not None:
-            return self._current.after()
-        return PassState()
+            state = self._pending
+        elif self._current is not None:
+            state = self._current.after()
+        else:
+            state = PassState()
+        if state.source is None and self._anchor is not None:
+            state = PassState(state.epoch, state.position, state.batches, self._anchor)
+        return state
 
     def begin(self, current: Pass) -> Pass:
         """Start ``current`` (built from ``next_start()``): the request is used up."""

@@ -88,15 +88,22 @@ class IdentifiedSource(Protocol):
 
 @runtime_checkable
 class PlannedSource(Protocol):
-    """Plans its own epochs (``evenly.Mix``): the order, and its part of a checkpoint."""
+    """Plans its own epochs (``evenly.Mix``): the order, and its part of a checkpoint.
+
+    What a pass over it carries (``part``: JSON-serialisable, from a loaded state) lives
+    in the pass state of the owner, and reaches the workers in the pass spec."""
 
     def epoch_order(
-        self, seed: int, epoch: int, *, shuffle: bool, step: int, start: int = 0
+        self, seed: int, epoch: int, *, shuffle: bool, step: int, start: int = 0, part: Any = None
     ) -> Order: ...
 
-    def source_state(self, epoch: int, position: int) -> dict[str, Any]: ...
+    def source_state(
+        self, epoch: int, position: int, part: Any = None, order: Any = None
+    ) -> dict[str, Any]: ...
 
-    def load_source_state(self, state: Any, epoch: int, position: int) -> None: ...
+    def load_source_state(self, state: Any, epoch: int, position: int) -> Any: ...
+
+    def carried_part(self, part: Any) -> Any: ...
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,9 @@ True
 
 from __future__ import annotations
 
-from dataclasses import astuple, dataclass, fields
+import json
+from dataclasses import asdict, dataclass
+from typing import Any
 
 from evenly.errors import check_int
 
@@ -41,6 +43,8 @@ class PassSpec:
             replaced): a worker holding an older copy raises instead of reading stale data.
         infinite: batches over an endless stream of epochs (``start`` is then a stream
             position: ``epoch * num_samples + position``); see ``evenly.core.stream``.
+        source: what the pass carries for a source that plans its own epochs (an
+            ``evenly.Mix``: a loaded state's stream offsets and steps), JSON-serialisable.
     """
 
     epoch: int
@@ -53,6 +57,7 @@ class PassSpec:
     handoff: bool = False
     generation: int = 0
     infinite: bool = False
+    source: Any = None
 
     def __post_init__(self) -> None:
         check_int("epoch", self.epoch, minimum=0)
@@ -64,20 +69,10 @@ class PassSpec:
         if self.rank >= self.world_size:
             raise ValueError(f"rank {self.rank} is out of range for world_size {self.world_size}")
 
-    @classmethod
-    def size(cls) -> int:
-        """Integers in the encoded form."""
-        return len(fields(cls))
-
-    def encode(self) -> list[int]:
-        """The spec as a list of integers (what the shared channel holds)."""
-        return [int(v) for v in astuple(self)]
+    def encode(self) -> bytes:
+        """The spec as JSON bytes (what the shared channel holds)."""
+        return json.dumps(asdict(self), separators=(",", ":")).encode()
 
     @classmethod
-    def decode(cls, values: list[int]) -> PassSpec:
-        kinds = {f.name: f.type for f in fields(cls)}
-        args = {
-            name: (bool(v) if kinds[name] in (bool, "bool") else int(v))
-            for name, v in zip(kinds, values, strict=True)
-        }
-        return cls(**args)  # type: ignore[arg-type]
+    def decode(cls, data: bytes) -> PassSpec:
+        return cls(**json.loads(data))

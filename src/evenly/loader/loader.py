@@ -222,6 +222,7 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
             handoff=True,
             generation=self.dataset._planner.generation,
             infinite=infinite,
+            source=start.source,
         )
 
     @property
@@ -295,16 +296,19 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         state = self._passes.state()
         if self.infinite:
             state = PassState(state.epoch, state.position)
-        return self.dataset._planner.to_state(state, self._drop)
+        running = self._passes.current is not None and isinstance(self._plan, EpochPlan)
+        order = self._plan.order if running and isinstance(self._plan, EpochPlan) else None
+        return self.dataset._planner.to_state(state, self._drop, order)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Make the next pass resume ``state`` exactly: under any number of ranks, workers
         or batch size, with persistent workers running or not.  Later passes continue
         with the following epochs.  Raises ``evenly.StateError`` on a mismatch.
         """
-        loaded = self.dataset._planner.from_state(state, self._drop)
+        planner = self.dataset._planner
+        loaded = planner.from_state(state, self._drop)
         self._follow_dataset()
-        self._passes.load(loaded)
+        self._passes.load(loaded, planner.carried(loaded))
 
     # ---- passes ----------------------------------------------------------------
     def _use_columns(self) -> bool:

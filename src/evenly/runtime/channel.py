@@ -7,28 +7,58 @@ the main process before the workers are asked for data.
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 import torch
 
 from evenly.core.spec import PassSpec
 
-__all__ = ["PassChannel"]
+__all__ = ["PassChannel", "SharedJson"]
 
 
-def _shared(values: list[int]) -> torch.Tensor:
-    shared: torch.Tensor = torch.tensor(values, dtype=torch.int64).share_memory_()  # type: ignore[no-untyped-call]
-    return shared
+#: Bytes a shared value may take (a Mix's part grows with its sources and resume steps).
+CAPACITY = 1 << 16
+
+
+class SharedJson:
+    """One JSON-serialisable value in shared memory: its length (0: none yet) and bytes."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self._length: torch.Tensor = torch.zeros(1, dtype=torch.int64).share_memory_()  # type: ignore[no-untyped-call]
+        self._bytes: torch.Tensor = torch.zeros(CAPACITY, dtype=torch.uint8).share_memory_()  # type: ignore[no-untyped-call]
+
+    def publish_bytes(self, data: bytes) -> None:
+        if len(data) > CAPACITY:
+            raise ValueError(
+                f"evenly: {self.what} takes {len(data)} bytes, more than the {CAPACITY} that "
+                f"shared memory holds for it (a Mix with very many sources or resume steps)"
+            )
+        self._bytes[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        self._length[0] = len(data)
+
+    def read_bytes(self) -> bytes | None:
+        length = int(self._length[0])
+        return self._bytes[:length].numpy().tobytes() if length else None
+
+    def publish(self, value: Any) -> None:
+        self.publish_bytes(json.dumps(value, separators=(",", ":")).encode())
+
+    def read(self) -> Any:
+        data = self.read_bytes()
+        return None if data is None else json.loads(data)
 
 
 class PassChannel:
-    """One pass spec in shared memory (slot 0 says whether one was published)."""
+    """The spec of the pass in progress, published by its owner in the main process."""
 
     def __init__(self) -> None:
-        self._slots = _shared([0] * (1 + PassSpec.size()))
+        self._shared = SharedJson("the pass spec")
 
     def publish(self, spec: PassSpec) -> None:
-        self._slots[1:] = torch.tensor(spec.encode(), dtype=torch.int64)
-        self._slots[0] = 1
+        self._shared.publish_bytes(spec.encode())
 
     def read(self) -> PassSpec | None:
-        values = self._slots.tolist()
-        return PassSpec.decode(values[1:]) if values[0] else None
+        data = self._shared.read_bytes()
+        return None if data is None else PassSpec.decode(data)

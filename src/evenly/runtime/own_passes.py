@@ -32,6 +32,7 @@ from filelock import FileLock
 
 from evenly.core.passes import after_set_epoch
 from evenly.core.state import PassState
+from evenly.runtime.channel import SharedJson
 from evenly.runtime.torch_compat import worker_base_seed
 
 __all__ = ["OwnPasses", "PassKey"]
@@ -52,9 +53,9 @@ class _Local:
 
     #: passes this process has started (half of a pass's key)
     passes: int = 0
-    #: a worker restored by StatefulDataLoader: its next pass (epoch, position) and the
-    #: samples of its share it had yielded
-    resume: tuple[int, int, int] | None = None
+    #: a worker restored by StatefulDataLoader: its next pass and the samples of its
+    #: share it had yielded
+    resume: tuple[PassState, int] | None = None
     #: the pass this process runs (or ran last)
     running: PassState | None = None
 
@@ -72,6 +73,9 @@ class OwnPasses:
         table = torch.zeros(_HEADER + 3 * _RING, dtype=torch.int64)
         table[_LAST_EPOCH] = -1
         self._table: torch.Tensor = table.share_memory_()  # type: ignore[no-untyped-call]
+        #: the source parts (a Mix's): of the last request, and what holds for every pass
+        self._parts = SharedJson("the dataset's loaded pass state")
+        self._parts.publish({"request": None, "anchor": None})
         self._path = os.path.join(tempfile.gettempdir(), f"evenly-passes-{uuid.uuid4().hex}")
         weakref.finalize(self, _remove, self._path)
         self._local = _Local()
@@ -87,34 +91,44 @@ class OwnPasses:
         return FileLock(self._path + ".lock")
 
     # ---- asked for in the main process -----------------------------------------
+    def _with_part(self, epoch: int, position: int, batches: int = 0) -> PassState:
+        """A pass state with its source part: the request's where it starts at the
+        request's position inside an epoch, else what holds for every pass."""
+        parts = self._parts.read()
+        t = self._table.tolist()
+        resumes = position > 0 and (t[_EPOCH], t[_POSITION]) == (epoch, position)
+        return PassState(epoch, position, batches, parts["request" if resumes else "anchor"])
+
     def _pending(self, t: list[int]) -> PassState | None:
         if t[_CONSUMED] == t[_SERIAL]:
             return None
-        return PassState(t[_EPOCH], t[_POSITION], t[_BATCHES])
+        return self._with_part(t[_EPOCH], t[_POSITION], t[_BATCHES])
 
-    def _request(self, state: PassState, loaded: bool) -> None:
+    def _request(self, state: PassState, loaded: bool, anchor: Any) -> None:
         t = self._table
         t[_EPOCH], t[_POSITION], t[_BATCHES] = state.epoch, state.position, state.batches
         t[_LOADED] = int(loaded)
+        self._parts.publish({"request": state.source, "anchor": anchor})
         t[_SERIAL] += 1
 
     def set_epoch(self, epoch: int) -> None:
         """The next pass is epoch ``epoch`` (a loaded state of it keeps its position)."""
         with self._lock():
             t = self._table.tolist()
+            anchor = self._parts.read()["anchor"]
             state = after_set_epoch(self._pending(t), bool(t[_LOADED]), epoch)
-            self._request(state, loaded=bool(t[_LOADED]) and state.resumes)
+            self._request(state, bool(t[_LOADED]) and state.resumes, anchor)
         self.epoch_calls = (self.epoch_calls[0] + 1, epoch)
 
-    def load(self, state: PassState) -> None:
-        """The next pass continues ``state``."""
+    def load(self, state: PassState, carried: Any = None) -> None:
+        """The next pass continues ``state``; ``carried`` holds for every later pass."""
         with self._lock():
-            self._request(state, loaded=True)
+            self._request(state, loaded=True, anchor=carried)
 
     def restore_worker(self, state: PassState, yielded: int) -> None:
         """In a worker restored by StatefulDataLoader: its next pass continues ``state``,
         after the ``yielded`` samples of its share it had handed out."""
-        self._local.resume = (state.epoch, state.position, yielded)
+        self._local.resume = (state, yielded)
 
     # ---- where things stand ------------------------------------------------------
     def current(self) -> PassState:
@@ -125,8 +139,8 @@ class OwnPasses:
         if pending is not None:
             return pending
         if t[_LAST_EPOCH] < 0:
-            return PassState()
-        return PassState(t[_LAST_EPOCH], t[_LAST_POSITION])
+            return self._with_part(0, 0)
+        return self._with_part(t[_LAST_EPOCH], t[_LAST_POSITION])
 
     def last_ran_in_a_worker(self) -> bool:
         """Whether the last pass started ran in DataLoader workers (so this process
@@ -157,19 +171,18 @@ class OwnPasses:
             found = None if key is None else self._find(t, key)
             restored = local.resume is not None
             if local.resume is not None:
-                epoch, position, skip = local.resume
+                state, skip = local.resume
                 local.resume = None
-                state = PassState(epoch, position)
             elif found is not None:
                 state = found
             else:
                 pending = self._pending(t)
                 if pending is not None:
-                    state = PassState(pending.epoch, pending.position)
+                    state = pending
                     self._table[_CONSUMED] = t[_SERIAL]
                     self._table[_STARTED] = 0
                 else:
-                    state = PassState(t[_LAST_EPOCH] + 1)
+                    state = self._with_part(t[_LAST_EPOCH] + 1, 0)
             if found is None or restored:
                 self._record(t, key, state)
         local.running = state
@@ -179,7 +192,7 @@ class OwnPasses:
         for slot in range(_RING):
             at = _HEADER + 3 * slot
             if t[at] == key:
-                return PassState(t[at + 1], t[at + 2])
+                return self._with_part(t[at + 1], t[at + 2])
         return None
 
     def _record(self, t: list[int], key: PassKey, state: PassState) -> None:

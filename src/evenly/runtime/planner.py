@@ -133,7 +133,11 @@ class Planner:
             epoch=spec.epoch,
             start=spec.start,
             order=self.order_for(
-                spec.epoch, spec.num_samples, spec.world_size * spec.batch_size, spec.start
+                spec.epoch,
+                spec.num_samples,
+                spec.world_size * spec.batch_size,
+                spec.start,
+                spec.source,
             ),
         )
 
@@ -149,13 +153,21 @@ class Planner:
             orders=lambda epoch: self.order_for(epoch, spec.num_samples, step, 0),
         )
 
-    def order_for(self, epoch: int, num_samples: int, step: int, start: int) -> Order | None:
+    def order_for(
+        self, epoch: int, num_samples: int, step: int, start: int, part: Any = None
+    ) -> Order | None:
         """Epoch ``epoch``'s order.  A source that plans its own (``evenly.Mix``) gets the
-        global step and the pass's start; any other is ordered by the shuffle mode."""
+        global step, the pass's start and what the pass carries (``part``); any other is
+        ordered by the shuffle mode."""
         planned = self.view.planned
         if planned is not None:
             order: Order = planned.epoch_order(
-                self.seed, epoch, shuffle=self.shuffle_mode != "none", step=step, start=start
+                self.seed,
+                epoch,
+                shuffle=self.shuffle_mode != "none",
+                step=step,
+                start=start,
+                part=part,
             )
             return order
         return make_order(
@@ -187,17 +199,22 @@ class Planner:
             del fp["num_samples"]
         return fp
 
-    def to_state(self, state: PassState, drop_last: bool | None = None) -> dict[str, Any]:
-        """The checkpoint dict of ``state`` (a planned source adds its part)."""
+    def to_state(
+        self, state: PassState, drop_last: bool | None = None, order: Any = None
+    ) -> dict[str, Any]:
+        """The checkpoint dict of ``state``; a planned source adds its part, from what
+        the pass carries and the ``order`` of the pass that reached the position."""
         planned = self.view.planned
+        saved = PassState(state.epoch, state.position, state.batches)
         if planned is not None:
-            state = PassState(
-                state.epoch,
-                state.position,
-                state.batches,
-                planned.source_state(state.epoch, state.position),
-            )
-        return state.to_dict(self.fingerprint(drop_last))
+            part = planned.source_state(state.epoch, state.position, state.source, order)
+            saved = PassState(state.epoch, state.position, state.batches, part)
+        return saved.to_dict(self.fingerprint(drop_last))
+
+    def carried(self, state: PassState) -> Any:
+        """What of a loaded state holds for the owner's later passes (a Mix's anchor)."""
+        planned = self.view.planned
+        return None if planned is None else planned.carried_part(state.source)
 
     def from_state(self, state: dict[str, Any], drop_last: bool | None = None) -> PassState:
         """Validate a checkpoint dict for this dataset (a planned source takes its part)."""
@@ -207,9 +224,10 @@ class Planner:
             fingerprint["num_samples"] = self.num_samples()
             state = {**state, "num_samples": self.num_samples()}
         loaded = PassState.from_dict(state, fingerprint)
-        if planned is not None:
-            planned.load_source_state(state.get("source_state"), loaded.epoch, loaded.position)
-        return loaded
+        if planned is None:
+            return PassState(loaded.epoch, loaded.position, loaded.batches)
+        part = planned.load_source_state(state.get("source_state"), loaded.epoch, loaded.position)
+        return PassState(loaded.epoch, loaded.position, loaded.batches, part)
 
     # ---- reading -----------------------------------------------------------------
     def read(

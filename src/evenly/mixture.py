@@ -19,6 +19,7 @@ import numpy.typing as npt
 from evenly.core.mix.apportion import epoch_offsets, mix_counts
 from evenly.core.mix.checkpoint import MixPart, check_saved_part
 from evenly.core.mix.order import MixOrder
+from evenly.core.source import SourceView
 from evenly.errors import StateError, check_int
 
 __all__ = ["Mix"]
@@ -99,6 +100,8 @@ class Mix:
                     "evenly file source"
                 )
         self._sources = [sources[name] for name in sources]
+        #: what each source offers, found once
+        self._views = [SourceView.of(s) for s in self._sources]
         self.lengths: tuple[int, ...] = tuple(len(s) for s in self._sources)
         self.weights = None if weights is None else self._check_weights(weights)
         if samples_per_epoch is not None:
@@ -161,9 +164,9 @@ class Mix:
         """Identity for checkpoints: the source names and lengths (and each source's own
         fingerprint where it has one), not the weights: a state may change those."""
         parts = []
-        for name, n, source in zip(self.names, self.lengths, self._sources, strict=True):
-            own = getattr(source, "fingerprint", None)
-            parts.append(f"{name}: {n}" + (f" [{own}]" if isinstance(own, str) else ""))
+        for name, n, view in zip(self.names, self.lengths, self._views, strict=True):
+            own = view.fingerprint
+            parts.append(f"{name}: {n}" + (f" [{own}]" if own is not None else ""))
         return "evenly.Mix(" + ", ".join(parts) + ")"
 
     def source_of(self, indices: npt.ArrayLike) -> I64:
@@ -190,7 +193,7 @@ class Mix:
         for d in np.unique(src).tolist():
             where = np.flatnonzero(src == d)
             local = (idx[where] - self._base[d]).tolist()
-            getitems = getattr(self._sources[d], "__getitems__", None)
+            getitems = self._views[d].getitems
             if getitems is not None:
                 samples = list(getitems(local))
             else:
@@ -204,7 +207,7 @@ class Mix:
         idx = np.asarray(indices, dtype=np.int64).reshape(-1)
         src = self.source_of(idx)
         for d in dict.fromkeys(src.tolist()):
-            prefetch = getattr(self._sources[d], "prefetch", None)
+            prefetch = self._views[d].prefetch
             if prefetch is not None:
                 prefetch((idx[src == d] - self._base[d]).tolist())
 
@@ -213,7 +216,7 @@ class Mix:
         (d,) = self.source_of([index]).tolist()
         local = int(index) - int(self._base[d])
         where = f"source {self.names[d]!r} sample {local}"
-        inner = getattr(self._sources[d], "locate", None)
+        inner = self._views[d].locate
         return where + (f" ({inner(local)})" if inner is not None else "")
 
     # ---- planning ----------------------------------------------------------------

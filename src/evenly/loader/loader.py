@@ -28,14 +28,10 @@ from evenly.dataset import SKIP_SLOTS, Dataset
 from evenly.errors import EvenlyWarning, check_int
 from evenly.loader.engine import Engine
 from evenly.loader.feed import NO_LENGTH, PassIterator
-from evenly.runtime.agreement import DEFAULT_TIMEOUT, check_agreement, group_ranks
+from evenly.runtime.agreement import DEFAULT_TIMEOUT, check_pass
 from evenly.runtime.checks import warn_about
 
 __all__ = ["DataLoader"]
-
-
-def _distributed() -> bool:
-    return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
 def _refuse_planned_source(dataset: Dataset[Any]) -> None:
@@ -382,24 +378,11 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
             columnar=self._use_columns(),
             on_end=self._warn_skipped if isinstance(plan, EpochPlan) else None,
         )
-        self._check_agreement(plan, spec)
+        if self.check_plan:
+            check_pass(
+                spec,
+                self.dataset._planner.fingerprint(self._drop),
+                group=self.dataset.process_group,
+                timeout=self.agreement_timeout,
+            )
         return iterator
-
-    def _check_agreement(self, plan: EpochPlan | StreamPlan, spec: PassSpec) -> None:
-        """Only a plan split over the data-parallel group must agree across it (a dataset
-        built with world_size=1 on purpose, e.g. for evaluation, is not)."""
-        if not (self.check_plan and _distributed()):
-            return
-        group = self.dataset.process_group
-        if spec.world_size != len(group_ranks(group)):
-            return
-        view = {
-            **self.dataset._planner.fingerprint(self._drop),
-            "batch_size": spec.batch_size,
-            "epoch": spec.epoch,
-            "start": spec.start,
-            "infinite": spec.infinite,
-            "world_size": spec.world_size,
-            "rank": spec.rank,
-        }
-        check_agreement(view, group=group, timeout=self.agreement_timeout)

@@ -23,6 +23,7 @@ from collections import defaultdict
 from datetime import timedelta
 from typing import Any
 
+from evenly.core.spec import PassSpec
 from evenly.errors import PlanMismatchError
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "ROUNDS",
     "ExchangeRounds",
     "check_agreement",
+    "check_pass",
     "disagreements",
     "exchange",
     "group_ranks",
@@ -183,3 +185,25 @@ def exchange(
         if round_ >= _KEEP:  # every rank has read those: they all reached this round
             store.delete_key(f"{prefix}/{round_ - _KEEP}/{me}")
     return [json.loads(store.get(key)) for key in keys]
+
+
+def check_pass(spec: PassSpec, fingerprint: dict[str, Any], *, group: Any, timeout: float) -> None:
+    """At a pass start under ``torch.distributed``: the ranks agree on the pass's plan.
+    Only a plan split over the data-parallel group must agree across it (a dataset
+    built with ``world_size=1`` on purpose, e.g. for evaluation, is not)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if spec.world_size != len(group_ranks(group)):
+        return
+    view = {
+        **fingerprint,
+        "batch_size": spec.batch_size,
+        "epoch": spec.epoch,
+        "start": spec.start,
+        "infinite": spec.infinite,
+        "world_size": spec.world_size,
+        "rank": spec.rank,
+    }
+    check_agreement(view, group=group, timeout=timeout)

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -165,7 +166,7 @@ def test_batches_read_each_source_once_and_errors_name_the_source() -> None:
     assert len(web.calls) == len(code.calls) == 1  # one call per source and batch
     assert mix.locate(11) == "source 'code' sample 1"
     with pytest.raises(IndexError, match=r"index 15 is out of range \[0, 15\)"):
-        mix[15]
+        mix.read_one(15)
 
 
 @pytest.mark.parametrize(
@@ -352,7 +353,7 @@ def test_plans_over_ranks_and_workers_are_exact_per_source_and_epoch(
             assert (
                 np.bincount(mix.source_of(ids), minlength=len(counts)).tolist() == counts.tolist()
             )
-        seen += mix.__getitems__(ids.tolist())  # the sample ids (1000 * d + i)
+        seen += mix.read_many(ids.tolist())  # the sample ids (1000 * d + i)
         if not drop_last:
             assert_once_before_twice(seen, lengths)
 
@@ -386,3 +387,21 @@ def test_a_state_loaded_into_one_loader_is_not_seen_by_another_over_the_same_mix
     )
     assert run([other], 1) == run([untouched], 1)
     assert run([resumed], 1) == run([saver], 1)
+
+
+def test_a_mix_is_not_a_sequence_and_says_how_to_read_it(tmp_path: Any) -> None:
+    """len(mix) is the samples per epoch while its indices span the concatenated sources:
+    code that indexes range(len(mix)) would read a prefix, so indexing raises, naming
+    evenly.Dataset (Subset, evenly.write), and a Mix inside a Mix is refused when built."""
+    mix = make_mix()
+    with pytest.raises(TypeError, match=r"not a sequence.*evenly\.Dataset\(mix\)"):
+        mix[0]
+    with pytest.raises(TypeError, match="not a sequence"):
+        list(torch.utils.data.DataLoader(torch.utils.data.Subset(mix, range(len(mix)))))
+    with pytest.raises(TypeError, match="not a sequence"):
+        evenly.write(mix, str(tmp_path / "out"))
+    with pytest.raises(TypeError, match=r"source 'inner' is itself an evenly.Mix"):
+        Mix({"inner": make_mix(), "other": list(range(5))})
+    ds = evenly.Dataset(mix, shuffle=True)  # the way to read it: every epoch exact
+    counts = per_source([int(x) for b in evenly.DataLoader(ds, batch_size=8) for x in b])
+    assert [counts[d] for d in range(3)] == list(mix.counts.values())

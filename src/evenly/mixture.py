@@ -99,6 +99,13 @@ class Mix:
                     "and __getitem__: pass a list, an array, a map-style Dataset or an "
                     "evenly file source"
                 )
+        nested = [n for n, s in sources.items() if isinstance(s, Mix)]
+        if nested:
+            raise TypeError(
+                f"evenly.Mix: source {nested[0]!r} is itself an evenly.Mix; a Mix inside a Mix "
+                "is not supported (its epochs are planned by weight, not indexed): give all "
+                "the sources to one Mix, with weights multiplied out"
+            )
         self._sources = [sources[name] for name in sources]
         #: what each source offers, found once
         self._views = [SourceView.of(s) for s in self._sources]
@@ -182,10 +189,22 @@ class Mix:
         return np.searchsorted(self._ends, idx, side="right").astype(np.int64)
 
     def __getitem__(self, index: int) -> Any:
+        """A Mix is not a sequence: ``len(mix)`` is the samples per epoch, while its
+        indices span the concatenated sources, so code that indexes ``range(len(mix))``
+        (``torch.utils.data.Subset``, ``evenly.write``, a Mix inside a Mix) would read a
+        prefix only.  Read it through ``evenly.Dataset(mix)``."""
+        raise TypeError(
+            "evenly.Mix is not a sequence: len(mix) is the samples per epoch, but its "
+            "indices span the concatenated sources, so indexing it would read only a "
+            "prefix; wrap it: evenly.Dataset(mix) (read_one/read_many take global indices)"
+        )
+
+    def read_one(self, index: int) -> Any:
+        """The sample at global ``index`` (into the concatenated sources)."""
         (d,) = self.source_of([index]).tolist()
         return self._sources[d][int(index) - int(self._base[d])]
 
-    def __getitems__(self, indices: Sequence[int]) -> list[Any]:
+    def read_many(self, indices: Sequence[int]) -> list[Any]:
         """Read a batch: each source once (its own ``__getitems__`` when it has one)."""
         idx = np.asarray(indices, dtype=np.int64).reshape(-1)
         src = self.source_of(idx)
@@ -274,7 +293,7 @@ class Mix:
         >>> mix = Mix({"a": [0, 1, 2], "b": [10, 11]}, weights={"a": 1, "b": 1},
         ...           samples_per_epoch=4)
         >>> order = mix.epoch_order(0, 0, shuffle=False, step=2)
-        >>> sorted(mix.__getitems__(order(range(4)).tolist()))
+        >>> sorted(mix.read_many(order(range(4)).tolist()))
         [0, 1, 10, 11]
         """
         step = check_int("step", step, minimum=1)

@@ -89,6 +89,7 @@ class IdentifiedSource(Protocol):
 @runtime_checkable
 class PlannedSource(Protocol):
     """Plans its own epochs (``evenly.Mix``): the order, and its part of a checkpoint.
+    It is read by global index with ``read_one``/``read_many`` (it is not a sequence).
 
     What a pass over it carries (``part``: JSON-serialisable, from a loaded state) lives
     in the pass state of the owner, and reaches the workers in the pass spec."""
@@ -105,6 +106,10 @@ class PlannedSource(Protocol):
 
     def carried_part(self, part: Any) -> Any: ...
 
+    def read_one(self, index: int) -> Any: ...
+
+    def read_many(self, indices: Sequence[int]) -> list[Any]: ...
+
 
 @dataclass(frozen=True)
 class SourceView:
@@ -112,6 +117,8 @@ class SourceView:
     value, or ``None`` where it offers none."""
 
     source: Any
+    #: the sample at an index (``source[i]``, or a planned source's ``read_one``)
+    read_one: Callable[[int], Any]
     getitems: Callable[[Sequence[int]], list[Any]] | None
     prefetch: Callable[[Sequence[int]], None] | None
     locate: Callable[[int], str] | None
@@ -135,16 +142,20 @@ class SourceView:
                 f"samples to shards with evenly.write()"
             )
         fingerprint = getattr(source, "fingerprint", None)
+        planned = source if isinstance(source, PlannedSource) else None
         return cls(
             source=source,
-            getitems=getattr(source, "__getitems__", None),
+            read_one=source.__getitem__ if planned is None else planned.read_one,
+            getitems=getattr(source, "__getitems__", None)
+            if planned is None
+            else planned.read_many,
             prefetch=source.prefetch if isinstance(source, PrefetchingSource) else None,
             locate=source.locate if isinstance(source, LocatingSource) else None,
             read_columns=source.read_columns if isinstance(source, ColumnarSource) else None,
             columnar_exact=bool(getattr(source, "columnar_exact", False)),
             shard_sizes=getattr(source, "shard_sizes", None),
             fingerprint=fingerprint if isinstance(fingerprint, str) else None,
-            planned=source if isinstance(source, PlannedSource) else None,
+            planned=planned,
             preferred_shuffle=str(getattr(source, "preferred_shuffle", "global")),
             shuffle_advice=getattr(source, "shuffle_advice", None),
         )

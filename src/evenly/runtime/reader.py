@@ -140,10 +140,10 @@ def _fetch(
     if getitems is None:
         if ctx.on_error == "skip":
             return [_fetch_one(ctx, i, p) for i, p in zip(batch, positions, strict=True)]
-        source = ctx.source
+        read_one = ctx.view.read_one
         pending = iter(batch)
         try:
-            return [source[index] for index in pending]
+            return [read_one(index) for index in pending]
         except Exception as exc:  # name the sample at fault: nothing is read again
             at = len(batch) - length_hint(pending) - 1  # the one being read
             if isinstance(exc, IndexError):
@@ -163,7 +163,7 @@ def _fetch(
 
 def _fetch_one(ctx: ReadContext, index: int, position: int) -> Any:
     try:
-        return ctx.source[index]
+        return ctx.view.read_one(index)
     except IndexError as exc:
         raise _lying_len(ctx, [index], exc) from exc
     except Exception as exc:
@@ -180,7 +180,7 @@ def _replacement(ctx: ReadContext, index: int, position: int, error: Exception) 
     for k in range(1, MAX_REPLACEMENTS + 1):
         alternative = int(ctx.plan.indices([(position % n + k * stride) % n])[0])
         try:
-            sample = ctx.source[alternative]
+            sample = ctx.view.read_one(alternative)
         except Exception:
             continue
         if ctx.skipped is not None:

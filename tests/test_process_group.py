@@ -63,3 +63,37 @@ def test_a_rank_outside_the_given_group_is_told() -> None:
     messages = run_ranks(outside_the_group, 2, timeout=120)
     assert messages[0] == "ok"
     assert "not a member of the given group" in messages[1]
+
+
+def _explicit_world_size_one(rank: int, world: int) -> tuple[list[str], list[str], int]:
+    import warnings as w
+
+    import torch.distributed as dist
+
+    own = [dist.new_group([r]) for r in range(world)]  # every rank creates every group
+    with w.catch_warnings(record=True) as caught:
+        w.simplefilter("always")
+        ds = evenly.Dataset(list(range(10)), rank=0, world_size=1)
+        loader = evenly.DataLoader(ds, batch_size=5, check_plan=False)
+        first = [int(x) for b in loader for x in b]
+        list(loader)  # a second epoch: still one warning
+    loud = [str(c.message) for c in caught if issubclass(c.category, evenly.EvenlyWarning)]
+    with w.catch_warnings(record=True) as caught:
+        w.simplefilter("always")
+        local = evenly.Dataset(list(range(10)), rank=0, world_size=1, process_group=own[rank])
+        list(evenly.DataLoader(local, batch_size=5))
+    quiet = [str(c.message) for c in caught if issubclass(c.category, evenly.EvenlyWarning)]
+    return loud, quiet, len(first)
+
+
+@pytest.mark.slow
+def test_an_explicit_world_size_of_one_under_several_ranks_warns_once() -> None:
+    """world_size=1 given while the default group has 2 ranks: every rank reads every
+    sample, said once per dataset naming both sizes; a process_group of the rank's own
+    (a rank-local loader on purpose) says nothing."""
+    for rank, (loud, quiet, read) in enumerate(run_ranks(_explicit_world_size_one, 2)):
+        assert len(loud) == 1, loud
+        assert f"rank {rank} of 2" in loud[0] and "world_size=1" in loud[0]
+        assert "process_group=" in loud[0]
+        assert quiet == []
+        assert read == 10

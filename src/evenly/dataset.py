@@ -26,7 +26,12 @@ from evenly.core.topology import Topology
 from evenly.errors import StateError, check_int
 from evenly.interop.accelerate import Wrapped, accelerate_wrapper, resharded_in_worker
 from evenly.runtime.checks import warn_about
-from evenly.runtime.detect import group_of, is_detected_from_environment, resolve_topology
+from evenly.runtime.detect import (
+    group_of,
+    is_detected_from_environment,
+    resolve_topology,
+    warn_if_rank_local,
+)
 from evenly.runtime.own_passes import OwnPasses
 from evenly.runtime.planner import Planner
 from evenly.runtime.seeds import GENERATORS
@@ -118,6 +123,7 @@ class Dataset(IterableDataset[Any], Generic[T_co]):
             Topology(self._rank, self._world_size)
         #: the topology as fixed in the main process (None until it can be detected)
         self._fixed: Topology | None = None
+        self._warned_rank_local = False
         self._passes = OwnPasses()
         #: what the main process saw last (len, fingerprint, generation), for workers
         self._seen = torch.tensor([_UNSET, 0, 0], dtype=torch.int64).share_memory_()  # type: ignore[no-untyped-call]
@@ -194,6 +200,10 @@ class Dataset(IterableDataset[Any], Generic[T_co]):
         """
         if self._wrapped is not None and self._wrapped.mode == "dispatch":
             return Topology(0, 1)  # rank 0 reads for all; the wrapper deals the batches
+        if not self._warned_rank_local and get_worker_info() is None:
+            self._warned_rank_local = warn_if_rank_local(
+                self._world_size, self.process_group, "evenly.Dataset"
+            )
         if self._fixed is not None:
             return self._fixed
         explicit = self._rank is not None and self._world_size is not None

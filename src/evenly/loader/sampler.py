@@ -26,7 +26,7 @@ from evenly.core.plan import CHUNK, EpochPlan
 from evenly.core.state import PassState
 from evenly.core.topology import Topology
 from evenly.errors import EvenlyWarning, check_int
-from evenly.runtime.detect import resolve_topology
+from evenly.runtime.detect import resolve_topology, warn_if_rank_local
 
 __all__ = ["BatchSampler"]
 
@@ -102,6 +102,7 @@ class BatchSampler(Sampler[list[int]]):
         if self._rank is not None and self._world_size is not None:
             Topology(self._rank, self._world_size)
         self.process_group = process_group
+        self._warned_rank_local = False
         self._passes = PassTracker()
         #: The pass in progress (or the last one); ``None`` once a new one is due.
         self._pass: Pass | None = None
@@ -111,6 +112,10 @@ class BatchSampler(Sampler[list[int]]):
     # ---- plan ------------------------------------------------------------------
     def topology(self) -> Topology:
         """This rank's (rank, world_size), resolved now."""
+        if not self._warned_rank_local:
+            self._warned_rank_local = warn_if_rank_local(
+                self._world_size, self.process_group, "evenly.BatchSampler"
+            )
         return resolve_topology(self._rank, self._world_size, self.process_group)
 
     def _plan(self, epoch: int, start: int, world_size: int) -> EpochPlan:

@@ -176,10 +176,11 @@ def exchange(
             f"evenly: rank(s) {missing} of the data-parallel group (global ranks "
             f"{[ranks[r] for r in missing]}) did not start epoch {view.get('epoch')} within "
             f"{timeout:g} s, so this rank would wait for data that never comes. Likely "
-            f"causes: that rank built its dataset with another world_size (e.g. "
-            f"world_size=1) or process_group; the loader exists on some ranks only (a "
-            f"rank-local loader needs world_size=1 or check_plan=False); or that rank is "
-            f"still busy (raise evenly.DataLoader(..., agreement_timeout=...))"
+            f"causes: that rank built its dataset with another world_size or "
+            f"process_group; the loader exists on some ranks only (a rank-local loader "
+            f"needs check_plan=False, or world_size=1 with a process_group of that rank "
+            f"alone); or that rank is still busy (raise evenly.DataLoader(..., "
+            f"agreement_timeout=...))"
         ) from exc
     finally:
         if round_ >= _KEEP:  # every rank has read those: they all reached this round

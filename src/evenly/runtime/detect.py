@@ -14,11 +14,13 @@ Resolution happens in the main process: DataLoader workers started with ``spawn`
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any
 
 from evenly.core.topology import Topology
+from evenly.errors import EvenlyWarning
 
-__all__ = ["detect_topology", "group_of", "resolve_topology"]
+__all__ = ["detect_topology", "group_of", "resolve_topology", "warn_if_rank_local"]
 
 
 def _env_int(name: str) -> int | None:
@@ -104,3 +106,26 @@ def is_detected_from_environment(process_group: Any = None) -> bool:
     if process_group is not None or (dist.is_available() and dist.is_initialized()):
         return True
     return os.environ.get("WORLD_SIZE") not in (None, "")
+
+
+def warn_if_rank_local(world_size: int | None, process_group: Any, what: str) -> bool:
+    """Warn (once: the caller keeps the flag) when ``world_size=1`` was given explicitly
+    while this process is one of several ranks of torch.distributed's default group:
+    every rank then reads every sample.  A ``process_group`` (the user's own group) says
+    it is meant; returns whether it warned."""
+    import torch.distributed as dist
+
+    if world_size != 1 or process_group is not None:
+        return False
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return False
+    warnings.warn(
+        f"evenly: {what} was built with world_size=1, but this process is rank "
+        f"{dist.get_rank()} of {dist.get_world_size()} in torch.distributed's default group: "
+        f"every rank reads every sample. For a rank-local loader (evaluation on one rank) "
+        f"pass process_group=<a group of this rank alone> (that silences this warning); "
+        f"to split the data over the ranks, leave world_size unset",
+        EvenlyWarning,
+        stacklevel=4,
+    )
+    return True

@@ -181,3 +181,46 @@ def test_tars_written_by_python_in_every_format_are_read(tmp_path: Path, fmt: in
     assert [(s["txt"], s["json"], s["seg.png"]) for s in got] == [
         (k.encode() * 3, b"{}", b"P") for k in keys
     ]
+
+
+# ---- a file that changes while the dataset uses it -------------------------------------
+def _write_arrow(path: Path, ids: range) -> None:
+    import pyarrow as pa
+
+    schema = pa.schema([("id", pa.int64())])
+    # "wb" truncates the same inode in place
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
+        writer.write_table(pa.table({"id": list(ids)}), max_chunksize=50)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_an_arrow_file_rewritten_shorter_in_place_is_a_clear_error(
+    tmp_path: Path, num_workers: int
+) -> None:
+    """Between epochs and in the middle of one: the next pass, or the next batch, raises
+    naming the file (never rows that exist in no file, never a SIGBUS in a worker)."""
+    import evenly
+
+    for i in range(4):
+        _write_arrow(tmp_path / f"part-{i}.arrow", range(100 * i, 100 * i + 100))
+    ds = evenly.Dataset(es.from_arrow(str(tmp_path)), shuffle=True, seed=1)
+    loader = evenly.DataLoader(ds, batch_size=20, num_workers=num_workers)
+    first = [int(x) for b in loader for x in b["id"]]
+    assert sorted(first) == list(range(400))
+    inode = (tmp_path / "part-2.arrow").stat().st_ino
+    _write_arrow(tmp_path / "part-2.arrow", range(200, 240))
+    assert (tmp_path / "part-2.arrow").stat().st_ino == inode
+    with pytest.raises((ValueError, RuntimeError), match=r"part-2\.arrow.*changed"):
+        list(loader)
+    # mid-pass: the file changes after the first batches of an epoch
+    for i in range(4):
+        _write_arrow(tmp_path / f"part-{i}.arrow", range(100 * i, 100 * i + 100))
+    ds = evenly.Dataset(es.from_arrow(str(tmp_path)), shuffle=True, seed=1)
+    ahead = {"prefetch_factor": 1} if num_workers else {}
+    loader = evenly.DataLoader(ds, batch_size=20, num_workers=num_workers, **ahead)
+    it = iter(loader)
+    next(it)
+    _write_arrow(tmp_path / "part-1.arrow", range(100, 130))
+    with pytest.raises((ValueError, RuntimeError), match=r"part-1\.arrow.*changed"):
+        for _ in it:
+            pass

@@ -19,6 +19,7 @@ from evenly.core.plan import Order
 
 __all__ = [
     "BatchedSource",
+    "CheckedSource",
     "ColumnarSource",
     "IdentifiedSource",
     "LocatingSource",
@@ -80,6 +81,13 @@ class ShardedSource(Protocol):
 
 
 @runtime_checkable
+class CheckedSource(Protocol):
+    """Can tell, cheaply, that its files are still the ones it opened (at a pass start)."""
+
+    def check_unchanged(self) -> None: ...
+
+
+@runtime_checkable
 class IdentifiedSource(Protocol):
     """Has an identity that changes when its data does (checked on resume)."""
 
@@ -122,6 +130,8 @@ class SourceView:
     getitems: Callable[[Sequence[int]], list[Any]] | None
     prefetch: Callable[[Sequence[int]], None] | None
     locate: Callable[[int], str] | None
+    #: raises if the source's files changed since it was opened (a pass start)
+    check_unchanged: Callable[[], None] | None
     read_columns: Callable[[Sequence[int]], dict[str, Any]] | None
     #: the source's columns equal ``default_collate``'s output (automatic columnar)
     columnar_exact: bool
@@ -151,6 +161,7 @@ class SourceView:
             else planned.read_many,
             prefetch=source.prefetch if isinstance(source, PrefetchingSource) else None,
             locate=source.locate if isinstance(source, LocatingSource) else None,
+            check_unchanged=source.check_unchanged if isinstance(source, CheckedSource) else None,
             read_columns=source.read_columns if isinstance(source, ColumnarSource) else None,
             columnar_exact=bool(getattr(source, "columnar_exact", False)),
             shard_sizes=getattr(source, "shard_sizes", None),

@@ -366,6 +366,7 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
 
     def _start(self, spec: PassSpec, plan: EpochPlan | StreamPlan, current: Pass) -> PassIterator:
         """Start the pass on the engine, then check that the ranks agree on it."""
+        self.dataset._planner.check_files()  # raised here, in the main process
         self._skipped.zero_()
         self._passes.begin(current)
         self._plan = plan

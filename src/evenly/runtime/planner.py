@@ -104,6 +104,11 @@ class Planner:
             self.transform = transform
         self.generation += 1
 
+    def check_files(self) -> None:
+        """Raise if the source's files changed since it was opened (every pass start)."""
+        if self.view.check_unchanged is not None:
+            self.view.check_unchanged()
+
     def num_samples(self) -> int:
         return len(self.view.source)
 
@@ -248,6 +253,7 @@ class Planner:
         runs on the first ``next()``.  ``seen``: (len, fingerprint, generation) as the
         main process last saw them, for the dataset's own passes."""
         check_current(spec, self.num_samples(), self.generation, seen, self.source_fingerprint)
+        self.check_files()
         plan = self.stream_plan_for(spec) if spec.infinite else self.plan_for(spec)
         tap = self.tap
         ctx = ReadContext(

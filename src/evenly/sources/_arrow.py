@@ -42,7 +42,10 @@ class _Mapped:
     """An open Arrow file: its memory map and its record batches (zero-copy views)."""
 
     def __init__(self, path: str, columns: list[str] | None) -> None:
+        self.path = path
         self.map = pa.memory_map(path)
+        st = os.fstat(self.map.fileno())
+        self.identity = (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
         if self.map.read(6) == _FILE_MAGIC:
             self.map.seek(0)
             reader = pa.ipc.open_file(self.map)
@@ -54,6 +57,16 @@ class _Mapped:
         #: per record batch, made on first use: row accessors and column views
         self.access: dict[int, RowAccess | None] = {}
         self.views: dict[int, list[npt.NDArray[Any]] | None] = {}
+
+    def check(self) -> None:
+        """Raise if the mapped file was rewritten or truncated in place since it was
+        mapped (reading a truncated map kills the process with SIGBUS)."""
+        st = os.fstat(self.map.fileno())
+        if (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino) != self.identity:
+            raise ValueError(
+                f"{self.path} changed while it was mapped ({self.identity[0]} bytes when "
+                f"opened, {st.st_size} now): it was rewritten in place; open the source again"
+            )
 
     def close(self) -> None:
         self.batches, self.access, self.views = [], {}, {}
@@ -137,6 +150,12 @@ class ArrowSource(ArrowBatchSource):
             )
         return mapped
 
+    def _handle(self, k: int) -> Any:
+        """The open file, checked unchanged before every read from it."""
+        handle = super()._handle(k)
+        handle.check()
+        return handle
+
     def _chunk(self, k: int, g: int, handle: Any) -> pa.RecordBatch:
         batch: pa.RecordBatch = handle.batches[g]
         return batch
@@ -173,6 +192,8 @@ class ArrowSource(ArrowBatchSource):
         window: ColumnViews | None = self._window
         if window is None:
             return None
+        for handle in self._handles.values():  # the window spans every (open) file
+            handle.check()
         rows = self._rows(samples)
         chunk = np.searchsorted(self._cstarts, rows, side="right") - 1
         return window.gather(chunk, rows - self._cstarts[chunk])

@@ -14,7 +14,14 @@ import numpy as np
 import numpy.typing as npt
 
 from ._cache import ShardCache
-from ._manifest import FileEntry, Shards, default_cache_dir, load_entries, resolve
+from ._manifest import (
+    FileEntry,
+    Shards,
+    default_cache_dir,
+    load_entries,
+    local_fingerprint,
+    resolve,
+)
 
 __all__ = ["Paths", "RowError", "ShardedSource"]
 
@@ -178,6 +185,28 @@ class ShardedSource:
         self.cache.prefetch(self._remote(k) for k in ordered)
 
     # ---- files -------------------------------------------------------------------
+    def check_unchanged(self) -> None:
+        """Raise if a local shard changed since the source was opened (its size, mtime,
+        ctime or inode differ: rewritten, truncated, replaced): reading it would serve
+        other samples' bytes, or fail past its end.  Called at every pass start (one
+        ``stat`` per shard).  Remote shards are read from copies keyed by their ETag."""
+        if self.cache is not None:
+            return
+        for k, url in enumerate(self.urls):
+            try:
+                now = local_fingerprint(url)
+            except FileNotFoundError:
+                raise FileNotFoundError(
+                    f"{self._what}: shard {k} ({url}) was deleted or moved since the source "
+                    f"was opened"
+                ) from None
+            if now != self._fingerprints[k]:
+                raise ValueError(
+                    f"{self._what}: shard {k} ({url}) changed since the source was opened "
+                    f"(size:mtime:ctime:inode {self._fingerprints[k]} then, {now} now): "
+                    f"reading it would return other samples; open the source again"
+                )
+
     def _remote(self, k: int) -> tuple[str, str, int | None]:
         """``(url, fingerprint, listed size)`` of shard ``k``, for the cache."""
         sizes = self._shards.sizes

@@ -5,7 +5,11 @@ and forkserver workers."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections import namedtuple
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -211,3 +215,57 @@ def test_no_slots_when_shared_memory_is_short(monkeypatch: pytest.MonkeyPatch) -
     writer = Transport(1, slots=3).writer(0)
     batch = {"x": torch.zeros(1 << 18)}  # 1 MiB: three slots would take most of it
     assert writer.pack(batch) is batch and writer.disabled
+
+
+def _in_short_shm(mib: int) -> list[str] | None:
+    """The command running tests/scripts/short_shm.py under a /dev/shm of ``mib`` MiB of
+    its own (a private mount namespace), or None where this user cannot make one."""
+    probe = subprocess.run(
+        ["unshare", "--mount", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /dev/shm"],
+        capture_output=True,
+        check=False,
+    )
+    if probe.returncode != 0:
+        return None
+    root = Path(__file__).resolve().parents[1]
+    script = root / "tests" / "scripts" / "short_shm.py"
+    run = f"mount -t tmpfs -o size={mib}m tmpfs /dev/shm && exec {sys.executable} {script}"
+    return ["unshare", "--mount", "sh", "-c", run]
+
+
+@pytest.mark.slow
+def test_a_short_dev_shm_is_a_clear_error_not_a_hang() -> None:
+    """A real 12 MiB /dev/shm: batches too big for the slots go torch's way and cannot
+    all fit either; the worker moves them into shared memory itself, so the shortage is
+    evenly's error in the main process (torch's queue thread used to print it and drop
+    the batch, and the loop waited forever)."""
+    command = _in_short_shm(12)
+    if command is None:
+        pytest.skip("needs a private mount namespace (unshare --mount, as root)")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert "evenly: no room in shared memory (/dev/shm" in proc.stderr
+    assert "--shm-size" in proc.stderr
+
+
+def _aliased_and_nested(index: int) -> dict[str, Any]:
+    t = torch.full((3,), float(index))
+    return {"a": t, "b": t, "n": torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])}
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors:UserWarning")
+@pytest.mark.parametrize("transport", ["slots", "torch"])
+def test_aliased_and_nested_tensors_arrive_as_torch_hands_them_over(transport: str) -> None:
+    """A tensor that appears twice in a batch arrives as one tensor, and a strided nested
+    tensor goes through (both as with torch's own hand-off)."""
+    data = [_aliased_and_nested(i) for i in range(8)]
+    ds = evenly.Dataset(data)
+    loader = evenly.DataLoader(
+        ds, batch_size=None, num_workers=2, transport=transport, collate_fn=lambda x: x
+    )
+    got = list(loader)
+    assert len(got) == 8
+    for item in got:
+        assert item["a"] is item["b"]
+        assert item["n"].is_nested and [t.numel() for t in item["n"].unbind()] == [2, 3]

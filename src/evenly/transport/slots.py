@@ -112,6 +112,7 @@ def _packable(x: Any) -> bool:
         return (
             x.device.type == "cpu"
             and x.layout == torch.strided
+            and not x.is_nested  # a nested tensor has no single shape: torch's way
             and not x.requires_grad
             and not x.is_quantized
             # a tensor already in shared memory travels as its handle, without a copy
@@ -140,15 +141,49 @@ def _rebuild(x: Any, swap: Callable[[Any], Any]) -> Any:
 
 
 def _strip(x: Any, leaves: list[Any]) -> Any:
-    """``x`` with each packable array replaced by a ``_Leaf`` (appended to ``leaves``)."""
+    """``x`` with each packable array replaced by a ``_Leaf`` (appended to ``leaves``); an
+    array that appears twice is one leaf, so it arrives as one array, as with pickle."""
+    seen: dict[int, _Leaf] = {}
 
     def swap(v: Any) -> Any:
         if not _packable(v):
             return v
-        leaves.append(v)
-        return _Leaf(len(leaves) - 1)
+        leaf = seen.get(id(v))
+        if leaf is None:
+            leaves.append(v)
+            leaf = seen[id(v)] = _Leaf(len(leaves) - 1)
+        return leaf
 
     return _rebuild(x, swap)
+
+
+def _torch_way(batch: Any) -> Any:
+    """A batch that goes torch's way, its tensors moved into shared memory here, in the
+    worker's own thread, before torch's queue pickles it: without room in /dev/shm that
+    is an error of this batch, raised where the DataLoader passes it on (torch's queue
+    feeder thread would print it and drop the batch, and the main process would wait
+    for it forever)."""
+
+    def share(v: Any) -> None:
+        kind = type(v)
+        if kind in (dict, list, tuple) or (isinstance(v, tuple) and hasattr(v, "_fields")):
+            for part in v.values() if kind is dict else v:
+                share(part)
+            return
+        plain = kind is torch.Tensor and v.device.type == "cpu"
+        if plain and v.layout == torch.strided and not v.is_nested and not v.is_shared():  # type: ignore[no-untyped-call]
+            try:
+                v.share_memory_()  # type: ignore[no-untyped-call]
+            except (RuntimeError, OSError) as exc:
+                raise RuntimeError(
+                    f"evenly: no room in shared memory (/dev/shm: {_shm_free() >> 20} MiB "
+                    f"free) for a batch tensor of {v.nbytes >> 20} MiB that DataLoader "
+                    f"workers hand over: give the machine (or container: --shm-size) more "
+                    f"/dev/shm, use smaller batches, fewer workers or prefetch_factor"
+                ) from exc
+
+    share(batch)
+    return batch
 
 
 def _fill(x: Any, arrays: list[Any]) -> Any:
@@ -241,22 +276,22 @@ class _Writer:
 
     def pack(self, batch: Any) -> Any:
         if self.disabled:
-            return batch
+            return _torch_way(batch)
         leaves: list[Any] = []
         skeleton = _strip(batch, leaves)
         if not leaves:
-            return batch
+            return _torch_way(batch)
         metas: list[_Meta] = []
         offset = 0
         for leaf in leaves:
             metas.append((offset, leaf.dtype, tuple(leaf.shape), type(leaf) is np.ndarray))
             offset += -(-int(leaf.nbytes) // _ALIGN) * _ALIGN
         if offset > self.size and not self._grow(offset):
-            return batch
+            return _torch_way(batch)
         self.drain()
         slot = next((s for s in range(self.slots) if s not in self.busy), None)
         if slot is None:
-            return batch
+            return _torch_way(batch)
         assert self.arena is not None
         base = slot * self.size
         for leaf, (off, dtype, shape, is_numpy) in zip(leaves, metas, strict=True):
@@ -269,6 +304,7 @@ class _Writer:
         self.ticket += 1
         self.busy[slot] = self.ticket
         arena = None if self.confirmed else self.arena
+        skeleton = _torch_way(skeleton)  # what stays in it goes torch's way
         return Packed(self.owner, self.worker, self.key, arena, self.size, slot,
                       self.ticket, skeleton, metas)  # fmt: skip
 

@@ -14,7 +14,9 @@ Vocabulary
 - *step*: global step ``s`` hands positions ``[start + s*R*B, start + (s+1)*R*B)`` to
   the ``R`` ranks, ``B`` each, in rank order.  The last step, if short, is shared as
   evenly as possible (rank ``r`` takes every ``R``-th position from ``r``) and, unless
-  ``drop_last``, padded so every rank gets the same count.  Whatever the ranks have
+  ``drop_last``, padded so every rank gets the same count (``pad="repeat"``, the
+  default, or ``"mask"``: the same plan, pads recognisable), or left as it is
+  (``pad="none"``: ranks get at most one sample, so one batch, apart; nothing repeated).  Whatever the ranks have
   consumed after ``k`` steps is therefore a prefix of the order: ``start`` is the
   length of the prefix consumed before this plan (a resume).
 - Inside a rank, batch ``i`` is step ``i``; batches are dealt to the rank's ``W``
@@ -35,7 +37,7 @@ from evenly.core.permutation import as_int64 as as_positions
 from evenly.core.permutation import sample_seeds
 from evenly.errors import check_int
 
-__all__ = ["EpochPlan", "Order", "as_positions"]
+__all__ = ["PAD_MODES", "EpochPlan", "Order", "as_positions"]
 
 I64 = npt.NDArray[np.int64]
 
@@ -45,6 +47,9 @@ class Order(Protocol):
 
     def __call__(self, positions: npt.ArrayLike) -> I64: ...
 
+
+#: How the short last step of an epoch is shared (see the module docstring).
+PAD_MODES = ("repeat", "none", "mask")
 
 #: Positions computed per numpy call when walking a worker's share.
 CHUNK = 8192
@@ -77,8 +82,13 @@ class EpochPlan:
     start: int = 0
     #: position -> sample index; ``None`` is the identity (no shuffle).
     order: Order | None = None
+    #: the short last step: ``"repeat"`` pads it with repeats, ``"mask"`` too (the
+    #: transform is told which samples are pads), ``"none"`` leaves ranks unequal
+    pad: str = "repeat"
 
     def __post_init__(self) -> None:
+        if self.pad not in PAD_MODES:
+            raise ValueError(f"pad must be one of {list(PAD_MODES)}, got {self.pad!r}")
         check_int("num_samples", self.num_samples, minimum=0)
         check_int("world_size", self.world_size, minimum=1)
         check_int("batch_size", self.batch_size, minimum=1)
@@ -111,25 +121,50 @@ class EpochPlan:
 
     @property
     def tail_per_rank(self) -> int:
-        """Samples each rank gets in the last, short step (0 if there is none)."""
+        """Samples each rank gets in the last, short step (0 if there is none); under
+        ``pad="none"`` the most any rank gets (rank 0's)."""
         if self.drop_last or self._tail == 0:
             return 0
         return -(-self._tail // self.world_size)
 
+    def tail_of(self, rank: int) -> int:
+        """Samples ``rank`` gets in the last, short step."""
+        self._check_rank(rank)
+        if self.pad != "none" or self.drop_last:
+            return self.tail_per_rank
+        return len(range(rank, self._tail, self.world_size))
+
     @property
     def num_batches(self) -> int:
-        """Batches every rank yields (the same for all ranks)."""
+        """Batches every rank yields (under ``pad="none"``: the most any rank yields,
+        rank 0's; see :meth:`rank_batches`)."""
         return self.num_full_steps + (1 if self.tail_per_rank else 0)
 
     @property
     def samples_per_rank(self) -> int:
-        """Samples every rank yields (the same for all ranks)."""
+        """Samples every rank yields (under ``pad="none"``: rank 0's, the most)."""
         return self.num_full_steps * self.batch_size + self.tail_per_rank
+
+    def rank_batches(self, rank: int) -> int:
+        """Batches ``rank`` yields (the same for every rank unless ``pad="none"``)."""
+        return self.num_full_steps + (1 if self.tail_of(rank) else 0)
+
+    def rank_samples(self, rank: int) -> int:
+        """Samples ``rank`` yields (the same for every rank unless ``pad="none"``)."""
+        return self.num_full_steps * self.batch_size + self.tail_of(rank)
 
     @property
     def num_padded(self) -> int:
-        """Repeated samples added so that every rank gets the same count (< world_size)."""
+        """Repeated samples added so that every rank gets the same count (< world_size;
+        0 under ``pad="none"``)."""
+        if self.pad == "none":
+            return 0
         return self.tail_per_rank * self.world_size - (0 if self.drop_last else self._tail)
+
+    @property
+    def uneven(self) -> bool:
+        """Whether ranks yield different numbers of samples (``pad="none"`` only)."""
+        return self.pad == "none" and self.tail_of(self.world_size - 1) != self.tail_per_rank
 
     @property
     def num_dropped(self) -> int:
@@ -166,24 +201,26 @@ class EpochPlan:
         full = b[b < self.num_full_steps]
         offsets = self.start + full * self._step_size + rank * self.batch_size
         out = (offsets[:, None] + np.arange(self.batch_size, dtype=np.int64)).ravel()
-        if b.size and int(b[-1]) == self.num_full_steps and self.tail_per_rank:
+        tail_count = self.tail_of(rank)
+        if b.size and int(b[-1]) == self.num_full_steps and tail_count:
             base = self.start + self.num_full_steps * self._step_size
-            tail = base + rank + self.world_size * np.arange(self.tail_per_rank, dtype=np.int64)
+            tail = base + rank + self.world_size * np.arange(tail_count, dtype=np.int64)
             out = np.concatenate([out, tail])
         return out
 
     def batch_positions(self, rank: int, batch: int) -> I64:
         """Virtual positions of batch ``batch`` of ``rank``."""
-        if not 0 <= batch < self.num_batches:
-            raise IndexError(f"batch must lie in [0, {self.num_batches}), got {batch}")
+        batches = self.rank_batches(rank)
+        if not 0 <= batch < batches:
+            raise IndexError(f"batch must lie in [0, {batches}), got {batch}")
         return self.batches_positions(rank, [batch])
 
-    def worker_batches(self, num_workers: int, worker_id: int) -> range:
-        """Indices of the rank's batches dealt to ``worker_id`` of ``num_workers``."""
+    def worker_batches(self, num_workers: int, worker_id: int, rank: int = 0) -> range:
+        """Indices of ``rank``'s batches dealt to ``worker_id`` of ``num_workers``."""
         workers = max(num_workers, 1)
         if not 0 <= worker_id < workers:
             raise ValueError(f"worker_id must lie in [0, {workers}), got {worker_id}")
-        return range(worker_id, self.num_batches, workers)
+        return range(worker_id, self.rank_batches(rank), workers)
 
     def iter_worker_chunks(
         self, rank: int, num_workers: int, worker_id: int, chunk: int = CHUNK, first: int = 0
@@ -194,7 +231,7 @@ class EpochPlan:
         Each chunk holds whole batches; all batches in a chunk have the given length
         (the short last batch always comes in a chunk of its own).
         """
-        batches = self.worker_batches(num_workers, worker_id)[first:]
+        batches = self.worker_batches(num_workers, worker_id, rank)[first:]
         per = max(1, chunk // self.batch_size)
         full_end = min(len(batches), len(range(batches.start, self.num_full_steps, batches.step)))
         for i in range(0, full_end, per):
@@ -204,11 +241,15 @@ class EpochPlan:
                 (self.batch_size),
             )
         if full_end < len(batches):
-            yield self.batches_positions(rank, [batches[full_end]]), self.tail_per_rank
+            yield self.batches_positions(rank, [batches[full_end]]), self.tail_of(rank)
 
     def rank_positions(self, rank: int) -> I64:
         """All virtual positions of ``rank`` in this plan (small plans and tests only)."""
-        return self.batches_positions(rank, np.arange(self.num_batches))
+        return self.batches_positions(rank, np.arange(self.rank_batches(rank)))
+
+    def pads(self, positions: npt.ArrayLike) -> npt.NDArray[np.bool_]:
+        """Which of the given virtual positions are padding (repeats past the end)."""
+        return as_positions(positions) >= self.num_samples
 
     # ---- positions -> samples ----------------------------------------------------
     @property
@@ -237,6 +278,12 @@ class EpochPlan:
 
     def describe(self) -> str:
         """One line on padding / dropping, for warnings and logs."""
+        if self.uneven:
+            low = self.rank_samples(self.world_size - 1)
+            return (
+                f"pad='none': the {self.world_size} ranks get {low} or "
+                f"{self.samples_per_rank} samples (nothing repeated, nothing dropped)"
+            )
         if self.num_padded:
             return (
                 f"{self.num_padded} sample(s) repeated so that each of the {self.world_size} "

@@ -111,6 +111,10 @@ class StreamPlan:
                 out[sel] = np.asarray(order(within[sel]), dtype=np.int64)
         return out
 
+    def pads(self, positions: npt.ArrayLike) -> npt.NDArray[np.bool_]:
+        """No padding: every batch of a stream is full of real samples."""
+        return np.zeros(as_int64(positions).shape, dtype=np.bool_)
+
     def seeds(self, positions: npt.ArrayLike) -> npt.NDArray[np.uint64]:
         """Per-sample seeds: those of (epoch, position in the epoch)."""
         pos = as_int64(positions)

@@ -228,11 +228,12 @@ def _transform(
     transform = ctx.transform
     assert transform is not None
     out = []
+    pads = ctx.plan.pads(positions).tolist()
     saved = RngState(ctx.generators)
     try:
         for i, sample in enumerate(samples):
             try:
-                result = spreader.call(i, transform, sample)
+                result = spreader.call(i, transform, sample, pads[i])
             except Exception as exc:
                 ctx.note(exc, f"sample {batch[i]} (position {positions[i]})", batch[i])
                 raise

@@ -35,7 +35,14 @@ import numpy.typing as npt
 
 from evenly.core.permutation import mix64
 
-__all__ = ["GENERATORS", "RngState", "SeedSpreader", "check_generators", "sample_seed"]
+__all__ = [
+    "GENERATORS",
+    "RngState",
+    "SeedSpreader",
+    "check_generators",
+    "is_padding",
+    "sample_seed",
+]
 
 GENERATORS = ("random", "numpy", "torch")
 _MASK32 = 0xFFFFFFFF
@@ -44,6 +51,8 @@ _TORCH_KEY = np.uint64(0xBB67AE8584CAA73B)
 
 #: The seed of the sample being transformed; ``None`` outside a transform call.
 _SAMPLE_SEED: ContextVar[int | None] = ContextVar("evenly.sample_seed", default=None)
+#: Whether the sample being transformed is padding; ``None`` outside a transform call.
+_PADDING: ContextVar[bool | None] = ContextVar("evenly.is_padding", default=None)
 R = TypeVar("R")
 
 
@@ -67,6 +76,32 @@ def sample_seed() -> int:
             "evenly.sample_seed() is only available inside an evenly.Dataset transform"
         )
     return seed
+
+
+def is_padding() -> bool:
+    """Whether the sample being transformed is padding (inside ``transform`` only).
+
+    With ``evenly.Dataset(..., pad="mask")`` the epoch's short last step is filled with
+    repeats, as with the default, so every rank keeps the same number of batches, and the
+    transform is told which samples are those repeats, to mark them for the loss or the
+    metric (a label of -100 for ``ignore_index``, a weight of 0):
+
+    >>> import evenly
+    >>> def mark(x):
+    ...     return {"x": x, "weight": 0.0 if evenly.is_padding() else 1.0}
+    >>> ds = evenly.Dataset(list(range(3)), rank=0, world_size=2, pad="mask", transform=mark)
+    >>> [(s["x"], s["weight"]) for s in ds]
+    [(0, 1.0), (2, 1.0)]
+    >>> ds = evenly.Dataset(list(range(3)), rank=1, world_size=2, pad="mask", transform=mark)
+    >>> [(s["x"], s["weight"]) for s in ds]
+    [(1, 1.0), (0, 0.0)]
+    """
+    padding = _PADDING.get()
+    if padding is None:
+        raise RuntimeError(
+            "evenly.is_padding() is only available inside an evenly.Dataset transform"
+        )
+    return padding
 
 
 def check_generators(names: Iterable[str]) -> tuple[str, ...]:
@@ -129,9 +164,10 @@ class SeedSpreader:
         if self._torch:
             self._gen.manual_seed(self._th[i])
 
-    def call(self, i: int, fn: Callable[[Any], R], sample: Any) -> R:
+    def call(self, i: int, fn: Callable[[Any], R], sample: Any, padding: bool = False) -> R:
         """``fn(sample)`` for sample ``i``: the generators seeded, and
-        :func:`sample_seed` giving its seed during the call (only then).
+        :func:`sample_seed` giving its seed (and :func:`is_padding` whether it is a pad)
+        during the call (only then).
 
         >>> spreader = SeedSpreader(())
         >>> spreader.prepare(np.array([7], dtype=np.uint64))
@@ -140,9 +176,11 @@ class SeedSpreader:
         """
         self.seed(i)
         token = _SAMPLE_SEED.set(self._py[i])
+        marked = _PADDING.set(padding)
         try:
             return fn(sample)
         finally:
+            _PADDING.reset(marked)
             _SAMPLE_SEED.reset(token)
 
 

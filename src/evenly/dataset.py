@@ -26,7 +26,7 @@ from evenly.core.spec import PassSpec
 from evenly.core.stream import StreamPlan
 from evenly.core.topology import Topology
 from evenly.errors import check_int
-from evenly.interop.accelerate import Wrapped, accelerate_wrapper, resharded_in_worker
+from evenly.interop.accelerate import Wrapped, before_pass, check_pass, driving, len_asked, under
 from evenly.runtime.channel import PassCounter
 from evenly.runtime.checkpoints import Checkpoints
 from evenly.runtime.checks import check_current, check_source, shuffle_mode, warn_about
@@ -136,7 +136,7 @@ class Dataset(Checkpoints, IterableDataset[Any], Generic[T_co]):
         self._local_skip = 0
         #: (stamp, epoch) of the last set_epoch call, for an evenly.DataLoader to follow
         self.epoch_request: tuple[int, int] | None = None
-        #: a framework wrapper driving the dataset's own passes (Accelerate), if seen
+        #: in a spawned worker's copy: how Accelerate drove the pass when it was pickled
         self._wrapped: Wrapped | None = None
         self.topology()
         self._note_main_view()
@@ -197,8 +197,6 @@ class Dataset(Checkpoints, IterableDataset[Any], Generic[T_co]):
         DataLoader worker uses the value fixed in the main process (spawn/forkserver
         workers have no process group of their own).
         """
-        if self._wrapped is not None and self._wrapped.mode == "dispatch":
-            return Topology(0, 1)  # rank 0 reads for all; the wrapper deals the batches
         if self._fixed is not None:
             return self._fixed
         explicit = self._rank is not None and self._world_size is not None
@@ -217,6 +215,7 @@ class Dataset(Checkpoints, IterableDataset[Any], Generic[T_co]):
             self._note_main_view()
         state = self.__dict__.copy()
         state["process_group"] = None
+        state["_wrapped"] = driving(self, self._wrapped)
         return state
 
     # ---- the dataset's own passes (under a loader that is not evenly's) ------------
@@ -235,7 +234,7 @@ class Dataset(Checkpoints, IterableDataset[Any], Generic[T_co]):
         """
         epoch = check_int("epoch", epoch, minimum=0)
         if get_worker_info() is None:
-            self._wrapped = accelerate_wrapper(self) or self._wrapped
+            before_pass(self)
         self.epoch_request = (next(STAMPS), epoch)
         start = 0
         base = self._counter.base()
@@ -246,18 +245,20 @@ class Dataset(Checkpoints, IterableDataset[Any], Generic[T_co]):
         self._note_main_view()
         self.topology()
 
-    def _own_spec(self, worker_id: int, num_workers: int, count: bool) -> PassSpec:
+    def _own_spec(
+        self, worker_id: int, num_workers: int, count: bool, wrapped: Wrapped | None = None
+    ) -> PassSpec:
         if count:
             epoch, start = self._counter.begin(worker_id, num_workers)
         else:
             epoch, start = self._counter.current()
-        topo = self.topology()
+        topo, batch = under(wrapped or driving(self, self._wrapped), self.topology())
         n = len(self._source)
         return PassSpec(
             epoch=epoch,
             start=min(start, n),
             num_samples=n,
-            batch_size=self._wrapped.batch_size if self._wrapped is not None else 1,
+            batch_size=batch,
             drop_last=self.drop_last,
             rank=topo.rank,
             world_size=topo.world_size,
@@ -321,10 +322,8 @@ class Dataset(Checkpoints, IterableDataset[Any], Generic[T_co]):
         """Samples this rank yields in the dataset's own pass (in progress or next)."""
         if get_worker_info() is None:
             self._note_main_view()
-            wrapped = accelerate_wrapper(self, search_stack=True)
-            if wrapped is not None:
-                self._wrapped = wrapped
-        return self.plan().samples_per_rank
+        wrapped, processes = len_asked(self)
+        return processes * self.plan_for(self._own_spec(0, 1, False, wrapped)).samples_per_rank
 
     @property
     def num_skipped(self) -> int:
@@ -337,13 +336,7 @@ class Dataset(Checkpoints, IterableDataset[Any], Generic[T_co]):
         are raised on the first ``next()``, where the DataLoader passes them on)."""
         info = get_worker_info()
         num_workers, worker_id = (info.num_workers, info.id) if info is not None else (1, 0)
-        wrapper = resharded_in_worker(self, info.dataset) if info is not None else None
-        if wrapper is not None:
-            raise RuntimeError(
-                f"evenly: {wrapper}: samples would be lost. With HF Accelerate, pass the "
-                f"evenly.DataLoader to accelerator.prepare() (it is kept as it is), or let "
-                f"the wrapper call dataset.set_epoch() before iterating"
-            )
+        check_pass(self, info.dataset if info is not None else None, self._wrapped)
         spec = self._own_spec(worker_id, num_workers, count=True)
         skip, self._local_skip = self._local_skip, 0
         if info is None:

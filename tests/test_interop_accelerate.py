@@ -87,11 +87,44 @@ def test_accelerate_save_state_mid_epoch_resumes_exactly_in_a_fresh_run(tmp_path
 
 
 def test_hf_trainer_over_evenly_dataset_delivers_every_sample_once(tmp_path: Path) -> None:
-    results = run_ranks(hf_trainer_ranks.train, WORLD, NS, str(tmp_path), env=QUIET, timeout=150)
+    """The bare evenly.Dataset, and the user's own wrapper over it (a tokenizing
+    IterableDataset forwarding __len__ and set_epoch: boundaries hole 1), in one launch."""
+    results = run_ranks(
+        hf_trainer_ranks.train, WORLD, NS, str(tmp_path), (False, True), env=QUIET, timeout=240
+    )
+    for wrapped in (False, True):
+        for n in NS:
+            label = f"HF Trainer, {'user wrapper over ' if wrapped else ''}evenly.Dataset, N={n}"
+            epoch = [r[wrapped, n] for r in results]
+            assert_exactly_once(epoch, n, WORLD, label)
+            assert_equal_batches(epoch, label)
+            steps = -(-n // (WORLD * 10))
+            assert len(epoch[0]) == steps, f"{label}: {len(epoch[0])} steps, not {steps}"
+
+
+def test_accelerate_boundary_holes_are_closed(tmp_path: Path) -> None:
+    """The boundaries issue's holes under prepare(), in one launch: a user's wrapper over
+    the evenly.Dataset (dispatcher and dispatch_batches=False: hole 1), an evenly.DataLoader
+    over the dataset after a prepared epoch (hole 2), use_stateful_dataloader=True (hole 4:
+    refused with workers, before the first batch; exact without)."""
+    results = run_ranks(accelerate_ranks.boundaries, WORLD, NS, env=QUIET, timeout=300)
+    for key in ("dispatch", "shard"):
+        check_two_epochs([r[key] for r in results], f"user wrapper, prepare() {key}")
     for n in NS:
-        epoch = [r[n] for r in results]
-        assert_exactly_once(epoch, n, WORLD, f"HF Trainer, N={n}")
-        assert_equal_batches(epoch, f"HF Trainer, N={n}")
+        after = [r["after"][n] for r in results]
+        share = -(-n // WORLD)
+        assert [a["len_ds"] for a in after] == [share] * WORLD, "hole 2: len(ds) after prepare"
+        assert [a["len"] for a in after] == [-(-share // 10)] * WORLD
+        assert [len(a["ids"]) for a in after] == [share] * WORLD, "hole 2: each rank reads all"
+        assert_exactly_once([[a["ids"]] for a in after], n, WORLD, f"hole 2, N={n}")
+        stateful = [r["stateful"][n] for r in results]
+        for s in stateful:
+            assert len(s["errors"]) == 1 and "use_stateful_dataloader" in s["errors"][0], s
+            assert "inside prepare()" in s["errors"][0] and "evenly.DataLoader" in s["errors"][0]
+        epoch = [s["epochs"][0] for s in stateful]
+        assert_exactly_once(epoch, n, WORLD, f"stateful without workers, N={n}")
+        assert_equal_batches(epoch, f"stateful without workers, N={n}")
+        assert {s["lens"][0] for s in stateful} == {len(epoch[0])}
 
 
 @pytest.mark.parametrize("n", NS)

@@ -95,3 +95,89 @@ def load_then_train(
     for n, loader in zip(ns, prepared, strict=True):
         out[n] = [[_step(accelerator, model, opt, b, n) for b in loader] for _ in range(2)]
     return out
+
+
+class Tokenize(torch.utils.data.IterableDataset[Any]):
+    """A user's own wrapper over the evenly.Dataset (a tokenizer would go here): holds it
+    in an attribute of its own naming and forwards ``__len__`` and ``set_epoch``."""
+
+    def __init__(self, corpus: Any) -> None:
+        self.corpus = corpus
+
+    def __len__(self) -> int:
+        return len(self.corpus)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.corpus.set_epoch(epoch)
+
+    def __iter__(self) -> Any:
+        yield from self.corpus
+
+
+def _epochs(accelerator: Any, model: Any, opt: Any, loader: Any, n: int, epochs: int) -> Any:
+    lens, batches = [], []
+    for _ in range(epochs):
+        lens.append(len(loader))
+        batches.append([_step(accelerator, model, opt, b, n) for b in loader])
+    return {"epochs": batches, "lens": lens}
+
+
+def boundaries(rank: int, world: int, ns: tuple[int, ...]) -> dict[str, dict[int, Any]]:
+    """The boundaries issue's Accelerate holes, several configurations in one launch.
+
+    - ``wrapper-dispatch`` / ``wrapper-shard``: a plain DataLoader over the user's
+      ``Tokenize(evenly.Dataset)`` prepared with the default dispatcher and with
+      ``dispatch_batches=False`` (hole 1), two epochs each;
+    - ``after``: an ``evenly.DataLoader`` over the dataset a prepared loader had just run
+      (hole 2): ``len(ds)`` and the samples each rank reads;
+    - ``stateful``: ``use_stateful_dataloader=True`` over a plain DataLoader (hole 4):
+      with workers, the error of the first ``next()``; without, one epoch.
+    """
+    from accelerate import (  # type: ignore[import-untyped]
+        Accelerator,
+        DataLoaderConfiguration,
+    )
+
+    out: dict[str, dict[int, Any]] = {k: {} for k in ("dispatch", "shard", "after", "stateful")}
+    accelerators = {
+        key: Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(**config))
+        for key, config in (
+            ("dispatch", {}),
+            ("shard", {"dispatch_batches": False}),
+            ("stateful", {"use_stateful_dataloader": True}),
+        )
+    }
+    model = torch.nn.Linear(1, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    model, opt = accelerators["dispatch"].prepare(model, opt)
+    for n in ns:
+        for key in ("dispatch", "shard"):
+            accelerator = accelerators[key]
+            ds = evenly.Dataset(list(range(n)), shuffle=True, seed=0)
+            plain = torch.utils.data.DataLoader(Tokenize(ds), batch_size=BATCH, num_workers=WORKERS)
+            out[key][n] = _epochs(accelerator, model, opt, accelerator.prepare(plain), n, 2)
+            if key == "dispatch":
+                after = evenly.DataLoader(ds, batch_size=BATCH, num_workers=WORKERS)
+                out["after"][n] = {
+                    "len_ds": len(ds),
+                    "len": len(after),
+                    "ids": [int(i) for b in after for i in b.tolist()],
+                }
+        accelerator = accelerators["stateful"]
+        errors = []
+        for workers in (WORKERS, 0):
+            ds = evenly.Dataset(list(range(n)), shuffle=True, seed=0)
+            plain = torch.utils.data.DataLoader(ds, batch_size=BATCH, num_workers=workers)
+            loader = accelerator.prepare(plain)
+            if workers:
+                try:
+                    next(iter(loader))
+                    errors.append("no error")
+                except RuntimeError as e:
+                    errors.append(str(e))
+                finally:
+                    vars(loader)["base_dataloader"]._iterator._shutdown_workers()
+            else:
+                out["stateful"][n] = _epochs(accelerator, model, opt, loader, n, 1)
+        out["stateful"][n]["errors"] = errors
+    return out

@@ -254,6 +254,19 @@ def test_a_stateful_dispatcher_without_workers_reads_the_whole_epoch() -> None:
     _assert_once([i for b in batches for i in b])
 
 
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
+def test_a_stateful_shard_wrapper_without_workers_reads_each_share() -> None:
+    pytest.importorskip("torchdata.stateful_dataloader")
+    loaders = [
+        _shard_loader(r, _dataset(rank=r), use_stateful_dataloader=True) for r in range(WORLD)
+    ]
+    per_rank = math.ceil(math.ceil(N / WORLD) / B)
+    assert [len(loader) for loader in loaders] == [per_rank] * WORLD
+    epoch = [_epoch(loader) for loader in loaders]
+    assert [len(batches) for batches in epoch] == [per_rank] * WORLD
+    _assert_once([i for batches in epoch for b in batches for i in b])
+
+
 # ---- what stays the dataset's own -------------------------------------------------
 def test_nothing_here_initialises_accelerate() -> None:
     import accelerate.data_loader  # noqa: F401  (imported, never initialised)

@@ -104,12 +104,6 @@ def _children(obj: Any) -> list[Any]:
     return out
 
 
-def _is_evenly(obj: Any) -> bool:
-    from evenly.dataset import Dataset
-
-    return isinstance(obj, Dataset)
-
-
 def find_path(root: Any, target: Any) -> list[Any] | None:
     """The objects from ``root`` down to ``target``, each held by the previous one in an
     instance attribute (any name) as a torch Dataset or DataLoader (or in a list/tuple
@@ -122,6 +116,8 @@ def find_path(root: Any, target: Any) -> list[Any] | None:
 def _search(root: Any, target: Any) -> tuple[list[Any] | None, list[Any]]:
     """(path to ``target`` or None, the iterable datasets found that are neither evenly
     datasets nor hold any dataset: streams another wrapper would split on its own)."""
+    from evenly.dataset import Dataset
+
     seen: set[int] = set()
     others: list[Any] = []
     found: list[Any] | None = None
@@ -134,7 +130,7 @@ def _search(root: Any, target: Any) -> tuple[list[Any] | None, list[Any]]:
         if obj is target:
             found = found or path
             continue
-        if obj is not root and _is_evenly(obj):
+        if obj is not root and isinstance(obj, Dataset):
             continue
         children = _children(obj)
         if not children and isinstance(obj, IterableDataset):
@@ -196,9 +192,9 @@ def _drive(dataset: object) -> Wrapped | None:
     path = find_path(base, dataset)
     if path is None:
         return Wrapped("hidden", through=_name(getattr(base, "dataset", None)))
-    if kind == "dispatch":
-        return Wrapped("dispatch", _batch(base))
-    return Wrapped("shard", _batch(base)) if _shards(path, loaders) else None
+    # "shard": each rank reads its own share (through a passed-through
+    # IterableDatasetShard, or none at all with one process), in the wrapper's batches
+    return Wrapped(kind, _batch(base))
 
 
 def driving(dataset: object, snapshot: Wrapped | None = None) -> Wrapped | None:
@@ -320,11 +316,11 @@ def _asked_by(
     if kind == "dispatch":
         return Wrapped("dispatch", _batch(base)), 1
     shards = _shards(chain, loaders)
-    if kind != "shard" or not shards:
+    if kind != "shard":
         return None, 1
-    shard = shards[0]
-    if shard.num_processes == 1:
+    if not shards or shards[0].num_processes == 1:
         return Wrapped("shard", _batch(base)), 1
+    shard = shards[0]
     if shard.split_batches:
         raise RuntimeError(
             "evenly: len() of a prepared loader with split_batches=True and "

@@ -58,18 +58,6 @@ def test_accelerate_without_dispatch_delivers_every_sample_once_per_epoch() -> N
     check_two_epochs(results, "accelerate dispatch_batches=False")
 
 
-@pytest.mark.parametrize("dispatch", [None, False], ids=["dispatcher", "iterable-shard"])
-def test_a_prepared_plain_loader_over_the_dataset_is_never_sharded_twice(
-    dispatch: bool | None,
-) -> None:
-    """Accelerate rebuilds a plain loader (DataLoaderDispatcher by default,
-    IterableDatasetShard with dispatch_batches=False): evenly recognises both."""
-    results = run_ranks(
-        accelerate_ranks.train, WORLD, NS, dispatch, 2, True, env=QUIET, timeout=150
-    )
-    check_two_epochs(results, f"accelerate prepare(plain DataLoader), dispatch={dispatch}")
-
-
 def test_accelerate_save_state_mid_epoch_resumes_exactly_in_a_fresh_run(tmp_path: Path) -> None:
     steps = 20
     ckpt = str(tmp_path / "ckpt")
@@ -102,14 +90,19 @@ def test_hf_trainer_over_evenly_dataset_delivers_every_sample_once(tmp_path: Pat
             assert len(epoch[0]) == steps, f"{label}: {len(epoch[0])} steps, not {steps}"
 
 
-def test_accelerate_boundary_holes_are_closed(tmp_path: Path) -> None:
-    """The boundaries issue's holes under prepare(), in one launch: a user's wrapper over
-    the evenly.Dataset (dispatcher and dispatch_batches=False: hole 1), an evenly.DataLoader
-    over the dataset after a prepared epoch (hole 2), use_stateful_dataloader=True (hole 4:
-    refused with workers, before the first batch; exact without)."""
+def test_a_prepared_plain_loader_over_the_dataset_is_never_sharded_twice() -> None:
+    """A plain DataLoader over evenly.Dataset handed to prepare(), in one launch: the
+    DataLoaderDispatcher (default) and the IterableDatasetShard (dispatch_batches=False),
+    over the dataset or over a user's wrapper of it (boundaries hole 1); an
+    evenly.DataLoader over the dataset after a prepared epoch (hole 2);
+    use_stateful_dataloader=True (hole 4: refused with workers, before the first batch;
+    exact without)."""
     results = run_ranks(accelerate_ranks.boundaries, WORLD, NS, env=QUIET, timeout=300)
     for key in ("dispatch", "shard"):
-        check_two_epochs([r[key] for r in results], f"user wrapper, prepare() {key}")
+        for wrapped in (False, True):
+            what = f"prepare(plain DataLoader over {'a wrapper of ' if wrapped else ''}evenly)"
+            per_n = [{n: r[key][wrapped, n] for n in NS} for r in results]
+            check_two_epochs(per_n, f"{what}, {key}")
     for n in NS:
         after = [r["after"][n] for r in results]
         share = -(-n // WORLD)

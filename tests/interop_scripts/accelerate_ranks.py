@@ -3,6 +3,7 @@ writes it, recording the ids each training step receives."""
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from typing import Any
 
@@ -13,9 +14,7 @@ import evenly
 BATCH, WORKERS = 10, 2
 
 
-def _setup(
-    ns: tuple[int, ...], dispatch: bool | None, plain: bool = False
-) -> tuple[Any, Any, Any, list[Any]]:
+def _setup(ns: tuple[int, ...], dispatch: bool | None) -> tuple[Any, Any, Any, list[Any]]:
     from accelerate import (  # type: ignore[import-untyped]
         Accelerator,
         DataLoaderConfiguration,
@@ -26,9 +25,8 @@ def _setup(
     )
     model = torch.nn.Linear(1, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    kind: Any = torch.utils.data.DataLoader if plain else evenly.DataLoader
     loaders = [
-        kind(
+        evenly.DataLoader(
             evenly.Dataset(list(range(n)), shuffle=True, seed=0),
             batch_size=BATCH,
             num_workers=WORKERS,
@@ -54,11 +52,9 @@ def train(
     ns: tuple[int, ...],
     dispatch: bool | None,
     epochs: int,
-    plain: bool = False,
 ) -> dict[int, dict[str, Any]]:
-    """``epochs`` full epochs per loader; per N: the batches of each epoch and len().
-    ``plain``: a torch DataLoader over the evenly.Dataset is prepared instead."""
-    accelerator, model, opt, prepared = _setup(ns, dispatch, plain)
+    """``epochs`` full epochs per loader; per N: the batches of each epoch and len()."""
+    accelerator, model, opt, prepared = _setup(ns, dispatch)
     out: dict[int, dict[str, Any]] = {}
     for n, loader in zip(ns, prepared, strict=True):
         lens, batches = [], []
@@ -122,12 +118,14 @@ def _epochs(accelerator: Any, model: Any, opt: Any, loader: Any, n: int, epochs:
     return {"epochs": batches, "lens": lens}
 
 
-def boundaries(rank: int, world: int, ns: tuple[int, ...]) -> dict[str, dict[int, Any]]:
-    """The boundaries issue's Accelerate holes, several configurations in one launch.
+def boundaries(rank: int, world: int, ns: tuple[int, ...]) -> dict[str, dict[Any, Any]]:
+    """A plain DataLoader over evenly handed to prepare(), several configurations in one
+    launch (the boundaries issue's Accelerate holes among them).
 
-    - ``wrapper-dispatch`` / ``wrapper-shard``: a plain DataLoader over the user's
-      ``Tokenize(evenly.Dataset)`` prepared with the default dispatcher and with
-      ``dispatch_batches=False`` (hole 1), two epochs each;
+    - ``dispatch`` / ``shard``, keyed ``(wrapped, n)``: a plain DataLoader over the
+      ``evenly.Dataset``, or over the user's ``Tokenize(evenly.Dataset)`` (hole 1),
+      prepared with the default dispatcher and with ``dispatch_batches=False``, two
+      epochs each;
     - ``after``: an ``evenly.DataLoader`` over the dataset a prepared loader had just run
       (hole 2): ``len(ds)`` and the samples each rank reads;
     - ``stateful``: ``use_stateful_dataloader=True`` over a plain DataLoader (hole 4):
@@ -138,7 +136,7 @@ def boundaries(rank: int, world: int, ns: tuple[int, ...]) -> dict[str, dict[int
         DataLoaderConfiguration,
     )
 
-    out: dict[str, dict[int, Any]] = {k: {} for k in ("dispatch", "shard", "after", "stateful")}
+    out: dict[str, dict[Any, Any]] = {k: {} for k in ("dispatch", "shard", "after", "stateful")}
     accelerators = {
         key: Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(**config))
         for key, config in (
@@ -151,12 +149,14 @@ def boundaries(rank: int, world: int, ns: tuple[int, ...]) -> dict[str, dict[int
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     model, opt = accelerators["dispatch"].prepare(model, opt)
     for n in ns:
-        for key in ("dispatch", "shard"):
+        for key, wrapped in itertools.product(("dispatch", "shard"), (False, True)):
             accelerator = accelerators[key]
             ds = evenly.Dataset(list(range(n)), shuffle=True, seed=0)
-            plain = torch.utils.data.DataLoader(Tokenize(ds), batch_size=BATCH, num_workers=WORKERS)
-            out[key][n] = _epochs(accelerator, model, opt, accelerator.prepare(plain), n, 2)
-            if key == "dispatch":
+            inner = Tokenize(ds) if wrapped else ds
+            plain = torch.utils.data.DataLoader(inner, batch_size=BATCH, num_workers=WORKERS)
+            loader = accelerator.prepare(plain)
+            out[key][wrapped, n] = _epochs(accelerator, model, opt, loader, n, 2)
+            if key == "dispatch" and wrapped:
                 after = evenly.DataLoader(ds, batch_size=BATCH, num_workers=WORKERS)
                 out["after"][n] = {
                     "len_ds": len(ds),

@@ -299,3 +299,17 @@ def test_len_asked_directly_during_a_prepared_epoch_counts_the_pass_in_progress(
     assert len(ds) == N  # rank 0 reads for all while the dispatcher drives it
     list(it)
     assert len(ds) == math.ceil(N / WORLD)
+
+
+class Counted(evenly.Dataset[Any]):
+    """A subclass of evenly.Dataset whose __len__ calls the base class's."""
+
+    def __len__(self) -> int:
+        return super().__len__()
+
+
+def test_len_through_a_subclass_of_the_dataset_is_still_recognised() -> None:
+    ds = Counted(list(range(N)), shuffle=True, seed=3, rank=0, world_size=WORLD)
+    loader = _prepare(Tokenize(ds), put_on_device=True)
+    assert len(loader) == math.ceil(N / B)
+    assert len(ds) == math.ceil(N / WORLD)

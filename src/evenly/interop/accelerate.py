@@ -70,7 +70,8 @@ class Wrapped:
     """How an Accelerate wrapper drives the dataset's pass.
 
     ``mode``: ``"dispatch"`` (rank 0 reads for all ranks), ``"shard"`` (each rank reads its
-    own share through a passed-through ``IterableDatasetShard``), or ``"hidden"`` (a wrapper
+    own share, through a passed-through ``IterableDatasetShard``, or with one process
+    through none), or ``"hidden"`` (a wrapper
     is being iterated, but the dataset cannot be found under it; ``through`` names the
     type of the wrapper's dataset).  ``batch_size``: the wrapper's per-rank batch size
     (whole batches go to one worker)."""
@@ -279,7 +280,10 @@ def len_asked(dataset: object) -> tuple[Wrapped | None, int]:
     caller = frame.f_back
     for _ in range(MAX_DEPTH + 2):
         owner = _len_owner(caller)
-        if owner is None or owner is obj:
+        if owner is obj:  # a subclass's __len__ calling the evenly.Dataset's
+            caller = _up(caller)
+            continue
+        if owner is None:
             break
         if _is_torch_loader(owner) and vars(owner).get("dataset") is obj:
             return _asked_by(_len_owner(_up(caller)), owner, chain, loaders)

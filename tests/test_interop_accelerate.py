@@ -58,18 +58,6 @@ def test_accelerate_without_dispatch_delivers_every_sample_once_per_epoch() -> N
     check_two_epochs(results, "accelerate dispatch_batches=False")
 
 
-@pytest.mark.parametrize("dispatch", [None, False], ids=["dispatcher", "iterable-shard"])
-def test_a_prepared_plain_loader_over_the_dataset_is_never_sharded_twice(
-    dispatch: bool | None,
-) -> None:
-    """Accelerate rebuilds a plain loader (DataLoaderDispatcher by default,
-    IterableDatasetShard with dispatch_batches=False): evenly recognises both."""
-    results = run_ranks(
-        accelerate_ranks.train, WORLD, NS, dispatch, 2, True, env=QUIET, timeout=150
-    )
-    check_two_epochs(results, f"accelerate prepare(plain DataLoader), dispatch={dispatch}")
-
-
 def test_accelerate_save_state_mid_epoch_resumes_exactly_in_a_fresh_run(tmp_path: Path) -> None:
     steps = 20
     ckpt = str(tmp_path / "ckpt")
@@ -87,11 +75,49 @@ def test_accelerate_save_state_mid_epoch_resumes_exactly_in_a_fresh_run(tmp_path
 
 
 def test_hf_trainer_over_evenly_dataset_delivers_every_sample_once(tmp_path: Path) -> None:
-    results = run_ranks(hf_trainer_ranks.train, WORLD, NS, str(tmp_path), env=QUIET, timeout=150)
+    """The bare evenly.Dataset, and the user's own wrapper over it (a tokenizing
+    IterableDataset forwarding __len__ and set_epoch: boundaries hole 1), in one launch."""
+    results = run_ranks(
+        hf_trainer_ranks.train, WORLD, NS, str(tmp_path), (False, True), env=QUIET, timeout=240
+    )
+    for wrapped in (False, True):
+        for n in NS:
+            label = f"HF Trainer, {'user wrapper over ' if wrapped else ''}evenly.Dataset, N={n}"
+            epoch = [r[wrapped, n] for r in results]
+            assert_exactly_once(epoch, n, WORLD, label)
+            assert_equal_batches(epoch, label)
+            steps = -(-n // (WORLD * 10))
+            assert len(epoch[0]) == steps, f"{label}: {len(epoch[0])} steps, not {steps}"
+
+
+def test_a_prepared_plain_loader_over_the_dataset_is_never_sharded_twice() -> None:
+    """A plain DataLoader over evenly.Dataset handed to prepare(), in one launch: the
+    DataLoaderDispatcher (default) and the IterableDatasetShard (dispatch_batches=False),
+    over the dataset or over a user's wrapper of it (boundaries hole 1); an
+    evenly.DataLoader over the dataset after a prepared epoch (hole 2);
+    use_stateful_dataloader=True (hole 4: refused with workers, before the first batch;
+    exact without)."""
+    results = run_ranks(accelerate_ranks.boundaries, WORLD, NS, env=QUIET, timeout=300)
+    for key in ("dispatch", "shard"):
+        for wrapped in (False, True):
+            what = f"prepare(plain DataLoader over {'a wrapper of ' if wrapped else ''}evenly)"
+            per_n = [{n: r[key][wrapped, n] for n in NS} for r in results]
+            check_two_epochs(per_n, f"{what}, {key}")
     for n in NS:
-        epoch = [r[n] for r in results]
-        assert_exactly_once(epoch, n, WORLD, f"HF Trainer, N={n}")
-        assert_equal_batches(epoch, f"HF Trainer, N={n}")
+        after = [r["after"][n] for r in results]
+        share = -(-n // WORLD)
+        assert [a["len_ds"] for a in after] == [share] * WORLD, "hole 2: len(ds) after prepare"
+        assert [a["len"] for a in after] == [-(-share // 10)] * WORLD
+        assert [len(a["ids"]) for a in after] == [share] * WORLD, "hole 2: each rank reads all"
+        assert_exactly_once([[a["ids"]] for a in after], n, WORLD, f"hole 2, N={n}")
+        stateful = [r["stateful"][n] for r in results]
+        for s in stateful:
+            assert len(s["errors"]) == 1 and "use_stateful_dataloader" in s["errors"][0], s
+            assert "inside prepare()" in s["errors"][0] and "evenly.DataLoader" in s["errors"][0]
+        epoch = [s["epochs"][0] for s in stateful]
+        assert_exactly_once(epoch, n, WORLD, f"stateful without workers, N={n}")
+        assert_equal_batches(epoch, f"stateful without workers, N={n}")
+        assert {s["lens"][0] for s in stateful} == {len(epoch[0])}
 
 
 @pytest.mark.parametrize("n", NS)

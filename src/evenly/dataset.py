@@ -24,7 +24,7 @@ from evenly.core.spec import PassSpec
 from evenly.core.state import PassState
 from evenly.core.topology import Topology
 from evenly.errors import StateError, check_int
-from evenly.interop.accelerate import Wrapped, accelerate_wrapper, resharded_in_worker
+from evenly.interop.accelerate import Wrapped, before_pass, check_pass, driving, len_asked, under
 from evenly.runtime.checks import warn_about
 from evenly.runtime.detect import (
     group_of,
@@ -130,7 +130,7 @@ class Dataset(IterableDataset[Any], Generic[T_co]):
         self._skipped = torch.zeros(SKIP_SLOTS, dtype=torch.int64).share_memory_()  # type: ignore[no-untyped-call]
         #: samples this process's iterator has handed out in its current pass
         self._progress = [0]
-        #: a framework wrapper driving the dataset's own passes (Accelerate), if seen
+        #: in a spawned worker's copy: how Accelerate drove the pass when it was pickled
         self._wrapped: Wrapped | None = None
         self.topology()
         self._note_main_view()
@@ -198,8 +198,6 @@ class Dataset(IterableDataset[Any], Generic[T_co]):
         DataLoader worker uses the value fixed in the main process (spawn/forkserver
         workers have no process group of their own).
         """
-        if self._wrapped is not None and self._wrapped.mode == "dispatch":
-            return Topology(0, 1)  # rank 0 reads for all; the wrapper deals the batches
         if not self._warned_rank_local and get_worker_info() is None:
             self._warned_rank_local = warn_if_rank_local(
                 self._world_size, self.process_group, "evenly.Dataset"
@@ -222,6 +220,7 @@ class Dataset(IterableDataset[Any], Generic[T_co]):
             self._note_main_view()
         state = self.__dict__.copy()
         state["process_group"] = None
+        state["_wrapped"] = driving(self, self._wrapped)
         return state
 
     # ---- the dataset's own passes (under a loader that is not evenly's) ------------
@@ -240,20 +239,20 @@ class Dataset(IterableDataset[Any], Generic[T_co]):
         """
         epoch = check_int("epoch", epoch, minimum=0)
         if get_worker_info() is None:
-            self._wrapped = accelerate_wrapper(self) or self._wrapped
+            before_pass(self)
         self._passes.set_epoch(epoch)
         self._skipped.zero_()
         self._note_main_view()
         self.topology()
 
-    def _own_spec(self, state: PassState) -> PassSpec:
-        topo = self.topology()
+    def _own_spec(self, state: PassState, wrapped: Wrapped | None = None) -> PassSpec:
+        topo, batch = under(wrapped or driving(self, self._wrapped), self.topology())
         n = self._planner.num_samples()
         return PassSpec(
             epoch=state.epoch,
             start=min(state.position, n),
             num_samples=n,
-            batch_size=self._wrapped.batch_size if self._wrapped is not None else 1,
+            batch_size=batch,
             drop_last=self.drop_last,
             rank=topo.rank,
             world_size=topo.world_size,
@@ -266,13 +265,16 @@ class Dataset(IterableDataset[Any], Generic[T_co]):
         return self._planner.plan_for(self._own_spec(self._passes.current()))
 
     def __len__(self) -> int:
-        """Samples this rank yields in the dataset's own pass (in progress or next)."""
+        """Samples this rank yields in the dataset's own pass (in progress or next).
+
+        It changes no pass, topology or wrapper state; it only publishes the source's
+        length and identity as the main process sees them, so that workers holding an
+        older copy raise instead of reading it."""
         if get_worker_info() is None:
             self._note_main_view()
-            wrapped = accelerate_wrapper(self, search_stack=True)
-            if wrapped is not None:
-                self._wrapped = wrapped
-        return self.plan().samples_per_rank
+        wrapped, processes = len_asked(self)
+        spec = self._own_spec(self._passes.current(), wrapped)
+        return processes * self._planner.plan_for(spec).rank_samples(spec.rank)
 
     @property
     def num_skipped(self) -> int:
@@ -285,13 +287,7 @@ class Dataset(IterableDataset[Any], Generic[T_co]):
         are raised on the first ``next()``, where the DataLoader passes them on)."""
         info = get_worker_info()
         num_workers, worker_id = (info.num_workers, info.id) if info is not None else (1, 0)
-        wrapper = resharded_in_worker(self, info.dataset) if info is not None else None
-        if wrapper is not None:
-            raise RuntimeError(
-                f"evenly: {wrapper}: samples would be lost. With HF Accelerate, pass the "
-                f"evenly.DataLoader to accelerator.prepare() (it is kept as it is), or let "
-                f"the wrapper call dataset.set_epoch() before iterating"
-            )
+        check_pass(self, info.dataset if info is not None else None, self._wrapped)
         state, skip = self._passes.begin(self._passes.key(info))
         spec = self._own_spec(state)
         if info is None:

@@ -3,6 +3,7 @@ writes it, recording the ids each training step receives."""
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from typing import Any
 
@@ -13,9 +14,7 @@ import evenly
 BATCH, WORKERS = 10, 2
 
 
-def _setup(
-    ns: tuple[int, ...], dispatch: bool | None, plain: bool = False
-) -> tuple[Any, Any, Any, list[Any]]:
+def _setup(ns: tuple[int, ...], dispatch: bool | None) -> tuple[Any, Any, Any, list[Any]]:
     from accelerate import (  # type: ignore[import-untyped]
         Accelerator,
         DataLoaderConfiguration,
@@ -26,9 +25,8 @@ def _setup(
     )
     model = torch.nn.Linear(1, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    kind: Any = torch.utils.data.DataLoader if plain else evenly.DataLoader
     loaders = [
-        kind(
+        evenly.DataLoader(
             evenly.Dataset(list(range(n)), shuffle=True, seed=0),
             batch_size=BATCH,
             num_workers=WORKERS,
@@ -54,11 +52,9 @@ def train(
     ns: tuple[int, ...],
     dispatch: bool | None,
     epochs: int,
-    plain: bool = False,
 ) -> dict[int, dict[str, Any]]:
-    """``epochs`` full epochs per loader; per N: the batches of each epoch and len().
-    ``plain``: a torch DataLoader over the evenly.Dataset is prepared instead."""
-    accelerator, model, opt, prepared = _setup(ns, dispatch, plain)
+    """``epochs`` full epochs per loader; per N: the batches of each epoch and len()."""
+    accelerator, model, opt, prepared = _setup(ns, dispatch)
     out: dict[int, dict[str, Any]] = {}
     for n, loader in zip(ns, prepared, strict=True):
         lens, batches = [], []
@@ -94,4 +90,94 @@ def load_then_train(
     out: dict[int, list[list[list[int]]]] = {}
     for n, loader in zip(ns, prepared, strict=True):
         out[n] = [[_step(accelerator, model, opt, b, n) for b in loader] for _ in range(2)]
+    return out
+
+
+class Tokenize(torch.utils.data.IterableDataset[Any]):
+    """A user's own wrapper over the evenly.Dataset (a tokenizer would go here): holds it
+    in an attribute of its own naming and forwards ``__len__`` and ``set_epoch``."""
+
+    def __init__(self, corpus: Any) -> None:
+        self.corpus = corpus
+
+    def __len__(self) -> int:
+        return len(self.corpus)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.corpus.set_epoch(epoch)
+
+    def __iter__(self) -> Any:
+        yield from self.corpus
+
+
+def _epochs(accelerator: Any, model: Any, opt: Any, loader: Any, n: int, epochs: int) -> Any:
+    lens, batches = [], []
+    for _ in range(epochs):
+        lens.append(len(loader))
+        batches.append([_step(accelerator, model, opt, b, n) for b in loader])
+    return {"epochs": batches, "lens": lens}
+
+
+def boundaries(rank: int, world: int, ns: tuple[int, ...]) -> dict[str, dict[Any, Any]]:
+    """A plain DataLoader over evenly handed to prepare(), several configurations in one
+    launch (the boundaries issue's Accelerate holes among them).
+
+    - ``dispatch`` / ``shard``, keyed ``(wrapped, n)``: a plain DataLoader over the
+      ``evenly.Dataset``, or over the user's ``Tokenize(evenly.Dataset)`` (hole 1),
+      prepared with the default dispatcher and with ``dispatch_batches=False``, two
+      epochs each;
+    - ``after``: an ``evenly.DataLoader`` over the dataset a prepared loader had just run
+      (hole 2): ``len(ds)`` and the samples each rank reads;
+    - ``stateful``: ``use_stateful_dataloader=True`` over a plain DataLoader (hole 4):
+      with workers, the error of the first ``next()``; without, one epoch.
+    """
+    from accelerate import (  # type: ignore[import-untyped]
+        Accelerator,
+        DataLoaderConfiguration,
+    )
+
+    out: dict[str, dict[Any, Any]] = {k: {} for k in ("dispatch", "shard", "after", "stateful")}
+    accelerators = {
+        key: Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(**config))
+        for key, config in (
+            ("dispatch", {}),
+            ("shard", {"dispatch_batches": False}),
+            ("stateful", {"use_stateful_dataloader": True}),
+        )
+    }
+    model = torch.nn.Linear(1, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    model, opt = accelerators["dispatch"].prepare(model, opt)
+    for n in ns:
+        for key, wrapped in itertools.product(("dispatch", "shard"), (False, True)):
+            accelerator = accelerators[key]
+            ds = evenly.Dataset(list(range(n)), shuffle=True, seed=0)
+            inner = Tokenize(ds) if wrapped else ds
+            plain = torch.utils.data.DataLoader(inner, batch_size=BATCH, num_workers=WORKERS)
+            loader = accelerator.prepare(plain)
+            out[key][wrapped, n] = _epochs(accelerator, model, opt, loader, n, 2)
+            if key == "dispatch" and wrapped:
+                after = evenly.DataLoader(ds, batch_size=BATCH, num_workers=WORKERS)
+                out["after"][n] = {
+                    "len_ds": len(ds),
+                    "len": len(after),
+                    "ids": [int(i) for b in after for i in b.tolist()],
+                }
+        accelerator = accelerators["stateful"]
+        errors = []
+        for workers in (WORKERS, 0):
+            ds = evenly.Dataset(list(range(n)), shuffle=True, seed=0)
+            plain = torch.utils.data.DataLoader(ds, batch_size=BATCH, num_workers=workers)
+            loader = accelerator.prepare(plain)
+            if workers:
+                try:
+                    next(iter(loader))
+                    errors.append("no error")
+                except RuntimeError as e:
+                    errors.append(str(e))
+                finally:
+                    vars(loader)["base_dataloader"]._iterator._shutdown_workers()
+            else:
+                out["stateful"][n] = _epochs(accelerator, model, opt, loader, n, 1)
+        out["stateful"][n]["errors"] = errors
     return out

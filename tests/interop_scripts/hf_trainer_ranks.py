@@ -29,28 +29,36 @@ class Recorder(torch.nn.Module):
         return {"loss": loss}
 
 
-def train(rank: int, world: int, ns: tuple[int, ...], out_dir: str) -> dict[int, Any]:
+def train(
+    rank: int, world: int, ns: tuple[int, ...], out_dir: str, wrapped: tuple[bool, ...] = (False,)
+) -> dict[tuple[bool, int], Any]:
+    """One epoch per (wrapper, N): the train_dataset is the ``evenly.Dataset``, or (True)
+    the user's own ``Tokenize(evenly.Dataset)`` (the boundaries issue's hole 1)."""
     from transformers import Trainer, TrainingArguments
 
-    out: dict[int, Any] = {}
-    for n in ns:
-        samples = [{"idx": i, "x": i / n, "labels": 0.0} for i in range(n)]
-        model = Recorder()
-        args = TrainingArguments(
-            output_dir=f"{out_dir}/n{n}",
-            per_device_train_batch_size=BATCH,
-            num_train_epochs=1,
-            use_cpu=True,
-            dataloader_num_workers=WORKERS,
-            remove_unused_columns=False,
-            report_to="none",
-            save_strategy="no",
-            logging_strategy="no",
-            disable_tqdm=True,
-        )
-        dataset = evenly.Dataset(samples, shuffle=True, seed=0)
-        Trainer(model=model, args=args, train_dataset=dataset).train()
-        out[n] = model.seen
+    from tests.interop_scripts.accelerate_ranks import Tokenize
+
+    out: dict[tuple[bool, int], Any] = {}
+    for wrap in wrapped:
+        for n in ns:
+            samples = [{"idx": i, "x": i / n, "labels": 0.0} for i in range(n)]
+            model = Recorder()
+            args = TrainingArguments(
+                output_dir=f"{out_dir}/n{n}-{wrap}",
+                per_device_train_batch_size=BATCH,
+                num_train_epochs=1,
+                use_cpu=True,
+                dataloader_num_workers=WORKERS,
+                remove_unused_columns=False,
+                report_to="none",
+                save_strategy="no",
+                logging_strategy="no",
+                disable_tqdm=True,
+            )
+            dataset: Any = evenly.Dataset(samples, shuffle=True, seed=0)
+            train_dataset = Tokenize(dataset) if wrap else dataset
+            Trainer(model=model, args=args, train_dataset=train_dataset).train()
+            out[wrap, n] = model.seen
     return out
 
 

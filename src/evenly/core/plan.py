@@ -16,8 +16,8 @@ Vocabulary
   evenly as possible (rank ``r`` takes every ``R``-th position from ``r``) and, unless
   ``drop_last``, padded so every rank gets the same count (``pad="repeat"``, the
   default, or ``"mask"``: the same plan, pads recognisable), or left as it is
-  (``pad="none"``: ranks get at most one sample, so one batch, apart; nothing repeated).  Whatever the ranks have
-  consumed after ``k`` steps is therefore a prefix of the order: ``start`` is the
+  (``pad="none"``: ranks get at most one sample, so one batch, apart; nothing
+  repeated).  Whatever the ranks have consumed after ``k`` steps is therefore a prefix of the order: ``start`` is the
   length of the prefix consumed before this plan (a resume).
 - Inside a rank, batch ``i`` is step ``i``; batches are dealt to the rank's ``W``
   workers round-robin (batch ``i`` to worker ``i % W``), which is the order in which a

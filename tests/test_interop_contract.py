@@ -1,0 +1,315 @@
+"""evenly under Accelerate's wrappers, in this process (no ranks): the contract of
+``evenly.interop.accelerate`` with each configuration it recognises, and the clear error
+each one it cannot make right raises before the first batch.
+
+Two ranks are simulated the way Accelerate itself allows: ``prepare_data_loader`` with an
+explicit ``num_processes``/``process_index`` (the shard wrapper), and datasets with an
+explicit ``rank``/``world_size``.  The dispatcher runs with one process (rank 0 reads for
+all), over a dataset told it is rank 0 of 2: reading everything shows the mode was seen.
+The real 2-rank gloo runs are in ``tests/test_interop_accelerate.py``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import ChainDataset, DataLoader, IterableDataset
+
+import evenly
+
+pytestmark = [
+    pytest.mark.skipif(
+        importlib.util.find_spec("accelerate") is None, reason="needs accelerate (test extra)"
+    ),
+    pytest.mark.filterwarnings("ignore::evenly.EvenlyWarning"),
+]
+
+N, B, WORLD = 101, 5, 2
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerate() -> Iterator[None]:
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+class Tokenize(IterableDataset[Any]):
+    """A user's wrapper: holds the evenly dataset in an attribute of its own naming and
+    forwards ``__len__`` and ``set_epoch``."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.vocab = {"unused": 1}  # not a dataset: not searched
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.inner.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[Any]:
+        yield from self.inner
+
+
+class NoEpoch(IterableDataset[Any]):
+    """A wrapper that forwards ``__len__`` but not ``set_epoch``."""
+
+    def __init__(self, inner: Any) -> None:
+        self.source = inner
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def __iter__(self) -> Iterator[Any]:
+        yield from self.source
+
+
+class Hidden(IterableDataset[Any]):
+    """A wrapper holding the evenly dataset where evenly does not look (a dict)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.parts = {"train": inner}
+
+    def __len__(self) -> int:
+        return len(self.parts["train"])
+
+    def set_epoch(self, epoch: int) -> None:
+        self.parts["train"].set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[Any]:
+        yield from self.parts["train"]
+
+
+class Plain(IterableDataset[int]):
+    def __iter__(self) -> Iterator[int]:
+        yield from range(1000, 1010)
+
+
+def _dataset(rank: int = 0, n: int = N) -> evenly.Dataset[Any]:
+    return evenly.Dataset(list(range(n)), shuffle=True, seed=3, rank=rank, world_size=WORLD)
+
+
+def _prepare(dataset: Any, *, workers: int = 0, **kw: Any) -> Any:
+    from accelerate.data_loader import prepare_data_loader
+
+    loader = DataLoader(
+        dataset,
+        batch_size=kw.pop("batch_size", B),
+        num_workers=workers,
+        persistent_workers=kw.pop("persistent", False),
+        multiprocessing_context=kw.pop("context", None),
+    )
+    return prepare_data_loader(loader, device=torch.device("cpu"), **kw)
+
+
+def _shard_loader(rank: int, dataset: Any, **kw: Any) -> Any:
+    return _prepare(dataset, dispatch_batches=False, num_processes=WORLD, process_index=rank, **kw)
+
+
+def _refused(loader: Any, match: str) -> None:
+    """The first batch raises ``match``; the workers are shut down at once (a failed
+    iterator left to the garbage collector makes a later test wait for them)."""
+    try:
+        with pytest.raises(RuntimeError, match=match):
+            next(iter(loader))
+    finally:
+        it = vars(loader)["base_dataloader"].__dict__.get("_iterator")
+        if it is not None and hasattr(it, "_shutdown_workers"):
+            it._shutdown_workers()
+
+
+def _epoch(loader: Any) -> list[list[int]]:
+    return [[int(i) for i in batch.tolist()] for batch in loader]
+
+
+def _assert_once(ids: list[int], n: int = N) -> None:
+    counts = Counter(ids)
+    assert set(counts) == set(range(n)), f"{n - len(counts)} missing"
+    assert sum(counts.values()) - n <= WORLD - 1
+
+
+# ---- the dispatcher (the default) ---------------------------------------------------
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("wrap", [False, True], ids=["bare", "user-wrapper"])
+def test_under_the_dispatcher_rank_0_reads_the_whole_epoch(workers: int, wrap: bool) -> None:
+    ds = _dataset(rank=0)
+    share = len(ds)
+    loader = _prepare(Tokenize(Tokenize(ds)) if wrap else ds, put_on_device=True, workers=workers)
+    assert len(loader) == math.ceil(N / B)  # asked before any iteration (HF Trainer)
+    for _ in range(2):
+        batches = _epoch(loader)
+        assert len(batches) == math.ceil(N / B)
+        _assert_once([i for b in batches for i in b])
+    # after the prepared epochs the dataset is its own again (boundaries hole 2)
+    assert len(ds) == share == math.ceil(N / WORLD)
+    ids = [int(i) for b in evenly.DataLoader(ds, batch_size=B) for i in b.tolist()]
+    assert len(ids) == share
+
+
+def test_under_the_dispatcher_a_wrapper_without_set_epoch_still_reads_the_whole_epoch() -> None:
+    """Forked workers read GradientState as it was when they started."""
+    loader = _prepare(NoEpoch(_dataset()), put_on_device=True, workers=2)
+    _assert_once([i for b in _epoch(loader) for i in b])
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create")
+def test_under_the_dispatcher_spawned_workers_get_the_mode_with_the_dataset() -> None:
+    loader = _prepare(Tokenize(_dataset()), put_on_device=True, workers=2, context="spawn")
+    _assert_once([i for b in _epoch(loader) for i in b])
+
+
+# ---- the shard wrapper (dispatch_batches=False) ---------------------------------------
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("wrap", [False, True], ids=["bare", "user-wrapper"])
+def test_under_the_shard_wrapper_each_rank_reads_its_own_share(workers: int, wrap: bool) -> None:
+    n = N
+    datasets = [_dataset(rank=r) for r in range(WORLD)]
+    loaders = [
+        _shard_loader(r, Tokenize(ds) if wrap else ds, workers=workers)
+        for r, ds in enumerate(datasets)
+    ]
+    per_rank = math.ceil(math.ceil(n / WORLD) / B)
+    assert [len(loader) for loader in loaders] == [per_rank] * WORLD  # before any pass
+    for _ in range(2):
+        epoch = [_epoch(loader) for loader in loaders]
+        assert [len(batches) for batches in epoch] == [per_rank] * WORLD
+        _assert_once([i for batches in epoch for b in batches for i in b])
+        assert [len(loader) for loader in loaders] == [per_rank] * WORLD  # passed through
+    assert [len(ds) for ds in datasets] == [math.ceil(n / WORLD)] * WORLD
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_shard_wrapper_that_never_reaches_set_epoch_is_refused(workers: int) -> None:
+    loader = _shard_loader(0, NoEpoch(_dataset()), workers=workers, persistent=workers > 0)
+    _refused(loader, r"split each rank's share again.*set_epoch")
+
+
+@pytest.mark.parametrize("dispatch", [True, False], ids=["dispatcher", "shard"])
+def test_a_dataset_evenly_cannot_find_under_the_wrapper_is_refused(dispatch: bool) -> None:
+    ds = _dataset()
+    if dispatch:
+        loader = _prepare(Hidden(ds), put_on_device=True, workers=2, persistent=True)
+    else:
+        loader = _shard_loader(0, Hidden(ds), workers=2, persistent=True)
+    _refused(loader, r"cannot find it through.*attribute")
+
+
+class Mixed(Tokenize):
+    """A wrapper chaining the evenly dataset with a stream of its own."""
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__(inner)
+        self.both = ChainDataset([inner, Plain()])
+
+    def __iter__(self) -> Iterator[Any]:
+        yield from self.both
+
+
+def test_a_shard_over_other_iterable_datasets_too_is_refused() -> None:
+    _refused(_shard_loader(0, Mixed(_dataset())), r"other iterable datasets \(Plain\)")
+
+
+def test_split_batches_without_dispatch_refuses_len_before_the_first_pass() -> None:
+    loaders = [
+        _shard_loader(r, _dataset(rank=r), batch_size=2 * B, split_batches=True)
+        for r in range(WORLD)
+    ]
+    with pytest.raises(RuntimeError, match=r"split_batches=True.*split_batches=False"):
+        len(loaders[0])
+    epoch = [_epoch(loader) for loader in loaders]
+    assert {len(b) for batches in epoch for b in batches[:-1]} == {B}
+    _assert_once([i for batches in epoch for b in batches for i in b])
+    assert len(loaders[0]) == len(epoch[0])  # passed through: the count is exact
+
+
+# ---- use_stateful_dataloader=True (boundaries hole 4) -------------------------------
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
+@pytest.mark.parametrize("dispatch", [None, False], ids=["dispatcher", "shard"])
+def test_workers_started_inside_prepare_are_refused(dispatch: bool | None) -> None:
+    pytest.importorskip("torchdata.stateful_dataloader")
+    kw: dict[str, Any] = {"put_on_device": True, "use_stateful_dataloader": True}
+    if dispatch is False:
+        kw.update(dispatch_batches=False, num_processes=WORLD, process_index=0)
+    _refused(_prepare(_dataset(), workers=2, **kw), r"inside prepare\(\).*use_stateful")
+
+
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
+def test_a_stateful_dispatcher_without_workers_reads_the_whole_epoch() -> None:
+    pytest.importorskip("torchdata.stateful_dataloader")
+    loader = _prepare(_dataset(), put_on_device=True, use_stateful_dataloader=True)
+    assert len(loader) == math.ceil(N / B)
+    batches = _epoch(loader)
+    assert len(batches) == len(loader)
+    _assert_once([i for b in batches for i in b])
+
+
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
+def test_a_stateful_shard_wrapper_without_workers_reads_each_share() -> None:
+    pytest.importorskip("torchdata.stateful_dataloader")
+    loaders = [
+        _shard_loader(r, _dataset(rank=r), use_stateful_dataloader=True) for r in range(WORLD)
+    ]
+    per_rank = math.ceil(math.ceil(N / WORLD) / B)
+    assert [len(loader) for loader in loaders] == [per_rank] * WORLD
+    epoch = [_epoch(loader) for loader in loaders]
+    assert [len(batches) for batches in epoch] == [per_rank] * WORLD
+    _assert_once([i for batches in epoch for b in batches for i in b])
+
+
+# ---- what stays the dataset's own -------------------------------------------------
+def test_nothing_here_initialises_accelerate() -> None:
+    import accelerate.data_loader  # noqa: F401  (imported, never initialised)
+    from accelerate.state import GradientState
+
+    ds = _dataset()
+    ds.set_epoch(1)
+    assert len(ds) == math.ceil(N / WORLD)
+    assert len(list(DataLoader(ds, batch_size=B, num_workers=2))) == math.ceil(len(ds) / B)
+    assert GradientState._shared_state == {}
+
+
+def test_another_loader_iterated_during_a_prepared_epoch_is_not_affected() -> None:
+    """An evaluation loader over another dataset, inside a training epoch."""
+    train = _prepare(_dataset(), put_on_device=True)
+    held_out = _dataset(rank=1)
+    it = iter(train)
+    next(it)
+    assert len(held_out) == math.ceil(N / WORLD)
+    ids = [int(i) for b in DataLoader(held_out, batch_size=B, num_workers=2) for i in b.tolist()]
+    assert len(ids) == len(held_out)  # rank 1's share, not the whole epoch
+    list(it)
+
+
+def test_len_asked_directly_during_a_prepared_epoch_counts_the_pass_in_progress() -> None:
+    ds = _dataset()
+    loader = _prepare(ds, put_on_device=True)
+    it = iter(loader)
+    next(it)
+    assert len(ds) == N  # rank 0 reads for all while the dispatcher drives it
+    list(it)
+    assert len(ds) == math.ceil(N / WORLD)
+
+
+class Counted(evenly.Dataset[Any]):
+    """A subclass of evenly.Dataset whose __len__ calls the base class's."""
+
+    def __len__(self) -> int:
+        return super().__len__()
+
+
+def test_len_through_a_subclass_of_the_dataset_is_still_recognised() -> None:
+    ds = Counted(list(range(N)), shuffle=True, seed=3, rank=0, world_size=WORLD)
+    loader = _prepare(Tokenize(ds), put_on_device=True)
+    assert len(loader) == math.ceil(N / B)
+    assert len(ds) == math.ceil(N / WORLD)

@@ -17,8 +17,9 @@ Vocabulary
   ``drop_last``, padded so every rank gets the same count (``pad="repeat"``, the
   default, or ``"mask"``: the same plan, pads recognisable), or left as it is
   (``pad="none"``: ranks get at most one sample, so one batch, apart; nothing
-  repeated).  Whatever the ranks have consumed after ``k`` steps is therefore a prefix of the order: ``start`` is the
-  length of the prefix consumed before this plan (a resume).
+  repeated).  Whatever the ranks have consumed after ``k`` steps is therefore a prefix
+  of the order: ``start`` is the length of the prefix consumed before this plan (a
+  resume).
 - Inside a rank, batch ``i`` is step ``i``; batches are dealt to the rank's ``W``
   workers round-robin (batch ``i`` to worker ``i % W``), which is the order in which a
   DataLoader collects them, so the rank's batch sequence is the map-style one.

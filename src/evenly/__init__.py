@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from evenly.loader.loader import DataLoader
     from evenly.loader.sampler import BatchSampler
     from evenly.runtime.detect import detect_topology
-    from evenly.runtime.seeds import sample_seed
+    from evenly.runtime.seeds import is_padding, sample_seed
     from evenly.sources import from_arrow, from_jsonl, from_parquet, from_webdataset, write
 
 __all__ = [
@@ -52,6 +52,7 @@ __all__ = [
     "from_jsonl",
     "from_parquet",
     "from_webdataset",
+    "is_padding",
     "sample_seed",
     "write",
 ]
@@ -66,6 +67,7 @@ _LAZY = {
     "Dataset": ("evenly.dataset", "Dataset"),
     "detect_topology": ("evenly.runtime.detect", "detect_topology"),
     "sample_seed": ("evenly.runtime.seeds", "sample_seed"),
+    "is_padding": ("evenly.runtime.seeds", "is_padding"),
     "from_arrow": ("evenly.sources", "from_arrow"),
     "from_jsonl": ("evenly.sources", "from_jsonl"),
     "from_parquet": ("evenly.sources", "from_parquet"),

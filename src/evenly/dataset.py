@@ -86,6 +86,16 @@ class Dataset(IterableDataset[Any], Generic[T_co]):
         on_error: ``"raise"`` (default): a sample the source cannot read raises, naming
             it; ``"skip"``: it is replaced by another sample (so every rank keeps its
             batch count), logged, counted in ``num_skipped`` and reported at epoch end.
+        pad: the epoch's short last step, when it does not split evenly over the ranks
+            (no effect with ``drop_last=True``).  ``"repeat"`` (default): a few samples
+            are repeated (fewer than ``world_size``, reported) so every rank yields the
+            same batches.  ``"none"`` (exact evaluation): nothing repeated, nothing
+            dropped; ranks yield at most one batch apart (``len()`` stays true per rank),
+            so a collective at every step (DDP's all-reduce, FSDP's all-gather,
+            ``gather_for_metrics``) would hang there: use ``"mask"`` for those.
+            ``"mask"``: as ``"repeat"``, and the transform (required) is told which
+            samples are the repeats (:func:`evenly.is_padding`) to mark them, e.g. a
+            label of -100 or a weight of 0.
     """
 
     def __init__(
@@ -102,6 +112,7 @@ class Dataset(IterableDataset[Any], Generic[T_co]):
         process_group: Any = None,
         block_shards: int = 8,
         on_error: str = "raise",
+        pad: str = "repeat",
     ) -> None:
         #: plans, reads and checkpoints passes: what loaders talk to
         self._planner = Planner(
@@ -113,6 +124,7 @@ class Dataset(IterableDataset[Any], Generic[T_co]):
             seed_generators=seed_generators,
             block_shards=block_shards,
             on_error=on_error,
+            pad=pad,
         )
         self._rank = None if rank is None else check_int("rank", rank, minimum=0)
         self._world_size = (
@@ -179,6 +191,11 @@ class Dataset(IterableDataset[Any], Generic[T_co]):
     @property
     def on_error(self) -> str:
         return self._planner.on_error
+
+    @property
+    def pad(self) -> str:
+        """How the epoch's short last step is shared: "repeat", "none" or "mask"."""
+        return self._planner.pad
 
     @property
     def seed_generators(self) -> tuple[str, ...]:
@@ -333,11 +350,12 @@ class Dataset(IterableDataset[Any], Generic[T_co]):
                 "the epoch>), or use evenly.DataLoader (loader.state_dict() counts them)"
             )
         current = self._passes.current()
-        plan = self._planner.plan_for(self._own_spec(current))
+        spec = self._own_spec(current)
+        plan = self._planner.plan_for(spec)
         received = self._progress[0] if samples_received is None else samples_received
         received = check_int("samples_received", received, minimum=0)
         position = plan.consumed_after(received // plan.batch_size)
-        if received >= plan.samples_per_rank or position >= plan.end:
+        if received >= plan.rank_samples(spec.rank) or position >= plan.end:
             return self._planner.to_state(PassState(plan.epoch + 1, source=current.source))
         at = PassState(plan.epoch, position, source=current.source)
         return self._planner.to_state(at, order=plan.order)

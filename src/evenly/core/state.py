@@ -6,20 +6,22 @@ consumed is always a prefix of that order, a position in training is two integer
 do not depend on the rank, the number of workers or the batch size, so a state saved
 under one topology resumes exactly under another.
 
-Format (version 2)::
+Format (version 3)::
 
-    {"format": "evenly.state", "version": 2, "epoch": 3, "position": 40960,
+    {"format": "evenly.state", "version": 3, "epoch": 3, "position": 40960,
      "batches": 80, "num_samples": 1000000, "seed": 0, "shuffle": "global",
-     "drop_last": false}
+     "drop_last": false, "pad": "repeat"}
 
 ``batches`` is how many batches this rank's loop had received in the interrupted epoch
 (``len(loader)`` after a load counts them, as Lightning's restored batch counter and
 StatefulDataLoader expect).  Version 1 states (evenly 0.1: no ``batches``) are migrated
 with ``batches = 0``; they resume the same samples, but per-sample random draws changed
 in version 2 (full-width NumPy seeding), so a resumed epoch's augmentations differ from
-those the interrupted run would have drawn.  A state stays loadable by every evenly
-release that reads its version; an unknown version is refused with an error, never
-guessed at.
+those the interrupted run would have drawn.  Version 2 states (no ``pad``) load as
+``pad="repeat"``, the only mode there was.  Fields that later releases add to version 3
+are optional, with the value that keeps a saved state's meaning.  A state stays
+loadable by every evenly release that reads its version; an unknown version is refused
+with an error, never guessed at.
 """
 
 from __future__ import annotations
@@ -32,11 +34,11 @@ from evenly.errors import StateError, check_int
 __all__ = ["FORMAT", "VERSION", "PassState", "check_state"]
 
 FORMAT = "evenly.state"
-VERSION = 2
+VERSION = 3
 #: Older versions this release migrates.
-MIGRATED = (1,)
+MIGRATED = (1, 2)
 #: The plan fields a state must agree on with the dataset it is loaded into.
-FINGERPRINT = ("num_samples", "seed", "shuffle", "drop_last")
+FINGERPRINT = ("num_samples", "seed", "shuffle", "drop_last", "pad")
 
 
 @dataclass(frozen=True)
@@ -108,8 +110,10 @@ def check_state(state: object, fingerprint: dict[str, Any]) -> tuple[int, int, i
             + (f" with keys {sorted(state)}" if isinstance(state, dict) else "")
         )
     version = state.get("version")
-    if version in MIGRATED:
-        state = {**state, "version": VERSION, "batches": 0}
+    if version == 1:  # no batches yet (and no pad)
+        state = {**state, "batches": 0}
+    if version in MIGRATED:  # version 2: the only pad mode was "repeat"
+        state = {**state, "version": VERSION, "pad": state.get("pad", "repeat")}
     elif version != VERSION:
         raise StateError(
             f"unknown evenly state version {version!r}: this evenly reads versions "

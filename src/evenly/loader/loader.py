@@ -237,7 +237,8 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
             return current.prior + current.total
         self._follow_dataset()
         start = self._passes.next_start()
-        return (start.batches if start.resumes else 0) + self.plan.num_batches
+        rank = self.dataset.topology().rank
+        return (start.batches if start.resumes else 0) + self.plan.rank_batches(rank)
 
     @property
     def remaining_batches(self) -> int:
@@ -247,7 +248,7 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         current = self._passes.current
         if current is not None:
             return current.remaining
-        return self.plan.num_batches
+        return self.plan.rank_batches(self.dataset.topology().rank)
 
     @property
     def num_skipped(self) -> int:
@@ -343,7 +344,7 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         self._last_num_samples = spec.num_samples
         current = Pass.epoch_of(
             PassState(spec.epoch, spec.start, start.batches, start.source),
-            plan.num_batches,
+            plan.rank_batches(spec.rank),
             plan.consumed_after,
             plan.end,
         )

@@ -69,6 +69,10 @@ class BatchSampler(Sampler[list[int]]):
         world_size: overrides the detected world size (detected as ``rank`` is).
         process_group: the data-parallel group (a ProcessGroup or a DeviceMesh
             dimension): the rank and world size are taken within it.
+        pad: ``"repeat"`` (default: the short last step is padded with fewer than
+            ``world_size`` repeats, so every rank yields the same batches) or ``"none"``
+            (exact evaluation: nothing repeated; ranks yield at most one batch apart, so
+            no collective may run at every step).
     """
 
     def __init__(
@@ -82,6 +86,7 @@ class BatchSampler(Sampler[list[int]]):
         rank: int | None = None,
         world_size: int | None = None,
         process_group: Any | None = None,
+        pad: str = "repeat",
     ) -> None:
         if hasattr(num_samples, "__len__"):
             raise TypeError(
@@ -95,6 +100,12 @@ class BatchSampler(Sampler[list[int]]):
         self.shuffle = shuffle
         self.seed = check_int("seed", seed)
         self.drop_last = bool(drop_last)
+        if pad not in ("repeat", "none"):
+            raise ValueError(
+                f"evenly.BatchSampler: pad must be 'repeat' or 'none', got {pad!r} (pad='mask' "
+                f"needs a per-sample transform: use evenly.Dataset(..., pad='mask'))"
+            )
+        self.pad = pad
         self._rank = None if rank is None else check_int("rank", rank, minimum=0)
         self._world_size = (
             None if world_size is None else check_int("world_size", world_size, minimum=1)
@@ -128,6 +139,7 @@ class BatchSampler(Sampler[list[int]]):
             seed=self.seed,
             epoch=epoch,
             start=start,
+            pad=self.pad,
             order=make_order(mode, self.num_samples, seed=self.seed, epoch=epoch),
         )
 
@@ -161,7 +173,8 @@ class BatchSampler(Sampler[list[int]]):
         if current is not None and current.total is not None:
             return current.prior + current.total
         start = self._passes.next_start()
-        return (start.batches if start.resumes else 0) + self.plan.num_batches
+        rank = self.topology().rank
+        return (start.batches if start.resumes else 0) + self.plan.rank_batches(rank)
 
     @property
     def remaining_batches(self) -> int:
@@ -169,7 +182,7 @@ class BatchSampler(Sampler[list[int]]):
         current = self._in_progress()
         if current is not None:
             return current.remaining
-        return self.plan.num_batches
+        return self.plan.rank_batches(self.topology().rank)
 
     def set_epoch(self, epoch: int) -> None:
         """Make the next ``iter()`` epoch ``epoch``, from its start (reproduced exactly);
@@ -197,7 +210,7 @@ class BatchSampler(Sampler[list[int]]):
         topo = self.topology()
         plan = self._plan(start.epoch, start.position, topo.world_size)
         current = self._passes.begin(
-            Pass.epoch_of(start, plan.num_batches, plan.consumed_after, plan.end)
+            Pass.epoch_of(start, plan.rank_batches(topo.rank), plan.consumed_after, plan.end)
         )
         self._pass, self._current_plan, self._current_rank = current, plan, topo.rank
         if self.num_samples == 0:
@@ -218,6 +231,7 @@ class BatchSampler(Sampler[list[int]]):
             "seed": self.seed,
             "shuffle": "global" if self.shuffle else "none",
             "drop_last": self.drop_last,
+            "pad": self.pad,
         }
 
     def state_dict(self, batches_received: int | None = None) -> dict[str, Any]:
@@ -272,8 +286,8 @@ class BatchSampler(Sampler[list[int]]):
 
 def _generate(current: Pass, plan: EpochPlan, rank: int) -> Iterator[list[int]]:
     """The pass's batches, computed a chunk of ``CHUNK`` positions at a time."""
-    total = plan.num_batches
-    last = plan.samples_per_rank - (total - 1) * plan.batch_size if total else 0
+    total = plan.rank_batches(rank)
+    last = plan.rank_samples(rank) - (total - 1) * plan.batch_size if total else 0
     per = max(1, CHUNK // plan.batch_size)
     for first in range(0, total, per):
         stop = min(first + per, total)

@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import get_worker_info
 
 from evenly.core.order import SHUFFLE_MODES, make_order
-from evenly.core.plan import EpochPlan, Order
+from evenly.core.plan import PAD_MODES, EpochPlan, Order
 from evenly.core.source import SourceView
 from evenly.core.spec import PassSpec
 from evenly.core.state import PassState
@@ -76,6 +76,7 @@ class Planner:
         seed_generators: tuple[str, ...] | list[str],
         block_shards: int,
         on_error: str,
+        pad: str = "repeat",
     ) -> None:
         self.view = SourceView.of(source)
         self.generation = 0
@@ -88,6 +89,10 @@ class Planner:
         self.seed = check_int("seed", seed)
         self.drop_last = bool(drop_last)
         self.seed_generators = check_generators(seed_generators)
+        if pad not in PAD_MODES:
+            raise ValueError(f"pad must be one of {list(PAD_MODES)}, got {pad!r}")
+        self.pad = pad
+        self._check_mask()
         #: the audit's tap on every read (None: no one is watching)
         self.tap: ReadTap | None = None
 
@@ -102,7 +107,16 @@ class Planner:
             self.view = SourceView.of(source)
         else:
             self.transform = transform
+            self._check_mask()
         self.generation += 1
+
+    def _check_mask(self) -> None:
+        if self.pad == "mask" and self.transform is None:
+            raise ValueError(
+                "pad='mask' needs a transform: it is where each sample learns whether it is "
+                "padding (evenly.is_padding()), to mark it (a label of -100, a weight of 0); "
+                "pass transform=..., or use pad='repeat' or pad='none'"
+            )
 
     def check_files(self) -> None:
         """Raise if the source's files changed since it was opened (every pass start)."""
@@ -137,6 +151,7 @@ class Planner:
             seed=self.seed,
             epoch=spec.epoch,
             start=spec.start,
+            pad=self.pad,
             order=self.order_for(
                 spec.epoch,
                 spec.num_samples,
@@ -193,6 +208,7 @@ class Planner:
             "seed": self.seed,
             "shuffle": self.shuffle_mode,
             "drop_last": self.drop_last if drop_last is None else bool(drop_last),
+            "pad": self.pad,
         }
         if self.shuffle_mode == "block":
             fp["block_shards"] = self.block_shards

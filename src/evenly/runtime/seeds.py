@@ -86,15 +86,17 @@ def is_padding() -> bool:
     transform is told which samples are those repeats, to mark them for the loss or the
     metric (a label of -100 for ``ignore_index``, a weight of 0):
 
-    >>> import evenly
+    >>> import evenly, warnings
     >>> def mark(x):
     ...     return {"x": x, "weight": 0.0 if evenly.is_padding() else 1.0}
-    >>> ds = evenly.Dataset(list(range(3)), rank=0, world_size=2, pad="mask", transform=mark)
-    >>> [(s["x"], s["weight"]) for s in ds]
-    [(0, 1.0), (2, 1.0)]
-    >>> ds = evenly.Dataset(list(range(3)), rank=1, world_size=2, pad="mask", transform=mark)
-    >>> [(s["x"], s["weight"]) for s in ds]
-    [(1, 1.0), (0, 0.0)]
+    >>> def epoch(rank):
+    ...     ds = evenly.Dataset(list(range(3)), rank=rank, world_size=2, pad="mask",
+    ...                         transform=mark)
+    ...     with warnings.catch_warnings():
+    ...         warnings.simplefilter("ignore", evenly.EvenlyWarning)  # 1 sample repeated
+    ...         return [(s["x"], s["weight"]) for s in ds]
+    >>> epoch(0), epoch(1)
+    ([(0, 1.0), (2, 1.0)], [(1, 1.0), (0, 0.0)])
     """
     padding = _PADDING.get()
     if padding is None:

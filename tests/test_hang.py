@@ -335,27 +335,31 @@ def test_a_sample_failing_on_one_rank_names_it_and_the_group_ends_in_bounded_tim
 
 # ---- (c) a worker killed by a signal --------------------------------------------------------
 class KillOn:
-    """SIGKILL the DataLoader worker that reads sample ``index``."""
+    """SIGKILL the DataLoader worker that reads sample ``index``, once it has written its
+    pid to ``pid_file``."""
 
-    def __init__(self, index: int) -> None:
-        self.index = index
+    def __init__(self, index: int, pid_file: str) -> None:
+        self.index, self.pid_file = index, pid_file
 
     def __call__(self, x: int) -> int:
         if x == self.index:
+            Path(self.pid_file).write_text(str(os.getpid()))
             os.kill(os.getpid(), signal.SIGKILL)
         return x
 
 
-def read_until_a_worker_dies(tensors: bool = False) -> dict[str, Any]:
+def read_until_a_worker_dies(pid_file: str, tensors: bool = False) -> dict[str, Any]:
     """In a fresh process: torch's SIGCHLD handler must not outlive the test."""
-    ds = evenly.Dataset(list(range(40)), rank=0, world_size=1, transform=KillOn(21))
+    ds = evenly.Dataset(list(range(40)), rank=0, world_size=1, transform=KillOn(21, pid_file))
     # Batches are lists, not tensors: a tensor batch is handed over as a file descriptor
     # that the main process fetches from the worker, and when that worker has just died
-    # torch may raise a bare ConnectionResetError first (its race, not evenly's).  The
-    # timeout is only a guard: a hang would raise "timed out", which does not match.
-    # With tensors=True that race is left in: evenly.DataLoader must still name the worker.
+    # torch may raise a bare ConnectionResetError first.  With tensors=True that race is
+    # left in: evenly.DataLoader must name the worker either way.  No DataLoader timeout:
+    # without one torch also checks its workers every few seconds, so the death is found
+    # even if its SIGCHLD report never reaches the loop; a hang fails the test through
+    # in_fresh_process's own timeout.
     kwargs: dict[str, Any] = {} if tensors else {"collate_fn": list}
-    loader = evenly.DataLoader(ds, batch_size=4, num_workers=2, timeout=60, **kwargs)
+    loader = evenly.DataLoader(ds, batch_size=4, num_workers=2, **kwargs)
     received: list[int] = []
     outcome: dict[str, Any] = {"type": None}
     start = time.monotonic()
@@ -364,16 +368,15 @@ def read_until_a_worker_dies(tensors: bool = False) -> dict[str, Any]:
         for ids in it:
             received += [int(i) for i in ids]
     except Exception as exc:
-        chain: list[BaseException] = [exc]
-        while chain[-1].__cause__ is not None or chain[-1].__context__ is not None:
-            chain.append(chain[-1].__cause__ or chain[-1].__context__)  # type: ignore[arg-type]
+        cause = exc.__cause__
         outcome = {
             "type": type(exc).__name__,
             "message": str(exc),
-            "chain": [f"{type(e).__name__}: {e}" for e in chain],
+            "cause": None if cause is None else f"{type(cause).__name__}: {cause}",
         }
-        del chain
+        del cause
     outcome.update(received=received, elapsed=time.monotonic() - start)
+    outcome["killed"] = int(Path(pid_file).read_text()) if Path(pid_file).exists() else None
     # shut the iterator down now: while it lives, torch's SIGCHLD handler still watches
     # the dead worker's pid and raises again at the next SIGCHLD
     del it
@@ -381,26 +384,39 @@ def read_until_a_worker_dies(tensors: bool = False) -> dict[str, Any]:
     return outcome
 
 
-def test_a_worker_killed_by_a_signal_is_a_clear_error_not_a_hang() -> None:
-    outcome = in_fresh_process(read_until_a_worker_dies, timeout=120)
+def evenly_names(outcome: dict[str, Any], when: str) -> bool:
+    """Whether the error is evenly's, naming exactly the killed worker's pid."""
+    killed = outcome["killed"]
+    pattern = rf"evenly: DataLoader worker\(s\) \(pid {killed}\) died ({when}) "
+    return killed is not None and re.match(pattern, outcome["message"]) is not None
+
+
+def test_a_worker_killed_by_a_signal_is_a_clear_error_not_a_hang(tmp_path: Path) -> None:
+    """evenly's RuntimeError names the killed worker's pid, with torch's report of the
+    signal as its cause; the loop gets no batch of the dead worker and does not hang."""
+    outcome = in_fresh_process(read_until_a_worker_dies, str(tmp_path / "pid"), timeout=120)
     assert outcome["type"] == "RuntimeError", outcome
-    # torch names the worker: either straight from its SIGCHLD handler, or as "exited
-    # unexpectedly" when that error interrupted the wait for data (then it is the cause)
-    assert re.match(r"DataLoader worker \(pid(\(s\))? \d+\)", outcome["message"]), outcome
-    assert any(
-        re.match(r"RuntimeError: DataLoader worker \(pid \d+\) is killed by signal: Killed", e)
-        for e in outcome["chain"]
+    assert evenly_names(outcome, "during the epoch"), outcome
+    # torch's error is the cause: from its SIGCHLD handler, or "exited unexpectedly" when
+    # that interrupted the wait for data
+    killed = outcome["killed"]
+    assert re.match(
+        rf"RuntimeError: DataLoader worker \(pid(\(s\))? {killed}\) "
+        r"(is killed by signal: Killed|exited unexpectedly)",
+        outcome["cause"] or "",
     ), outcome
     assert outcome["elapsed"] < 60
     assert 21 not in outcome["received"]
 
 
-def test_a_worker_killed_while_handing_over_tensors_is_named_too() -> None:
-    for _ in range(3):  # the hand-over race shows in some runs only; all must be clear
-        outcome = in_fresh_process(read_until_a_worker_dies, True, timeout=120)
+def test_a_worker_killed_while_handing_over_tensors_is_named_too(tmp_path: Path) -> None:
+    """The same with tensor batches, where the worker may die while the main process
+    fetches a batch's shared memory from it (a bare connection error from torch)."""
+    for run in range(3):  # the hand-over race shows in some runs only; all must be clear
+        pid_file = str(tmp_path / f"pid{run}")
+        outcome = in_fresh_process(read_until_a_worker_dies, pid_file, True, timeout=120)
         assert outcome["type"] == "RuntimeError", outcome
-        assert re.search(r"DataLoader worker\(?s?\)? \(pid(\(s\))? \d+", outcome["message"]), (
-            outcome
-        )
+        assert evenly_names(outcome, "during the epoch|while handing over a batch"), outcome
+        assert outcome["cause"] is not None, outcome  # torch's error, chained
         assert outcome["elapsed"] < 60
         assert 21 not in outcome["received"]

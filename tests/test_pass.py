@@ -130,20 +130,33 @@ def test_a_rank_that_never_joins_makes_the_others_raise_naming_it() -> None:
     assert "rank(s) [1]" in messages[0] and "world_size=1" in messages[0]
 
 
-def evaluation_on_rank_zero(rank: int, world: int) -> list[int]:
+def evaluation_on_rank_zero(rank: int, world: int) -> dict[str, list[list[int]]]:
+    """Two training epochs split over the group; after each, on rank 0 only, a pass of a
+    rank-local evaluation loader (world_size=1, a short agreement timeout)."""
     train = evenly.DataLoader(evenly.Dataset(list(range(16)), shuffle=True), batch_size=4)
-    seen = ids(list(train))
-    if rank == 0:  # a rank-local evaluation loader: world_size=1
-        local = evenly.Dataset(list(range(6)), rank=0, world_size=1)
-        seen += ids(list(evenly.DataLoader(local, batch_size=4, agreement_timeout=2)))
-    seen += ids(list(train))
-    return seen
+    local = evenly.Dataset(list(range(100, 106)), rank=0, world_size=1)
+    evaluation = evenly.DataLoader(local, batch_size=4, agreement_timeout=2)
+    out: dict[str, list[list[int]]] = {"train": [], "evaluation": []}
+    for _ in range(2):
+        out["train"].append(ids(list(train)))
+        if rank == 0:
+            out["evaluation"].append(ids(list(evaluation)))
+    return out
 
 
 @pytest.mark.slow
 def test_a_rank_local_evaluation_loader_keeps_working() -> None:
+    """A rank-local evaluation loader beside a training loader over 2 real gloo ranks:
+    each of its passes reads the whole evaluation set on its rank, and training still
+    reads every sample exactly once per epoch over the ranks, equally split."""
     ranks = run_ranks(evaluation_on_rank_zero, 2, timeout=120)
-    assert len(ranks[0]) == len(ranks[1]) + 6
+    assert ranks[0]["evaluation"] == [list(range(100, 106))] * 2
+    assert ranks[1]["evaluation"] == []
+    for epoch in range(2):
+        per_rank = [r["train"][epoch] for r in ranks]
+        assert [len(p) for p in per_rank] == [8, 8], epoch
+        assert Counter(per_rank[0] + per_rank[1]) == Counter(range(16)), epoch
+    assert ranks[0]["train"][0] != ranks[0]["train"][1]  # epoch 1 is the next epoch
 
 
 # ---- 5. per-sample random streams -------------------------------------------------------

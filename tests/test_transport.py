@@ -87,15 +87,29 @@ def test_a_slot_is_reused_only_after_the_main_process_copied_it_out() -> None:
 
 
 def test_a_late_free_message_never_frees_a_slot_that_was_reused() -> None:
+    """A free message for an earlier use of a slot is received and honoured (the worker
+    reads it and learns from it that the main process has its arena), but it frees
+    nothing: the slot stays with its current batch until that batch's own message."""
     transport = Transport(1, slots=1)
     writer = transport.writer(0)
+    assert writer.free is not None
     dropped = writer.pack(rich_batch(1))  # a batch an abandoned pass never handed over
     writer.reclaim()  # the next pass starts
     current = writer.pack(rich_batch(2))
     assert current.slot == dropped.slot and current.ticket != dropped.ticket
+    assert not writer.confirmed and current.arena is not None  # no message read yet
     transport._send_free(dropped)  # a free message for the old use of the slot
-    assert writer.pack(rich_batch(3)) is not None and 0 in writer.busy
-    assert_same(unpack(current), rich_batch(2))
+    assert writer.free.poll()  # it waits in the worker's pipe
+    third = rich_batch(3)
+    assert writer.pack(third) is third  # the one slot is still busy: torch's hand-off
+    assert not writer.free.poll()  # the late message was read ...
+    assert writer.confirmed  # ... and honoured: its arena is known to the main process
+    assert writer.busy == {current.slot: current.ticket}  # ... and it freed nothing
+    assert_same(unpack(current), rich_batch(2))  # the reused slot's batch is intact
+    fourth = writer.pack(rich_batch(4))  # the current batch's own message frees the slot
+    assert type(fourth) is Packed and fourth.slot == current.slot
+    assert fourth.arena is None  # sent without the arena: the main process has it
+    assert_same(unpack(fourth), rich_batch(4))
 
 
 def test_a_bigger_batch_gets_a_bigger_arena_that_the_main_process_learns() -> None:

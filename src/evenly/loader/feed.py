@@ -137,15 +137,8 @@ class PassIterator(Iterator[Any]):
     def __next__(self) -> Any:
         try:
             batch = unpack(next(self._inner))
-        except (ConnectionError, EOFError) as exc:
-            # a worker that died while the main process fetched its batch's shared
-            # memory surfaces as a bare connection error: name the worker instead
-            dead = dead_workers(self._inner)
-            if dead:
-                raise RuntimeError(
-                    f"evenly: DataLoader worker(s) (pid {', '.join(map(str, dead))}) died "
-                    f"while handing over a batch (killed by a signal or out of memory?)"
-                ) from exc
+        except (ConnectionError, EOFError, RuntimeError) as exc:
+            self._name_a_dead_worker(exc)
             raise
         except StopIteration:
             if not self._pass.finished:
@@ -156,6 +149,23 @@ class PassIterator(Iterator[Any]):
             raise
         self._pass.received += 1
         return batch
+
+    def _name_a_dead_worker(self, exc: BaseException) -> None:
+        """Raise evenly's error naming the workers that died, if any did, with torch's
+        error as the cause: a bare connection error (the worker died while the main
+        process fetched its batch's shared memory), or torch's RuntimeError (its SIGCHLD
+        handler's, or "exited unexpectedly" while waiting for data)."""
+        handing_over = not isinstance(exc, RuntimeError)
+        try:
+            dead = dead_workers(self._inner, wait=2.0 if handing_over else 0.0)
+        except RuntimeError as signalled:  # torch's SIGCHLD handler, during that wait
+            exc, dead = signalled, dead_workers(self._inner, wait=0.0)
+        if dead:
+            when = "while handing over a batch" if handing_over else "during the epoch"
+            raise RuntimeError(
+                f"evenly: DataLoader worker(s) (pid {', '.join(map(str, dead))}) died "
+                f"{when} (killed by a signal or out of memory?)"
+            ) from exc
 
     def __len__(self) -> int:
         if self._pass.total is None:

@@ -1,0 +1,883 @@
+"""One resume harness for every loader evenly supports: stop after every batch, resume a
+fresh loader under another topology, and check the rest of the run.
+
+:func:`check_resume` takes a factory of the loader under test (one :class:`Rig` per
+simulated rank: evenly datasets take explicit ``rank=``/``world_size=``, so several ranks
+run in one process; DataLoader workers are real processes) and two :class:`Layout` s.
+
+(a) It runs an uninterrupted reference under ``before`` (every simulated rank, three
+    epochs) and takes each rank's state after every batch of the first two epochs.
+(b) For each stop ``t`` (every batch index over two epochs, so the epoch boundary too; or
+    a few with ``every_batch=False``), it JSON round-trips rank 0's state after ``t``
+    batches, builds FRESH loaders under ``after``, loads the state, finishes that epoch
+    and runs the next one.
+(c) It asserts, for every stop: the samples delivered before (the reference's first
+    batches) and after, over all ranks, are the epoch's multiset plus exactly the plan's
+    padding (reported by the loader where it reports it, fewer than ``world_size``
+    repeats); the global order is the epoch's position-wise order (what one rank with
+    ``world_size=1`` reads; for a source that plans its own order by the global step,
+    the ``before`` run's, and only when ``after`` keeps its step); every rank gets the
+    same number of batches, at most one of them partial; the following epoch is right.
+    After all that, that ``len(loader)`` after the load is the batches the state says were
+    received plus the batches actually left, and before every later pass the batches it
+    then yields (:class:`LengthMismatch`), and that the state (evenly's part of it) has the
+    same keys and shape at every stop (:class:`StateShapeChanged`).
+
+For ``evenly.DataLoader(infinite=True)`` the stops are steps of one endless pass over
+consecutive epochs, and the resumed loader runs until the end of the epoch after the one
+it resumed in (:func:`check_resume` sees ``Rig.infinite``).
+
+The factories at the end build rigs for evenly.DataLoader, a plain torch DataLoader over
+evenly.Dataset, evenly.BatchSampler under torch's DataLoader and torchdata's
+StatefulDataLoader.  Only public API is used: positions are dealt as the documented
+:class:`evenly.EpochPlan` deals them.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import warnings
+from abc import ABC, abstractmethod
+from collections import Counter
+from collections.abc import Callable, Collection, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.utils.data as tud
+
+import evenly
+
+__all__ = [
+    "Layout",
+    "LengthMismatch",
+    "Make",
+    "Report",
+    "Rig",
+    "StateShapeChanged",
+    "check_resume",
+    "evenly_loader",
+    "sampler_loader",
+    "stateful_loader",
+    "torch_loader",
+]
+
+#: Epochs the reference runs: stops fall in the first two, the resumed run checks the next.
+_EPOCHS = 3
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A topology: simulated ranks, DataLoader worker processes per rank, batch size."""
+
+    world_size: int
+    num_workers: int = 0
+    batch_size: int = 4
+
+    @property
+    def step(self) -> int:
+        """Samples all ranks receive together per batch index."""
+        return self.world_size * self.batch_size
+
+    def __str__(self) -> str:
+        return f"{self.world_size} rank(s) x {self.num_workers} worker(s), batch {self.batch_size}"
+
+
+class StateShapeChanged(AssertionError):
+    """The state's keys or the types of its values differ between two stops."""
+
+
+class LengthMismatch(AssertionError):
+    """``len(loader)`` was not what the loader then yielded (after a load: the batches the
+    state records as received plus the batches left; before an epoch: its batches)."""
+
+
+#: torch's warning when a DataLoader yields more than ``len()`` said (a stale length)
+_TORCH_LENGTH_WARNING = "Length of IterableDataset"
+
+
+class _Findings:
+    """Failures of ``len()`` and of the state's shape, raised after every other check (so
+    that an expected one cannot hide another)."""
+
+    def __init__(self) -> None:
+        self.lengths: list[str] = []
+        self.shapes: dict[Any, int] = {}
+
+    def shape(self, rig: Rig, state: dict[str, Any], stop: int) -> None:
+        self.shapes.setdefault(shape_of(rig.own_state(state)), stop)
+
+    def length(self, got: int | None, want: int, what: str) -> None:
+        if got is not None and got != want:
+            self.lengths.append(f"{what}: len(loader) {got}, {want} expected")
+
+    def passes(self, rig: Rig, count: int, what: str) -> list[list[list[int]]]:
+        """``count`` passes of ``rig``, each after asking ``len()`` (as a loop showing its
+        progress does): torch's stale-length warning is a length finding."""
+        out = []
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for i in range(count):
+                length = rig.length() if i else None  # the first is checked by the caller
+                batches = list(rig)
+                if i:
+                    self.length(length, len(batches), f"{what}, pass {i}")
+                out.append(batches)
+        self.warnings(caught, what)
+        return out
+
+    def warnings(self, caught: list[warnings.WarningMessage], what: str) -> None:
+        """Torch's stale-length warnings are length findings; the others are warned again."""
+        for w in caught:
+            if _TORCH_LENGTH_WARNING in str(w.message):
+                self.lengths.append(f"{what}: torch warned: {w.message}")
+            else:
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+
+    def raise_any(self) -> None:
+        problems: list[AssertionError] = []
+        if self.lengths:
+            shown = "; ".join(self.lengths[:4]) + (" ..." if len(self.lengths) > 4 else "")
+            problems.append(LengthMismatch(f"{len(self.lengths)} wrong length(s): {shown}"))
+        if len(self.shapes) > 1:
+            problems.append(
+                StateShapeChanged(
+                    "the state's shape changed between stops: "
+                    + "; ".join(f"from stop {stop}: {shape}" for shape, stop in self.shapes.items())
+                )
+            )
+        if len(problems) > 1:
+            raise AssertionError("; ".join(f"{type(p).__name__}: {p}" for p in problems))
+        if problems:
+            raise problems[0]
+
+
+def to_ids(batch: Any) -> list[int]:
+    """A batch of integer samples as a list of ints (a tensor, or a list of numbers)."""
+    if isinstance(batch, torch.Tensor):
+        return [int(x) for x in batch.reshape(-1).tolist()]
+    return [int(x) for x in batch]
+
+
+def round_trip(state: dict[str, Any]) -> dict[str, Any]:
+    """The state as a checkpoint file gives it back."""
+    restored: dict[str, Any] = json.loads(json.dumps(state))
+    return restored
+
+
+def shape_of(value: Any) -> Any:
+    """The state's shape: its keys, recursively, and the JSON type of every value (lists
+    by type only: their length may change)."""
+    if isinstance(value, dict):
+        return tuple(sorted((str(k), shape_of(v)) for k, v in value.items()))
+    if isinstance(value, list | tuple):
+        return "list"
+    return type(value).__name__
+
+
+class Rig(ABC):
+    """One simulated rank's loader as the harness drives it: iterating it is one pass (one
+    epoch, or for an infinite loader an endless stream) of this rank's batches as sample
+    ids, and it counts what the loop received, as a training loop would.
+
+    Subclasses say how the plan deals samples (``plan_batch``), whether the rank's samples
+    arrive in the order of its plan positions (``in_order``), and how the loader saves,
+    loads and reports its length and padding.
+    """
+
+    #: Samples the plan deals to a rank at a time: the batch size when evenly plans whole
+    #: batches (evenly.DataLoader, evenly.BatchSampler), 1 when evenly.Dataset owns the
+    #: pass under another loader (it yields single samples).
+    plan_batch: int
+    #: The rank's samples arrive in the order of its plan positions (False when several
+    #: workers batch their own shares of a dataset-owned pass).
+    in_order: bool = True
+    #: One endless pass over consecutive epochs (evenly.DataLoader(infinite=True)).
+    infinite: bool = False
+    #: Every rank's state is the same after the same number of batches (save rank 0's).
+    rank_free_state: bool = True
+    #: The state records the batches this rank had received in the interrupted epoch.
+    records_batches: bool = True
+    #: A state taken after an epoch's last batch resumes that finished epoch: the next
+    #: pass is empty, then the next epoch follows (torchdata's convention; evenly's
+    #: states point at the next epoch instead).
+    resumes_finished_epoch: bool = False
+
+    def __init__(self) -> None:
+        self.batches_received = 0
+        self.samples_received = 0
+
+    def __iter__(self) -> Iterator[list[int]]:
+        self.batches_received = self.samples_received = 0
+        for batch in self._batches():
+            ids = to_ids(batch)
+            self.batches_received += 1
+            self.samples_received += len(ids)
+            yield ids
+
+    @abstractmethod
+    def _batches(self) -> Iterator[Any]:
+        """The loader's next pass."""
+
+    @abstractmethod
+    def state(self) -> dict[str, Any]:
+        """The state after what the loop received so far."""
+
+    @abstractmethod
+    def load(self, state: dict[str, Any]) -> None:
+        """Load a state into this (fresh) loader."""
+
+    @abstractmethod
+    def length(self) -> int | None:
+        """``len(loader)`` now (None where it is undefined: an infinite loader)."""
+
+    def remaining(self) -> int | None:
+        """The batches the loader says the next pass yields, where it says it."""
+        return None
+
+    def padding(self) -> int | None:
+        """The padding the loader reports for its next pass, where it reports it."""
+        return None
+
+    def recorded(self, state: dict[str, Any]) -> int:
+        """The batches ``state`` says this rank had received in the interrupted epoch."""
+        return int(state["batches"])
+
+    def position(self, state: dict[str, Any]) -> tuple[int, int] | None:
+        """(epoch, position) ``state`` resumes from, where the state says it."""
+        return int(state["epoch"]), int(state["position"])
+
+    def own_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """The part of ``state`` evenly makes (whose shape must not change)."""
+        return state
+
+
+#: A loader factory: (rank, layout) -> that rank's rig.
+Make = Callable[[int, Layout], Rig]
+
+
+@dataclass
+class Report:
+    """What a run of the harness checked."""
+
+    #: The stops resumed from: batches (steps, for an infinite loader) of the reference.
+    stops: list[int] = field(default_factory=list)
+    #: Batches per rank of each reference epoch (empty for an infinite loader).
+    batches_per_epoch: list[int] = field(default_factory=list)
+    #: The state's shape (the same at every stop).
+    shape: Any = None
+
+
+# ---- positions ----------------------------------------------------------------------------
+def _undeal(
+    per_rank: Sequence[Sequence[list[int]]],
+    num_samples: int,
+    world_size: int,
+    plan_batch: int,
+    start: int,
+    complete: bool,
+) -> dict[int, int]:
+    """Virtual position -> sample, from each rank's batches of a pass from ``start``
+    (``complete``: the whole pass; else a prefix of it)."""
+    plan = evenly.EpochPlan(
+        num_samples=num_samples, world_size=world_size, batch_size=plan_batch, start=start
+    )
+    out: dict[int, int] = {}
+    for rank, batches in enumerate(per_rank):
+        flat = [x for b in batches for x in b]
+        positions = plan.rank_positions(rank).tolist()
+        if complete:
+            assert len(flat) == len(positions), (
+                f"rank {rank} received {len(flat)} samples, its plan from position {start} "
+                f"has {len(positions)}"
+            )
+        assert len(flat) <= len(positions), (rank, len(flat), len(positions))
+        for p, x in zip(positions, flat, strict=False):
+            assert p not in out, f"position {p} dealt twice"
+            out[int(p)] = x
+    return out
+
+
+def _assert_order(got: dict[int, int], order: Sequence[int], what: str) -> None:
+    """Every delivered position holds the order's sample (a pad: the order's at the
+    position it wraps to)."""
+    n = len(order)
+    wrong = {
+        p: (x, order[p if p < n else (p - n) % n])
+        for p, x in sorted(got.items())
+        if x != order[p if p < n else (p - n) % n]
+    }
+    assert not wrong, f"{what}: position -> (delivered, expected): {dict(list(wrong.items())[:8])}"
+    real = sorted(p for p in got if p < n)
+    assert real == list(range(n)), f"{what}: positions delivered are not all of [0, {n})"
+
+
+def _assert_multiset(got: Sequence[int], epoch: Sequence[int], padding: int, what: str) -> None:
+    """``got`` is the epoch's samples, each once, plus exactly ``padding`` repeats."""
+    have, want = Counter(got), Counter(epoch)
+    missing, extra = want - have, have - want
+    assert not missing, f"{what}: missing {sorted(missing.elements())}"
+    assert set(extra) <= set(want), (
+        f"{what}: samples not in the epoch {sorted(set(extra) - set(want))}"
+    )
+    assert sum(extra.values()) == padding, (
+        f"{what}: {sum(extra.values())} repeated sample(s) {sorted(extra.elements())}, "
+        f"the plan pads {padding}"
+    )
+
+
+def _assert_full_batches(
+    per_rank: Sequence[Sequence[list[int]]], batch: int | None, what: str
+) -> None:
+    """Equal batch counts on every rank, and (given the batch size) at most one partial
+    batch per rank, the last."""
+    counts = [len(r) for r in per_rank]
+    assert len(set(counts)) == 1, f"{what}: batches per rank {counts}"
+    if batch is None:
+        return
+    for rank, batches in enumerate(per_rank):
+        sizes = [len(b) for b in batches]
+        assert all(s == batch for s in sizes[:-1]), f"{what}: rank {rank} batch sizes {sizes}"
+
+
+def _settle() -> None:
+    """Drop the workers of loaders that are gone (persistent ones too)."""
+    gc.collect()
+
+
+# ---- the harness --------------------------------------------------------------------------
+def check_resume(
+    make: Make,
+    before: Layout,
+    after: Layout,
+    *,
+    num_samples: int,
+    every_batch: bool = True,
+    topology_free: bool = True,
+    samples: Collection[int] | None = None,
+) -> Report:
+    """Resume ``make``'s loader, saved under ``before``, under ``after`` at every stop.
+
+    Raises AssertionError at the first wrong sample, order, batch count or padding; after
+    every other check, :class:`LengthMismatch` if ``len(loader)`` was wrong somewhere and
+    :class:`StateShapeChanged` if the state's shape changed (a plain AssertionError naming
+    both if both).
+
+    Args:
+        make: (rank, layout) -> that rank's :class:`Rig`, a fresh loader each call.
+        before, after: the topology the state is saved under, and the one it is loaded in.
+        num_samples: samples per epoch (the source's length; a Mix's ``len``).
+        every_batch: stop at every batch (for ``num_workers=0`` and small epochs); else at
+            the first, middle and last batch of the first epoch, at the epoch boundary and
+            at the last batch of the second epoch.
+        topology_free: the epoch's order does not depend on the topology (not so for a
+            Mix, whose order is laid out per global step): the reference order is what
+            one rank with ``world_size=1`` reads, and the order is checked under any
+            ``after``; otherwise the order of the ``before`` run, checked only when
+            ``after`` keeps the global step.
+        samples: the samples of every epoch, if known (each epoch must be a permutation).
+
+    The source must be shuffled, so that a replayed epoch cannot pass for the next one.
+    """
+    probe = make(0, before)
+    plan_batch, in_order = probe.plan_batch, probe.in_order
+    rank_free, infinite = probe.rank_free_state, probe.infinite
+    if infinite:
+        return _check_stream(make, before, after, num_samples, every_batch, samples)
+    _settle()
+    report, findings = Report(), _Findings()
+
+    # (a) the uninterrupted reference: every rank, three epochs, the state after each batch
+    ref: list[list[list[list[int]]]] = [[] for _ in range(_EPOCHS)]  # epoch -> rank -> batches
+    states: list[list[dict[str, Any]]] = []  # rank -> the state after t batches
+    for rank in range(before.world_size):
+        rig = make(rank, before)
+        taken = [round_trip(rig.state())]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for e in range(_EPOCHS):
+                length, batches = rig.length(), []
+                for ids in rig:
+                    batches.append(ids)
+                    if e < _EPOCHS - 1:
+                        taken.append(round_trip(rig.state()))
+                findings.length(length, len(batches), f"reference rank {rank} epoch {e}")
+                ref[e].append(batches)
+        findings.warnings(caught, f"reference rank {rank}")
+        states.append(taken)
+        del rig
+    _settle()
+    per_epoch = [len(ref[e][0]) for e in range(_EPOCHS)]
+    report.batches_per_epoch = per_epoch
+    for t, state in enumerate(states[0]):
+        findings.shape(probe, state, t)
+        for rank in range(1, before.world_size):
+            findings.shape(probe, states[rank][t], t)
+            if rank_free:
+                assert states[rank][t] == state, f"stop {t}: rank {rank}'s state differs"
+
+    # the epochs' position-wise orders
+    if topology_free:
+        single = make(0, Layout(1, 0, before.batch_size))
+        orders = [[x for b in single for x in b] for _ in range(_EPOCHS)]
+        del single
+    else:
+        assert in_order, "a topology-dependent order needs a loader that delivers in order"
+        orders = []
+        for e in range(_EPOCHS):
+            got = _undeal(ref[e], num_samples, before.world_size, plan_batch, 0, complete=True)
+            orders.append([got[p] for p in range(num_samples)])
+    for e, order in enumerate(orders):
+        assert len(order) == num_samples, (e, len(order))
+        if samples is not None:
+            assert Counter(order) == Counter(samples), f"epoch {e} is not every sample once"
+        plan = evenly.EpochPlan(
+            num_samples=num_samples, world_size=before.world_size, batch_size=plan_batch
+        )
+        what = f"reference epoch {e} under {before}"
+        _assert_multiset([x for r in ref[e] for b in r for x in b], order, plan.num_padded, what)
+        _assert_full_batches(ref[e], before.batch_size if in_order else None, what)
+        if in_order and topology_free:
+            got = _undeal(ref[e], num_samples, before.world_size, plan_batch, 0, True)
+            _assert_order(got, order, what)
+    # a shuffled source: so that replaying an epoch cannot pass for the next one
+    assert orders[0] != orders[1], "the epochs have the same order"
+
+    # (b) + (c): resume at every stop
+    total = per_epoch[0] + per_epoch[1]
+    if every_batch:
+        stops = list(range(total))
+    else:
+        stops = sorted({0, per_epoch[0] // 2, per_epoch[0] - 1, per_epoch[0], total - 1})
+    report.stops = stops
+    after_probe = make(0, after)
+    after_plan_batch, records = after_probe.plan_batch, after_probe.records_batches
+    finished_rest = after_probe.resumes_finished_epoch
+    after_in_order = in_order and after_probe.in_order
+    del after_probe
+    # a Mix lays its order out per global step: comparable only if the step is kept
+    same_step = after.world_size * after_plan_batch == before.world_size * plan_batch
+    order_defined = after_in_order and (topology_free or same_step)
+    for t in stops:
+        epoch, done = (0, t) if t < per_epoch[0] else (1, t - per_epoch[0])
+        where = f"stop {t} (epoch {epoch}, {done} batch(es) received) under {before} -> {after}"
+        state = states[0][t]
+        # what the ranks received is a prefix of the epoch's order (the batches before the
+        # stop are full), unless several workers batched their own shares: then the state
+        # resumes worker by worker, with the epoch's plan
+        start = done * before.batch_size * before.world_size if in_order else None
+        fresh = [make(r, after) for r in range(after.world_size)]
+        for rig in fresh:
+            rig.load(round_trip(state))
+        position = fresh[0].position(state)
+        assert position is None or position == (epoch, start), (
+            f"{where}: the state resumes (epoch, position) {position}, not {(epoch, start)}"
+        )
+        plan = evenly.EpochPlan(
+            num_samples=num_samples, world_size=after.world_size, batch_size=after_plan_batch,
+            start=start or 0,
+        )  # fmt: skip
+        nxt = evenly.EpochPlan(
+            num_samples=num_samples, world_size=after.world_size, batch_size=after_plan_batch
+        )
+        lengths = [rig.length() for rig in fresh]
+        remaining = [rig.remaining() for rig in fresh]
+        paddings = [rig.padding() for rig in fresh]
+        recorded = [rig.recorded(state) for rig in fresh]
+        findings.shape(fresh[0], round_trip(fresh[0].state()), t)
+        # after an epoch's last batch, a loader that resumes the finished epoch (torchdata's
+        # convention) first yields its empty rest; evenly's loaders go on with the next one
+        rest = t == per_epoch[0] and finished_rest
+        resumed, following = [], []
+        for rank, rig in enumerate(fresh):
+            passes = findings.passes(rig, 3 if rest else 2, f"{where}: rank {rank}")
+            if rest:
+                assert passes[0] == [], f"{where}: rank {rank}: the finished epoch's rest"
+                findings.length(lengths[rank], recorded[rank], f"{where}: rank {rank}")
+                if records and recorded[rank] != per_epoch[0]:
+                    findings.lengths.append(f"{where}: the state records {recorded[rank]}")
+                lengths[rank] = None  # checked
+            resumed.append(passes[-2])
+            following.append(passes[-1])
+        del fresh, rig
+        if after.num_workers:
+            _settle()
+
+        for rank, batches in enumerate(resumed):
+            # len(loader) after the load: the batches the state records + the batches left
+            if records and not rest and recorded[rank] != done:
+                findings.lengths.append(
+                    f"{where}: rank {rank}: the state records {recorded[rank]} batch(es)"
+                )
+            findings.length(
+                lengths[rank], recorded[rank] + len(batches), f"{where}: rank {rank} after the load"
+            )
+            if remaining[rank] is not None:
+                assert remaining[rank] == len(batches), (
+                    f"{where}: rank {rank}: remaining_batches {remaining[rank]}, "
+                    f"{len(batches)} yielded"
+                )
+            if paddings[rank] is not None:
+                assert paddings[rank] == plan.num_padded, (
+                    f"{where}: rank {rank}: reports {paddings[rank]} pad(s), the plan from "
+                    f"position {start} has {plan.num_padded}"
+                )
+            got_samples = sum(len(b) for b in batches)
+            if start is not None:
+                assert got_samples == plan.samples_per_rank, (
+                    f"{where}: rank {rank} got {got_samples} samples, the plan from position "
+                    f"{start} deals it {plan.samples_per_rank}"
+                )
+            got_samples = sum(len(b) for b in following[rank])
+            assert got_samples == nxt.samples_per_rank, (
+                f"{where}: rank {rank} got {got_samples} samples in the following epoch, "
+                f"the plan deals it {nxt.samples_per_rank}"
+            )
+
+        # the interrupted epoch: before + after, over all ranks
+        before_ids = [x for r in ref[epoch] for b in r[:done] for x in b]
+        after_ids = [x for r in resumed for b in r for x in b]
+        assert plan.num_padded < after.world_size or plan.num_padded == 0
+        _assert_multiset(before_ids + after_ids, orders[epoch], plan.num_padded, where)
+        _assert_full_batches(resumed, after.batch_size if after_in_order else None, where)
+        if order_defined and start is not None:
+            head = [r[:done] for r in ref[epoch]]
+            got = _undeal(head, num_samples, before.world_size, plan_batch, 0, complete=False)
+            assert all(p < start for p in got), where
+            tail = _undeal(resumed, num_samples, after.world_size, after_plan_batch, start, True)
+            _assert_order({**got, **tail}, orders[epoch], where)
+
+        # the following epoch, from its start
+        what = f"{where}: the following epoch {epoch + 1}"
+        ids = [x for r in following for b in r for x in b]
+        _assert_multiset(ids, orders[epoch + 1], nxt.num_padded, what)
+        _assert_full_batches(following, after.batch_size if after_in_order else None, what)
+        if order_defined:
+            got = _undeal(following, num_samples, after.world_size, after_plan_batch, 0, True)
+            _assert_order(got, orders[epoch + 1], what)
+
+    findings.raise_any()
+    report.shape = next(iter(findings.shapes))
+    return report
+
+
+def _check_stream(
+    make: Make,
+    before: Layout,
+    after: Layout,
+    num_samples: int,
+    every_batch: bool,
+    samples: Collection[int] | None,
+) -> Report:
+    """:func:`check_resume` for an infinite loader: stops are steps of one endless pass."""
+    probe = make(0, before)
+    _settle()
+    report, findings = Report(), _Findings()
+    n = num_samples
+    steps = -(-2 * n // before.step)  # two epochs, so stops cross an epoch boundary
+    ref: list[list[list[int]]] = []  # rank -> batches
+    states: list[list[dict[str, Any]]] = []
+    for rank in range(before.world_size):
+        rig = make(rank, before)
+        taken = [round_trip(rig.state())]
+        batches = []
+        for ids in rig:
+            batches.append(ids)
+            if len(batches) == steps:
+                break
+            taken.append(round_trip(rig.state()))
+        ref.append(batches)
+        states.append(taken)
+        del rig
+    _settle()
+    for t, state in enumerate(states[0]):
+        findings.shape(probe, state, t)
+        for rank in range(1, before.world_size):
+            assert states[rank][t] == state, f"step {t}: rank {rank}'s state differs"
+
+    stops = list(range(steps)) if every_batch else sorted({0, steps // 2, steps - 1})
+    report.stops = stops
+    # how far each resumed run goes: to the end of the epoch after the one it resumes in
+    targets = {t: (t * before.step // n + 2) * n for t in stops}
+    length = max(targets.values()) + after.step + before.step
+    single = make(0, Layout(1, 0, before.batch_size))
+    stream: list[int] = []
+    for ids in single:
+        stream += ids
+        if len(stream) >= length:
+            break
+    del single
+    for e in range(len(stream) // n):
+        if samples is not None:
+            chunk = stream[e * n : (e + 1) * n]
+            assert Counter(chunk) == Counter(samples), f"epoch {e} of the stream"
+    # a shuffled source: so that replaying an epoch cannot pass for the next one
+    assert stream[:n] != stream[n : 2 * n], "the epochs have the same order"
+
+    def check(got: dict[int, int], upto: int, what: str) -> None:
+        wrong = {p: (x, stream[p]) for p, x in sorted(got.items()) if x != stream[p]}
+        shown = dict(list(wrong.items())[:8])
+        assert not wrong, f"{what}: stream position -> (delivered, expected): {shown}"
+        assert sorted(got) == list(range(upto)), f"{what}: stream positions delivered"
+
+    ref_got = {
+        s * before.step + r * before.batch_size + i: x
+        for r, batches in enumerate(ref)
+        for s, b in enumerate(batches)
+        for i, x in enumerate(b)
+    }
+    check(ref_got, steps * before.step, f"reference under {before}")
+    for r, batches in enumerate(ref):
+        assert all(len(b) == before.batch_size for b in batches), f"rank {r}: a partial batch"
+
+    for t in stops:
+        start = t * before.step
+        where = f"step {t} (stream position {start}) under {before} -> {after}"
+        state = states[0][t]
+        fresh = [make(r, after) for r in range(after.world_size)]
+        for rig in fresh:
+            rig.load(round_trip(state))
+        position = fresh[0].position(state)
+        assert position is None or position == divmod(start, n), (
+            f"{where}: the state resumes (epoch, position) {position}, not {divmod(start, n)}"
+        )
+        for rig in fresh:
+            if rig.length() is not None:
+                findings.lengths.append(f"{where}: an infinite loader has len() {rig.length()}")
+        findings.shape(fresh[0], round_trip(fresh[0].state()), t)
+        count = -(-(targets[t] - start) // after.step)
+        resumed = []
+        for rig in fresh:
+            batches = []
+            for ids in rig:
+                batches.append(ids)
+                if len(batches) == count:
+                    break
+            resumed.append(batches)
+        del fresh, rig
+        if after.num_workers:
+            _settle()
+        got = {p: x for p, x in ref_got.items() if p < start}
+        for r, batches in enumerate(resumed):
+            assert len(batches) == count and all(len(b) == after.batch_size for b in batches), (
+                f"{where}: rank {r}: batch sizes {[len(b) for b in batches]}"
+            )
+            for s, b in enumerate(batches):
+                for i, x in enumerate(b):
+                    got[start + s * after.step + r * after.batch_size + i] = x
+        check(got, start + count * after.step, where)
+    findings.raise_any()
+    report.shape = next(iter(findings.shapes))
+    return report
+
+
+# ---- rigs ---------------------------------------------------------------------------------
+def _loader_kwargs(layout: Layout) -> dict[str, Any]:
+    # a guard against a hang: a test that hangs fails with "timed out" instead
+    return {"num_workers": layout.num_workers, "timeout": 60 if layout.num_workers else 0}
+
+
+class EvenlyLoaderRig(Rig):
+    """``evenly.DataLoader``: its own state, length and plan."""
+
+    def __init__(self, loader: evenly.DataLoader) -> None:
+        super().__init__()
+        self.loader = loader
+        self.plan_batch = int(loader.batch_size or 1)
+        self.infinite = loader.infinite
+
+    def _batches(self) -> Iterator[Any]:
+        return iter(self.loader)
+
+    def state(self) -> dict[str, Any]:
+        return self.loader.state_dict()
+
+    def load(self, state: dict[str, Any]) -> None:
+        self.loader.load_state_dict(state)
+
+    def length(self) -> int | None:
+        try:
+            return len(self.loader)
+        except TypeError:
+            if self.infinite:
+                return None
+            raise
+
+    def remaining(self) -> int | None:
+        return None if self.infinite else self.loader.remaining_batches
+
+    def padding(self) -> int | None:
+        return None if self.infinite else self.loader.plan.num_padded
+
+
+class TorchLoaderRig(Rig):
+    """A plain torch DataLoader over ``evenly.Dataset``: the dataset owns the pass, and is
+    told what the loop received (``state_dict(samples_received=...)``)."""
+
+    plan_batch = 1
+    #: the dataset cannot know the torch loader's batches: its state records none
+    records_batches = False
+
+    def __init__(self, dataset: evenly.Dataset[Any], loader: tud.DataLoader[Any]) -> None:
+        super().__init__()
+        self.dataset, self.loader = dataset, loader
+        self.in_order = loader.num_workers == 0
+
+    def _batches(self) -> Iterator[Any]:
+        return iter(self.loader)
+
+    def state(self) -> dict[str, Any]:
+        return self.dataset.state_dict(samples_received=self.samples_received)
+
+    def load(self, state: dict[str, Any]) -> None:
+        self.dataset.load_state_dict(state)
+
+    def length(self) -> int | None:
+        return len(self.loader)
+
+    def padding(self) -> int | None:
+        return self.dataset.plan().num_padded
+
+
+class SamplerRig(Rig):
+    """``evenly.BatchSampler`` under torch's DataLoader over a map-style dataset, told what
+    the loop received (``state_dict(batches_received=...)``)."""
+
+    def __init__(self, sampler: evenly.BatchSampler, loader: tud.DataLoader[Any]) -> None:
+        super().__init__()
+        self.sampler, self.loader = sampler, loader
+        self.plan_batch = sampler.batch_size
+
+    def _batches(self) -> Iterator[Any]:
+        return iter(self.loader)
+
+    def state(self) -> dict[str, Any]:
+        return self.sampler.state_dict(batches_received=self.batches_received)
+
+    def load(self, state: dict[str, Any]) -> None:
+        self.sampler.load_state_dict(state)
+
+    def length(self) -> int | None:
+        return len(self.loader)
+
+    def remaining(self) -> int | None:
+        return self.sampler.remaining_batches
+
+    def padding(self) -> int | None:
+        return self.sampler.plan.num_padded
+
+
+class StatefulRig(Rig):
+    """torchdata's ``StatefulDataLoader`` over ``evenly.Dataset``: the loader's own state
+    (torchdata's format, with evenly's states inside)."""
+
+    plan_batch = 1
+    resumes_finished_epoch = True
+
+    def __init__(self, loader: Any) -> None:
+        super().__init__()
+        self.loader = loader
+        workers = int(loader.num_workers)
+        self.in_order = workers == 0
+        # with workers the state holds each worker's progress and a per-rank base seed
+        self.rank_free_state = workers == 0
+
+    def _batches(self) -> Iterator[Any]:
+        return iter(self.loader)
+
+    def state(self) -> dict[str, Any]:
+        state: dict[str, Any] = self.loader.state_dict()
+        return state
+
+    def load(self, state: dict[str, Any]) -> None:
+        self.loader.load_state_dict(state)
+
+    def length(self) -> int | None:
+        return len(self.loader)
+
+    def recorded(self, state: dict[str, Any]) -> int:
+        if "_num_yielded" in state:
+            return int(state["_num_yielded"])
+        return int(state["_snapshot"]["_snapshot_step"])
+
+    def position(self, state: dict[str, Any]) -> tuple[int, int] | None:
+        inner = state.get("dataset_state")
+        if not isinstance(inner, dict):
+            return None  # per-worker states
+        return int(inner["epoch"]), int(inner["position"])
+
+    def own_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        # torchdata's own fields are not evenly's (``_IterableDataset_len_called`` turns
+        # from None into an int once len() is asked): evenly's states inside them
+        if "dataset_state" in state:
+            return {"dataset_state": state["dataset_state"]}
+        workers = state["_snapshot"]["_worker_snapshots"]
+        return {name: w["dataset_state"] for name, w in workers.items()}
+
+
+# ---- factories ----------------------------------------------------------------------------
+def evenly_loader(
+    source: Callable[[], Any], *, infinite: bool = False, **dataset_kwargs: Any
+) -> Make:
+    """``evenly.DataLoader`` over ``evenly.Dataset(source(), ...)``."""
+
+    def make(rank: int, layout: Layout) -> Rig:
+        ds: evenly.Dataset[Any] = evenly.Dataset(
+            source(), rank=rank, world_size=layout.world_size, **dataset_kwargs
+        )
+        loader = evenly.DataLoader(
+            ds, batch_size=layout.batch_size, infinite=infinite, **_loader_kwargs(layout)
+        )
+        return EvenlyLoaderRig(loader)
+
+    return make
+
+
+def torch_loader(source: Callable[[], Any], **dataset_kwargs: Any) -> Make:
+    """A plain ``torch.utils.data.DataLoader`` over ``evenly.Dataset(source(), ...)``."""
+
+    def make(rank: int, layout: Layout) -> Rig:
+        ds: evenly.Dataset[Any] = evenly.Dataset(
+            source(), rank=rank, world_size=layout.world_size, **dataset_kwargs
+        )
+        loader = tud.DataLoader(ds, batch_size=layout.batch_size, **_loader_kwargs(layout))
+        return TorchLoaderRig(ds, loader)
+
+    return make
+
+
+def sampler_loader(num_samples: int, **sampler_kwargs: Any) -> Make:
+    """``evenly.BatchSampler`` under torch's DataLoader over the map-style samples
+    ``0 .. num_samples - 1``."""
+
+    def make(rank: int, layout: Layout) -> Rig:
+        sampler = evenly.BatchSampler(
+            num_samples,
+            layout.batch_size,
+            rank=rank,
+            world_size=layout.world_size,
+            **sampler_kwargs,
+        )
+        data: Any = list(range(num_samples))  # map-style: sample i is i
+        loader: tud.DataLoader[Any] = tud.DataLoader(
+            data, batch_sampler=sampler, **_loader_kwargs(layout)
+        )
+        return SamplerRig(sampler, loader)
+
+    return make
+
+
+def stateful_loader(source: Callable[[], Any], **dataset_kwargs: Any) -> Make:
+    """torchdata's ``StatefulDataLoader`` over ``evenly.Dataset(source(), ...)``."""
+
+    def make(rank: int, layout: Layout) -> Rig:
+        from torchdata.stateful_dataloader import StatefulDataLoader  # type: ignore[import-untyped]
+
+        ds: evenly.Dataset[Any] = evenly.Dataset(
+            source(), rank=rank, world_size=layout.world_size, **dataset_kwargs
+        )
+        loader = StatefulDataLoader(ds, batch_size=layout.batch_size, **_loader_kwargs(layout))
+        return StatefulRig(loader)
+
+    return make

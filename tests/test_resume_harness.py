@@ -19,7 +19,6 @@ from tests.resume_harness import (
     Layout,
     LengthMismatch,
     Make,
-    StateShapeChanged,
     check_resume,
     evenly_loader,
     sampler_loader,
@@ -67,14 +66,8 @@ def run(make: Make, before: Layout, after: Layout, every_batch: bool, **kwargs: 
 
 
 # ---- finite loaders -----------------------------------------------------------------------
-STALE_LENGTH = (
-    "between passes len(evenly.Dataset) is the length of the pass that just ended (its "
-    "pass counter moves on at the next pass's first sample), so after a mid-epoch resume "
-    "len(loader) before the following epoch is the resumed pass's short length, and torch "
-    "warns that more samples were fetched than len() reported"
-)
 STATEFUL_LENGTH = (
-    "; and len(StatefulDataLoader) right after load_state_dict is the new topology's full "
+    "len(StatefulDataLoader) right after load_state_dict is the new topology's full "
     "epoch (torchdata hands the state to the dataset only when the iterator starts), not "
     "the batches the state records (_num_yielded) + the batches left"
 )
@@ -95,8 +88,7 @@ FINITE = {
         evenly_loader(numbers, **SHUFFLED), Layout(2, 2, 4), Layout(3, 1, 3), False
     ),
     "torch-loader": finite(
-        torch_loader(numbers, **SHUFFLED), Layout(2, 0, 4), Layout(3, 0, 5), True,
-        xfail=STALE_LENGTH,
+        torch_loader(numbers, **SHUFFLED), Layout(2, 0, 4), Layout(3, 0, 5), True
     ),
     "batch-sampler": finite(sampler_loader(N, seed=4), Layout(2, 0, 4), Layout(3, 0, 5), True),
     "batch-sampler-workers": finite(
@@ -104,14 +96,14 @@ FINITE = {
     ),
     "stateful-loader": finite(
         stateful_loader(numbers, **SHUFFLED), Layout(2, 0, 4), Layout(3, 0, 5), True,
-        xfail=STALE_LENGTH + STATEFUL_LENGTH,
+        xfail=STATEFUL_LENGTH,
     ),
     # torchdata needs the same number of workers; with workers the state is per worker
     "stateful-loader-workers": finite(
         stateful_loader(numbers, **SHUFFLED), Layout(2, 2, 4), Layout(2, 2, 5), False,
         xfail="len(StatefulDataLoader) is ceil(samples per rank / batch size) = 5, but each "
         "of the 2 workers batches its own share of the dataset-owned pass, so a rank gets 6 "
-        "batches (two partial)" + STATEFUL_LENGTH,
+        "batches (two partial); and " + STATEFUL_LENGTH,
     ),
 }  # fmt: skip
 
@@ -125,16 +117,12 @@ def test_a_finite_loader_resumes_exactly_from_every_stop(
     run(make, before, after, every_batch, samples=range(N), **kw)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="StatefulDataLoader with workers saves each worker's progress through its "
-    "share of the old topology (dataset_state: position 0 plus 'yielded' per worker), so "
-    "a state saved on 2 ranks and loaded on 3 skips each worker's count of its new share: "
-    "samples are missing and repeated",
-)
-def test_stateful_loader_with_workers_resumes_under_another_world_size() -> None:
-    run(stateful_loader(numbers, **SHUFFLED), Layout(2, 2, 4), Layout(3, 2, 4), False)
+def test_stateful_loader_with_workers_refuses_another_world_size() -> None:
+    """StatefulDataLoader with workers saves each worker's progress through its share of
+    the old layout: loaded under another world size, that count would skip the wrong
+    samples, so the worker raises evenly's StateError naming both world sizes."""
+    with pytest.raises(evenly.StateError, match=r"world_size=2 cannot resume under world_size=3"):
+        run(stateful_loader(numbers, **SHUFFLED), Layout(2, 2, 4), Layout(3, 2, 4), False)
 
 
 @pytest.mark.xfail(
@@ -172,13 +160,6 @@ def test_an_infinite_loader_resumes_by_step_across_epoch_boundaries(
 
 
 # ---- a Mix inside evenly.Dataset ----------------------------------------------------------
-MIX_SHAPE = pytest.mark.xfail(
-    strict=True,
-    raises=StateShapeChanged,
-    reason="a Mix's source_state has 'hold': null at an epoch boundary and an int "
-    "mid-epoch, so the state's shape changes with the stop (every other check passes: "
-    "only StateShapeChanged, raised after them, is expected)",
-)
 # a mid-epoch Mix resume is exact at global step boundaries, and refuses a smaller step
 # unless the Mix was built with min_step
 MIX: dict[str, tuple[Make, Layout, Layout, bool]] = {
@@ -209,7 +190,6 @@ MIX: dict[str, tuple[Make, Layout, Layout, bool]] = {
 }
 
 
-@MIX_SHAPE
 @pytest.mark.parametrize("row", list(MIX))
 def test_a_mix_resumes_exactly_from_every_step_boundary(row: str) -> None:
     make, before, after, every_batch = MIX[row]

@@ -65,8 +65,13 @@ def test_missing_file_while_reading(tmp_path: Path, fmt: str) -> None:
     source = FORMATS[fmt](str(d))
     victim = d / f"shard-00002{EXT[fmt]}"
     victim.unlink()
-    with pytest.raises(FileNotFoundError, match=sample_error(victim)) as info:
+    # a pass starting after the loss says so at once, in the main process
+    gone = rf"shard 2 \({re.escape(str(victim))}\) was deleted or moved since the source"
+    with pytest.raises(FileNotFoundError, match=gone):
         read_all(source, num_workers=2 if fmt == "parquet" else 0)
+    # a read of it names the sample, the file and the row
+    with pytest.raises(FileNotFoundError, match=sample_error(victim)) as info:
+        source.__getitems__(list(range(len(source))))  # type: ignore[attr-defined]
     assert "was it deleted or moved" in str(info.value)
 
 
@@ -94,8 +99,11 @@ def test_shard_truncated_after_open(tmp_path: Path, fmt: str) -> None:
     victim = d / f"shard-00003{EXT[fmt]}"
     data = victim.read_bytes()
     victim.write_bytes(data[: len(data) // 2])
-    with pytest.raises(ValueError, match=sample_error(victim)):
+    changed = rf"shard 3 \({re.escape(str(victim))}\) changed since the source was opened"
+    with pytest.raises(ValueError, match=changed):
         read_all(source)
+    with pytest.raises(ValueError, match=sample_error(victim)):
+        source.__getitems__(list(range(len(source))))  # type: ignore[attr-defined]
 
 
 def test_jsonl_bad_line_names_file_line_and_sample(tmp_path: Path) -> None:

@@ -305,7 +305,8 @@ class Dataset(IterableDataset[Any], Generic[T_co]):
         info = get_worker_info()
         num_workers, worker_id = (info.num_workers, info.id) if info is not None else (1, 0)
         check_pass(self, info.dataset if info is not None else None, self._wrapped)
-        state, skip = self._passes.begin(self._passes.key(info))
+        key = self._passes.key(info)
+        state, skip = self._passes.begin(key, num_workers)
         spec = self._own_spec(state)
         if info is None:
             self._skipped.zero_()
@@ -319,6 +320,7 @@ class Dataset(IterableDataset[Any], Generic[T_co]):
             progress=self._progress,
             seen=self._seen.tolist(),
         )
+        self._passes.finish(key)
 
     # ---- checkpoints of the dataset's own passes -----------------------------------
     def state_dict(self, samples_received: int | None = None) -> dict[str, Any]:
@@ -336,10 +338,12 @@ class Dataset(IterableDataset[Any], Generic[T_co]):
             running = self._passes.running or self._passes.current()
             # the pass's start (a planned source, a Mix, adds its part), never past it
             state = self._planner.to_state(running)
+            topo = self.topology()
             state["worker"] = {
                 "id": info.id,
                 "num_workers": info.num_workers,
                 "yielded": self._progress[0],
+                "world_size": topo.world_size,
             }
             return state
         if samples_received is None and self._passes.last_ran_in_a_worker():
@@ -349,7 +353,7 @@ class Dataset(IterableDataset[Any], Generic[T_co]):
                 "Pass state_dict(samples_received=<samples this rank's loop received in "
                 "the epoch>), or use evenly.DataLoader (loader.state_dict() counts them)"
             )
-        current = self._passes.current()
+        current = self._passes.last()
         spec = self._own_spec(current)
         plan = self._planner.plan_for(spec)
         received = self._progress[0] if samples_received is None else samples_received
@@ -375,6 +379,15 @@ class Dataset(IterableDataset[Any], Generic[T_co]):
                 raise StateError(
                     f"worker state of worker {worker.get('id')} of {worker.get('num_workers')} "
                     f"loaded into worker {info.id} of {info.num_workers}"
+                )
+            world = self.topology().world_size
+            saved = worker.get("world_size", world)
+            if saved != world:  # every rank's workers read alike: only the layout matters
+                raise StateError(
+                    f"a DataLoader worker's state saved under world_size={saved} cannot resume "
+                    f"under world_size={world}: it counts what that worker read of its share "
+                    f"of the old layout. Resume with the same world size, or use "
+                    f"evenly.DataLoader (its state resumes under any topology)"
                 )
             skip = check_int("state['worker']['yielded']", worker.get("yielded"), minimum=0)
             self._passes.restore_worker(loaded, skip)

@@ -341,7 +341,7 @@ class Mix:
         loaded = MixPart.from_json(part)
         start = self._epoch_start(epoch, loaded)
         segments: list[list[int]] = []
-        hold: int | None = None
+        hold = 0  # none yet: the epoch's steps are known once a pass is dealt
         now = start
         if position:
             segments, hold, now = self._dealt(epoch, position, loaded, order)

@@ -42,6 +42,8 @@ _RING = 64
 # header slots
 _SERIAL, _EPOCH, _POSITION, _BATCHES, _LOADED, _CONSUMED = range(6)
 _LAST_EPOCH, _LAST_POSITION, _LAST_IN_WORKER, _STARTED, _NEXT_SLOT = range(6, 11)
+# the last pass's key (0: the main process), its processes and how many finished
+_LAST_KEY, _LAST_PROCESSES, _LAST_DONE = range(11, 14)
 _HEADER = 16
 
 PassKey = int | None
@@ -132,15 +134,33 @@ class OwnPasses:
 
     # ---- where things stand ------------------------------------------------------
     def current(self) -> PassState:
-        """The pass in progress (the last one started), or the next one if none started
-        since the last request."""
+        """The pass in progress, or the next one: the one asked for if no pass started
+        since the request, else the one after the last pass once every process of it
+        finished its share."""
         t = self._table.tolist()
         pending = self._pending(t)
         if pending is not None:
             return pending
         if t[_LAST_EPOCH] < 0:
             return self._with_part(0, 0)
+        if t[_LAST_DONE] >= t[_LAST_PROCESSES]:
+            return self._with_part(t[_LAST_EPOCH] + 1, 0)
         return self._with_part(t[_LAST_EPOCH], t[_LAST_POSITION])
+
+    def last(self) -> PassState:
+        """The last pass started (finished or not), or the next one if none started since
+        the last request: what a checkpoint of the loop's progress is taken in."""
+        t = self._table.tolist()
+        pending = self._pending(t)
+        if pending is not None or t[_LAST_EPOCH] < 0:
+            return self.current()
+        return self._with_part(t[_LAST_EPOCH], t[_LAST_POSITION])
+
+    def finish(self, key: PassKey) -> None:
+        """This process has read its whole share of the pass keyed ``key``."""
+        with self._lock():
+            if int(self._table[_LAST_KEY]) == (key or 0):
+                self._table[_LAST_DONE] += 1
 
     def last_ran_in_a_worker(self) -> bool:
         """Whether the last pass started ran in DataLoader workers (so this process
@@ -161,9 +181,10 @@ class OwnPasses:
             return None
         return hash((worker_base_seed(worker), count)) % (1 << 62) + 1
 
-    def begin(self, key: PassKey) -> tuple[PassState, int]:
-        """The pass keyed ``key`` starts here: its (epoch, start), and the samples of
-        this process's share to skip (a restored worker)."""
+    def begin(self, key: PassKey, processes: int = 1) -> tuple[PassState, int]:
+        """The pass keyed ``key`` (read by ``processes`` workers) starts here: its
+        (epoch, start), and the samples of this process's share to skip (a restored
+        worker)."""
         local = self._local
         skip = 0
         with self._lock():
@@ -184,7 +205,8 @@ class OwnPasses:
                 else:
                     state = self._with_part(t[_LAST_EPOCH] + 1, 0)
             if found is None or restored:
-                self._record(t, key, state)
+                fresh = not (restored and key is not None and t[_LAST_KEY] == key)
+                self._record(t, key, state, processes if fresh else None)
         local.running = state
         return state, skip
 
@@ -195,9 +217,13 @@ class OwnPasses:
                 return self._with_part(t[at + 1], t[at + 2])
         return None
 
-    def _record(self, t: list[int], key: PassKey, state: PassState) -> None:
+    def _record(self, t: list[int], key: PassKey, state: PassState, processes: int | None) -> None:
+        """Record a pass that starts (``processes``: how many will read it; ``None``: a
+        restored worker of a pass already recorded)."""
         table = self._table
         table[_LAST_EPOCH], table[_LAST_POSITION] = state.epoch, state.position
+        if processes is not None:
+            table[_LAST_KEY], table[_LAST_PROCESSES], table[_LAST_DONE] = key or 0, processes, 0
         table[_LAST_IN_WORKER] = int(key is not None)
         table[_STARTED] += 1
         if key is None:

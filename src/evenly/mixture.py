@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from evenly.core.mix.apportion import epoch_offsets, mix_counts
+from evenly.core.mix.apportion import check_weights, epoch_offsets, mix_counts
 from evenly.core.mix.checkpoint import MixPart, check_saved_part
 from evenly.core.mix.order import MixOrder
 from evenly.core.source import SourceView
@@ -110,7 +110,7 @@ class Mix:
         #: what each source offers, found once
         self._views = [SourceView.of(s) for s in self._sources]
         self.lengths: tuple[int, ...] = tuple(len(s) for s in self._sources)
-        self.weights = None if weights is None else self._check_weights(weights)
+        self.weights = None if weights is None else check_weights(self.names, weights)
         if samples_per_epoch is not None:
             samples_per_epoch = check_int("samples_per_epoch", samples_per_epoch, minimum=1)
         self.samples_per_epoch = samples_per_epoch
@@ -124,32 +124,6 @@ class Mix:
         ends = np.cumsum(np.array(self.lengths, dtype=np.int64))
         self._ends = ends
         self._base = ends - np.array(self.lengths, dtype=np.int64)
-
-    def _check_weights(self, weights: Mapping[str, float]) -> dict[str, float]:
-        if not isinstance(weights, Mapping):
-            raise TypeError(
-                f"evenly.Mix: weights must map source names to numbers, e.g. "
-                f"{{{self.names[0]!r}: 0.7, ...}}; got {type(weights).__name__}"
-            )
-        unknown = [str(k) for k in weights if str(k) not in self.names]
-        missing = [n for n in self.names if n not in weights]
-        if unknown or missing:
-            raise ValueError(
-                f"evenly.Mix: weights must name exactly the sources {list(self.names)}; "
-                + (f"unknown: {unknown} " if unknown else "")
-                + (f"missing: {missing} (give weight 0 to leave one out)" if missing else "")
-            )
-        out = {}
-        for name in self.names:
-            w = weights[name]
-            if isinstance(w, bool) or not isinstance(w, int | float | np.integer | np.floating):
-                raise TypeError(
-                    f"evenly.Mix: weight of source {name!r} must be a number, got {w!r}"
-                )
-            if not np.isfinite(w) or w < 0:
-                raise ValueError(f"evenly.Mix: weight of source {name!r} must be >= 0, got {w}")
-            out[name] = float(w)
-        return out
 
     # ---- the Source protocol -----------------------------------------------------
     def __len__(self) -> int:

@@ -39,7 +39,7 @@ tree, reported per source).
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from fractions import Fraction
 from typing import Any
 
@@ -48,7 +48,7 @@ import numpy.typing as npt
 
 from evenly.core.permutation import as_int64
 
-__all__ = ["Apportionment", "epoch_offsets", "mix_counts"]
+__all__ = ["Apportionment", "check_weights", "epoch_offsets", "mix_counts"]
 
 I64 = npt.NDArray[np.int64]
 _INT64_SAFE = 3_037_000_499  # floor(sqrt(2**63 - 1)): P * c_d fits in int64 below it
@@ -232,3 +232,29 @@ class Apportionment:
             if d >= 0:
                 out[:, d] = node[n]
         return out.astype(np.int64)
+
+
+def check_weights(names: Sequence[str], weights: Mapping[str, float]) -> dict[str, float]:
+    """Validate a Mix's ``weights``: exactly its source ``names``, numbers >= 0."""
+    if not isinstance(weights, Mapping):
+        raise TypeError(
+            f"evenly.Mix: weights must map source names to numbers, e.g. "
+            f"{{{names[0]!r}: 0.7, ...}}; got {type(weights).__name__}"
+        )
+    unknown = [str(k) for k in weights if str(k) not in names]
+    missing = [n for n in names if n not in weights]
+    if unknown or missing:
+        raise ValueError(
+            f"evenly.Mix: weights must name exactly the sources {list(names)}; "
+            + (f"unknown: {unknown} " if unknown else "")
+            + (f"missing: {missing} (give weight 0 to leave one out)" if missing else "")
+        )
+    out = {}
+    for name in names:
+        w = weights[name]
+        if isinstance(w, bool) or not isinstance(w, int | float | np.integer | np.floating):
+            raise TypeError(f"evenly.Mix: weight of source {name!r} must be a number, got {w!r}")
+        if not np.isfinite(w) or w < 0:
+            raise ValueError(f"evenly.Mix: weight of source {name!r} must be >= 0, got {w}")
+        out[name] = float(w)
+    return out

@@ -1,1 +1,2 @@
-"""loader"""
+"""The loaders: ``evenly.DataLoader`` (it owns its passes), the engine and feed under it,
+and ``evenly.BatchSampler`` for map-style datasets."""

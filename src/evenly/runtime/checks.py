@@ -1,5 +1,6 @@
-"""What ``evenly.Dataset`` checks and says in the main process: the source protocol, the
-shuffle mode it resolves, and the warnings about padding, idle workers and empty epochs."""
+"""What a pass checks and says: the warnings about padding, idle workers and empty epochs
+(in the main process), and whether a worker's copy of the dataset is the one the pass
+was planned over."""
 
 from __future__ import annotations
 

@@ -319,3 +319,28 @@ def test_pickling_before_the_process_group_exists_fixes_nothing(
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert ds.topology() == evenly.Topology(1, 2)
     assert pickle.loads(pickle.dumps(ds)).topology() == evenly.Topology(1, 2)
+
+
+def _store_host_leaves(rank: int, world: int) -> str:
+    if rank == 0:
+        return "left"  # the rank hosting the store (MASTER_ADDR) exits at once
+    import time
+
+    time.sleep(2)
+    loader = evenly.DataLoader(evenly.Dataset(list(range(40))), batch_size=4)
+    try:
+        for _ in loader:
+            pass
+    except evenly.PlanMismatchError as exc:
+        return str(exc)
+    return "trained"
+
+
+@pytest.mark.slow
+def test_a_rank_left_without_the_store_host_gets_evenlys_message() -> None:
+    """When the rank hosting the process group's store exits while another starts an
+    epoch, that rank raises evenly's PlanMismatchError naming the cause (it got torch's
+    bare DistNetworkError)."""
+    left, message = run_ranks(_store_host_leaves, 2, timeout=120)
+    assert left == "left"
+    assert "lost the process group's store" in message and "rank 0" in message

@@ -167,25 +167,36 @@ def exchange(
     round_ = rounds.take(tag)
     prefix = f"evenly/agree/{tag}"
     keys = [f"{prefix}/{round_}/{r}" for r in range(len(ranks))]
-    store.set(keys[me], json.dumps(view, sort_keys=True, default=str))
+    from torch.distributed import DistNetworkError
+
     try:
-        store.wait(keys, timedelta(seconds=timeout))
-    except RuntimeError as exc:  # DistStoreError: the wait timed out
-        missing = [r for r, key in enumerate(keys) if not store.check([key])]
-        raise PlanMismatchError(
-            f"evenly: rank(s) {missing} of the data-parallel group (global ranks "
-            f"{[ranks[r] for r in missing]}) did not start epoch {view.get('epoch')} within "
-            f"{timeout:g} s, so this rank would wait for data that never comes. Likely "
-            f"causes: that rank built its dataset with another world_size or "
-            f"process_group; the loader exists on some ranks only (a rank-local loader "
-            f"needs check_plan=False, or world_size=1 with a process_group of that rank "
-            f"alone); or that rank is still busy (raise evenly.DataLoader(..., "
-            f"agreement_timeout=...))"
-        ) from exc
-    finally:
+        store.set(keys[me], json.dumps(view, sort_keys=True, default=str))
+        try:
+            store.wait(keys, timedelta(seconds=timeout))
+        except DistNetworkError:
+            raise
+        except RuntimeError as exc:  # DistStoreError: the wait timed out
+            missing = [r for r, key in enumerate(keys) if not store.check([key])]
+            raise PlanMismatchError(
+                f"evenly: rank(s) {missing} of the data-parallel group (global ranks "
+                f"{[ranks[r] for r in missing]}) did not start epoch {view.get('epoch')} "
+                f"within {timeout:g} s, so this rank would wait for data that never comes. "
+                f"Likely causes: that rank built its dataset with another world_size or "
+                f"process_group; the loader exists on some ranks only (a rank-local loader "
+                f"needs check_plan=False, or world_size=1 with a process_group of that rank "
+                f"alone); or that rank is still busy (raise evenly.DataLoader(..., "
+                f"agreement_timeout=...))"
+            ) from exc
         if round_ >= _KEEP:  # every rank has read those: they all reached this round
             store.delete_key(f"{prefix}/{round_ - _KEEP}/{me}")
-    return [json.loads(store.get(key)) for key in keys]
+        return [json.loads(store.get(key)) for key in keys]
+    except DistNetworkError as exc:  # the rank hosting the store is gone
+        raise PlanMismatchError(
+            f"evenly: lost the process group's store while exchanging the ranks' views of "
+            f"epoch {view.get('epoch')}: the rank hosting it (usually global rank 0, at "
+            f"MASTER_ADDR) exited or crashed, so this rank would wait for data that never "
+            f"comes; see that rank's own error"
+        ) from exc
 
 
 def check_pass(spec: PassSpec, fingerprint: dict[str, Any], *, group: Any, timeout: float) -> None:

@@ -313,3 +313,28 @@ def test_len_through_a_subclass_of_the_dataset_is_still_recognised() -> None:
     loader = _prepare(Tokenize(ds), put_on_device=True)
     assert len(loader) == math.ceil(N / B)
     assert len(ds) == math.ceil(N / WORLD)
+
+
+@pytest.mark.parametrize("pad", ["repeat", "mask", "none"])
+def test_gather_for_metrics_over_a_padded_evenly_loader_is_warned_once(pad: str) -> None:
+    """Accelerate keeps an evenly.DataLoader as it is, so gather_for_metrics would keep
+    its padding repeats: under Accelerate the default pad says so once per loader, and
+    pad='mask' or pad='none' (the ways to evaluate exactly) say nothing."""
+    import warnings
+
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    kw: dict[str, Any] = {"transform": lambda x: x} if pad == "mask" else {}
+    ds = evenly.Dataset(list(range(N)), rank=0, world_size=WORLD, pad=pad, **kw)
+    loader = accelerator.prepare(evenly.DataLoader(ds, batch_size=B))
+    assert isinstance(loader, evenly.DataLoader)  # kept as it is
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            list(loader)
+    said = [str(w.message) for w in caught if "gather_for_metrics" in str(w.message)]
+    if pad == "repeat":
+        assert len(said) == 1 and "pad='mask'" in said[0] and "1 repeated" in said[0]
+    else:
+        assert said == []

@@ -55,7 +55,15 @@ from torch.utils.data import Dataset as TorchDataset
 
 from evenly.core.topology import Topology
 
-__all__ = ["Wrapped", "before_pass", "check_pass", "driving", "find_path", "len_asked", "under"]
+__all__ = [
+    "Wrapped",
+    "before_pass",
+    "check_pass",
+    "driving",
+    "find_path",
+    "len_asked",
+    "under",
+]
 
 #: How deep wrappers may nest (objects between a loader and the evenly.Dataset).
 MAX_DEPTH = 16

@@ -26,6 +26,7 @@ from evenly.core.state import PassState
 from evenly.core.stream import StreamPlan
 from evenly.dataset import SKIP_SLOTS, Dataset
 from evenly.errors import EvenlyWarning, check_int
+from evenly.interop import gather
 from evenly.loader.engine import Engine
 from evenly.loader.feed import NO_LENGTH, PassIterator
 from evenly.runtime.agreement import DEFAULT_TIMEOUT, check_pass
@@ -176,6 +177,7 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         #: dataset.set_epoch calls this loader has followed (it follows only later ones)
         self._followed = dataset._passes.epoch_calls[0]
         self._last_num_samples: int | None = None
+        self._warned_gather = False
         #: the plan of the pass in progress (or the last one)
         self._plan: EpochPlan | StreamPlan | None = None
 
@@ -334,6 +336,8 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         spec = self._spec(start)
         plan = self.dataset._planner.plan_for(spec)
         warn_about(plan, self.num_workers, spec.rank)
+        if not self._warned_gather:  # once per loader
+            self._warned_gather = gather.warn_gather(plan.num_padded, self.dataset.pad)
         if self._last_num_samples not in (None, spec.num_samples):
             warnings.warn(
                 f"evenly: the source had {self._last_num_samples} samples last epoch and has "

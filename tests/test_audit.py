@@ -412,7 +412,7 @@ def test_hf_datasets_and_webdataset_pipelines() -> None:
     assert wds.records.labels is not None  # ids are the string __key__s
 
 
-# --- Stopping: a stuck or failing audit ends every process it started (issue 9 item 10) ---
+# --- Stopping: a stuck or failing audit ends every process it started ---
 
 STUCK_DIR = "EVENLY_TEST_STUCK_DIR"
 

@@ -1,4 +1,4 @@
-"""Batch hand-off and columnar batches (issue 10): workers read and collate a whole batch
+"""Batch hand-off and columnar batches: workers read and collate a whole batch
 and hand it over as one item, and every guarantee still holds (exactly once, equal
 batches, the map-style sequence, exact resume under a worker or rank change)."""
 

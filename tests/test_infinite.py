@@ -1,4 +1,4 @@
-"""Training by steps (issue 12, "Also"): ``evenly.DataLoader(..., infinite=True)`` runs
+"""Training by steps: ``evenly.DataLoader(..., infinite=True)`` runs
 across epochs without the loop restarting ``iter()``; every batch is full, every epoch
 is still read exactly once, and a state resumes exactly by step under another topology."""
 

@@ -1,4 +1,4 @@
-"""HF Accelerate and the HF Trainer over evenly, in real 2-rank gloo runs (issue 11).
+"""HF Accelerate and the HF Trainer over evenly, in real 2-rank gloo runs.
 
 A user hands ``evenly.DataLoader`` to ``accelerator.prepare`` (or an ``evenly.Dataset`` to
 the Trainer) and changes nothing else.  The guarantees must hold through Accelerate's

@@ -1,4 +1,4 @@
-"""Lightning over evenly in real 2-rank gloo DDP runs (issue 11).
+"""Lightning over evenly in real 2-rank gloo DDP runs.
 
 Lightning saves ``loader.state_dict()`` in its mid-epoch checkpoints, restores it on
 ``fit(ckpt_path=...)``, restores its own batch counter and stops the epoch at

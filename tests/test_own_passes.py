@@ -38,8 +38,8 @@ def test_two_plain_loaders_over_one_dataset_each_read_whole_passes(
 ) -> None:
     """Training with 2 workers, and every 5 batches an evaluation pass over the same
     dataset with 3 workers: each training epoch and each evaluation pass is every sample
-    once, and the training epochs still differ (the hole: the evaluation advanced the
-    training workers' shared pass counter, ~25% missing and repeated per epoch)."""
+    once, and the training epochs still differ: no loader's workers advance another
+    loader's pass."""
     ds = evenly.Dataset(list(range(N)), shuffle=True, seed=4)
     kw: dict[str, Any] = {"multiprocessing_context": context, "persistent_workers": persistent}
     train = tud.DataLoader(ds, batch_size=4, num_workers=2, **kw)

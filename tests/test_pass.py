@@ -1,5 +1,7 @@
-"""The pass spec and the holes around it (issue 9, items 1-5 and 14): each test here
-failed on the code before the pass spec."""
+"""A pass is fixed in the main process and reaches every worker: spawn/forkserver
+workers read their rank's share, in_order=False is refused, changes between epochs are
+clear errors, the plan agreement cannot hang, per-sample random streams are the
+sample's own."""
 
 from __future__ import annotations
 
@@ -339,8 +341,8 @@ def _store_host_leaves(rank: int, world: int) -> str:
 @pytest.mark.slow
 def test_a_rank_left_without_the_store_host_gets_evenlys_message() -> None:
     """When the rank hosting the process group's store exits while another starts an
-    epoch, that rank raises evenly's PlanMismatchError naming the cause (it got torch's
-    bare DistNetworkError)."""
+    epoch, that rank raises evenly's PlanMismatchError naming the cause, not torch's
+    bare DistNetworkError."""
     left, message = run_ranks(_store_host_leaves, 2, timeout=120)
     assert left == "left"
     assert "lost the process group's store" in message and "rank 0" in message

@@ -1,4 +1,4 @@
-"""The data-parallel group (issue 11): under tensor/pipeline parallelism the ranks of one
+"""The data-parallel group: under tensor/pipeline parallelism the ranks of one
 model replica get identical batches and the split runs over the data-parallel group only."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Dict rows built from per-row accessors of cached chunks (issue 10) equal the rows an
+"""Dict rows built from per-row accessors of cached chunks equal the rows an
 Arrow ``take`` gives, value for value and type for type; chunks the accessors cannot
 read (nulls, nested types) go the general way; tar batches located in one go equal the
 samples read one by one."""

@@ -1,4 +1,4 @@
-"""The shared-memory slots batches cross from workers to the main process by (issue 10):
+"""The shared-memory slots batches cross from workers to the main process by:
 what comes out equals what the worker made, a slot is never reused while the main
 process may still read it, and every loader guarantee holds with them under fork, spawn
 and forkserver workers."""
@@ -251,8 +251,8 @@ def _in_short_shm(mib: int) -> list[str] | None:
 def test_a_short_dev_shm_is_a_clear_error_not_a_hang() -> None:
     """A real 12 MiB /dev/shm: batches too big for the slots go torch's way and cannot
     all fit either; the worker moves them into shared memory itself, so the shortage is
-    evenly's error in the main process (torch's queue thread used to print it and drop
-    the batch, and the loop waited forever)."""
+    evenly's error in the main process, never a batch dropped by torch's queue thread
+    while the loop waits forever."""
     command = _in_short_shm(12)
     if command is None:
         pytest.skip("needs a private mount namespace (unshare --mount, as root)")

@@ -296,7 +296,8 @@ def test_loader_epoch_is_the_running_pass_until_it_ends() -> None:
     next(it)
     loader.set_epoch(5)
     assert loader.epoch == 0
-    list(it)
+    seen = [loader.epoch for _ in it]  # while the loop holds each batch, the last one too
+    assert seen == [0, 0, 0]
     assert loader.epoch == 5
     assert next(iter(loader)) is not None and loader.epoch == 5
 

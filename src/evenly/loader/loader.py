@@ -202,8 +202,8 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         """The epoch of the pass in progress, or of the next pass if none is in progress."""
         self._follow_dataset()
         current = self._passes.current
-        if current is not None:
-            return current.state().epoch
+        if current is not None:  # an epoch's pass is its epoch until it ends
+            return current.state().epoch if current.endless else current.start.epoch
         return self._passes.next_start().epoch
 
     def _spec(self, start: PassState, infinite: bool = False) -> PassSpec:

@@ -140,10 +140,9 @@ def _fetch(
     if getitems is None:
         if ctx.on_error == "skip":
             return [_fetch_one(ctx, i, p) for i, p in zip(batch, positions, strict=True)]
-        read_one = ctx.view.read_one
         pending = iter(batch)
         try:
-            return [read_one(index) for index in pending]
+            return list(map(ctx.view.read_one, pending))
         except Exception as exc:  # name the sample at fault: nothing is read again
             at = len(batch) - length_hint(pending) - 1  # the one being read
             if isinstance(exc, IndexError):

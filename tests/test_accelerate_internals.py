@@ -323,3 +323,27 @@ def test_skip_first_batches_rebuilds_a_dispatcher_over_the_same_dataset() -> Non
     assert type(skipped) is DataLoaderDispatcher and skipped.skip_batches == 3
     assert vars(skipped)["base_dataloader"].dataset is spy
     assert _ids(skipped) == list(range(12, 40))
+
+
+def test_skip_first_batches_of_a_loader_it_did_not_wrap_is_a_skip_loader_in_gradient_state() -> (
+    None
+):
+    """For a loader Accelerate did not wrap, skip_first_batches() builds a SkipDataLoader
+    over ``loader.dataset`` whose ``__iter__`` calls ``begin()``: GradientState names it
+    while it runs (what ``evenly.interop.skip`` relies on)."""
+    from accelerate import skip_first_batches
+    from accelerate.data_loader import SkipDataLoader
+    from accelerate.state import GradientState
+
+    seen: list[Any] = []
+
+    class Spy(torch.utils.data.IterableDataset[int]):
+        def __iter__(self) -> Any:
+            seen.append(GradientState().active_dataloader)
+            yield from range(6)
+
+    dataset = Spy()
+    skipped = skip_first_batches(torch.utils.data.DataLoader(dataset, batch_size=2), 1)
+    assert isinstance(skipped, SkipDataLoader) and skipped.dataset is dataset
+    assert [b.tolist() for b in skipped] == [[2, 3], [4, 5]]
+    assert seen == [skipped]

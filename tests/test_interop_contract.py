@@ -338,3 +338,23 @@ def test_gather_for_metrics_over_a_padded_evenly_loader_is_warned_once(pad: str)
         assert len(said) == 1 and "pad='mask'" in said[0] and "1 repeated" in said[0]
     else:
         assert said == []
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_skip_first_batches_over_an_evenly_loader_is_refused_before_the_first_batch(
+    workers: int,
+) -> None:
+    """accelerate's skip_first_batches() builds a SkipDataLoader from an
+    evenly.DataLoader's dataset, which would read other batches and, after load_state,
+    skip the received ones twice: a clear error naming the fix, before any batch (with
+    forked workers too), while the evenly.DataLoader itself keeps working."""
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    loader = accelerator.prepare(
+        evenly.DataLoader(evenly.Dataset(list(range(N))), batch_size=B, num_workers=workers)
+    )
+    skipped = accelerator.skip_first_batches(loader, 2)
+    with pytest.raises(RuntimeError, match=r"skip_first_batches\(\).*Iterate the evenly"):
+        next(iter(skipped))
+    assert sorted(int(x) for b in loader for x in b) == list(range(N))

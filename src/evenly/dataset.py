@@ -25,6 +25,7 @@ from evenly.core.state import PassState
 from evenly.core.topology import Topology
 from evenly.errors import StateError, check_int
 from evenly.interop.accelerate import Wrapped, before_pass, check_pass, driving, len_asked, under
+from evenly.interop.skip import refuse_skip_loader
 from evenly.runtime.checks import warn_about
 from evenly.runtime.detect import (
     group_of,
@@ -114,8 +115,7 @@ class Dataset(IterableDataset[Any], Generic[T_co]):
         on_error: str = "raise",
         pad: str = "repeat",
     ) -> None:
-        #: plans, reads and checkpoints passes: what loaders talk to
-        self._planner = Planner(
+        self._planner = Planner(  # plans, reads and checkpoints passes: what loaders use
             source,
             shuffle=shuffle,
             seed=seed,
@@ -136,6 +136,7 @@ class Dataset(IterableDataset[Any], Generic[T_co]):
         #: the topology as fixed in the main process (None until it can be detected)
         self._fixed: Topology | None = None
         self._warned_rank_local = False
+        self._owned = False  # whether an evenly.DataLoader owns passes over this dataset
         self._passes = OwnPasses()
         #: what the main process saw last (len, fingerprint, generation), for workers
         self._seen = torch.tensor([_UNSET, 0, 0], dtype=torch.int64).share_memory_()  # type: ignore[no-untyped-call]
@@ -150,9 +151,8 @@ class Dataset(IterableDataset[Any], Generic[T_co]):
     # ---- settings (the source and transform may change between passes) ------------
     @property
     def source(self) -> Source[T_co]:
-        """The samples.  Replacing it starts a new generation: a DataLoader's persistent
-        workers holding the old one raise instead of reading it (evenly.DataLoader
-        restarts them)."""
+        """The samples.  Replacing it starts a new generation: persistent workers holding
+        the old one raise instead of reading it (evenly.DataLoader restarts them)."""
         source: Source[T_co] = self._planner.source
         return source
 
@@ -235,6 +235,8 @@ class Dataset(IterableDataset[Any], Generic[T_co]):
         if get_worker_info() is None:
             self.topology()  # fixed here if it can be detected (else the copy resolves it)
             self._note_main_view()
+            if self._owned:  # spawned workers have no Accelerate state: refuse it here
+                refuse_skip_loader(self)
         state = self.__dict__.copy()
         state["process_group"] = None
         state["_wrapped"] = driving(self, self._wrapped)
@@ -305,6 +307,8 @@ class Dataset(IterableDataset[Any], Generic[T_co]):
         info = get_worker_info()
         num_workers, worker_id = (info.num_workers, info.id) if info is not None else (1, 0)
         check_pass(self, info.dataset if info is not None else None, self._wrapped)
+        if self._owned:  # an evenly.DataLoader's dataset, read by a loader rebuilt from it
+            refuse_skip_loader(self)
         key = self._passes.key(info)
         state, skip = self._passes.begin(key, num_workers)
         spec = self._own_spec(state)

@@ -174,6 +174,7 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         self._columnar_choice = columnar
         self._user_collate = collate_fn
         self._passes = PassTracker()
+        dataset._owned = True
         #: dataset.set_epoch calls this loader has followed (it follows only later ones)
         self._followed = dataset._passes.epoch_calls[0]
         self._last_num_samples: int | None = None

@@ -37,21 +37,11 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
+from tests.accelerate_state import fresh_accelerate  # noqa: F401  (autouse fixture)
+
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("accelerate") is None, reason="needs accelerate (test extra)"
 )
-
-
-@pytest.fixture(autouse=True)
-def fresh_accelerate() -> Iterator[None]:
-    """Each test starts and ends with Accelerate's process-global state uninitialised."""
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
 
 
 class Spy(IterableDataset[int]):

@@ -22,6 +22,7 @@ import torch
 from torch.utils.data import ChainDataset, DataLoader, IterableDataset
 
 import evenly
+from tests.accelerate_state import fresh_accelerate  # noqa: F401  (autouse fixture)
 
 pytestmark = [
     pytest.mark.skipif(
@@ -31,17 +32,6 @@ pytestmark = [
 ]
 
 N, B, WORLD = 101, 5, 2
-
-
-@pytest.fixture(autouse=True)
-def fresh_accelerate() -> Iterator[None]:
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
 
 
 class Tokenize(IterableDataset[Any]):

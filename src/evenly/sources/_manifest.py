@@ -33,6 +33,8 @@ import fsspec
 import numpy as np
 from fsspec.core import url_to_fs
 
+from evenly.sources._cachedir import default_cache_dir
+
 __all__ = [
     "MANIFEST_NAME",
     "SCAN_THREADS",
@@ -51,13 +53,6 @@ MANIFEST_NAME = ".evenly-manifest.json"
 _VERSION = 2
 #: threads that scan new or changed shards at open (remote ones download)
 SCAN_THREADS = 8
-
-
-def default_cache_dir() -> str:
-    """``$EVENLY_CACHE_DIR``, else ``~/.cache/evenly``."""
-    return os.environ.get("EVENLY_CACHE_DIR") or os.path.join(
-        os.path.expanduser("~"), ".cache", "evenly"
-    )
 
 
 @dataclass(frozen=True)

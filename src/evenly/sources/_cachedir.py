@@ -1,0 +1,75 @@
+"""The one place node-local files live: ``cache_dir`` and its sub-directories.
+
+Every file evenly keeps on a machine (remote shard copies, manifests, packing's lengths,
+decoded rows) lives under one ``cache_dir`` (``$EVENLY_CACHE_DIR``, else
+``~/.cache/evenly``), one sub-directory per kind, shared by every process of the user on
+the node.  Files are written once, by whichever process comes first, through
+:func:`publish`: a reader never sees a partial file, a killed writer leaves nothing a
+reader trusts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import uuid
+from collections.abc import Callable
+
+from filelock import FileLock
+
+__all__ = ["PART", "cache_subdir", "default_cache_dir", "publish"]
+
+#: the infix of a file being written (``<target>.part-<pid>-<random>``)
+PART = ".part-"
+
+
+def default_cache_dir() -> str:
+    """``$EVENLY_CACHE_DIR``, else ``~/.cache/evenly``."""
+    return os.environ.get("EVENLY_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "evenly"
+    )
+
+
+def cache_subdir(kind: str, cache_dir: str | None = None) -> str:
+    """``<cache_dir>/<kind>``, created if needed (``cache_dir`` defaults to
+    :func:`default_cache_dir`).
+
+    >>> import os
+    >>> d = cache_subdir("doctest", "/tmp/evenly-cache-doctest")
+    >>> d.endswith(os.path.join("evenly-cache-doctest", "doctest")), os.path.isdir(d)
+    (True, True)
+    """
+    path = os.path.abspath(os.path.join(cache_dir or default_cache_dir(), kind))
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def publish(target: str, write: Callable[[str], None]) -> str:
+    """Make ``target`` exist, written once per machine by whichever process comes first.
+
+    ``write(tmp)`` writes the whole file at ``tmp`` (a ``.part-`` name beside ``target``);
+    it is renamed into place only when ``write`` returns, so a reader never sees a partial
+    file; on error the partial file is removed, and one left by a killed process has a
+    unique name no reader opens.  Other processes wait on the target's lock, then find it.
+
+    >>> import os, pathlib
+    >>> t = os.path.join(cache_subdir("doctest", "/tmp/evenly-cache-doctest"), "x.bin")
+    >>> if os.path.exists(t): os.unlink(t)
+    >>> _ = publish(t, lambda tmp: pathlib.Path(tmp).write_bytes(b"abc"))
+    >>> pathlib.Path(t).read_bytes()
+    b'abc'
+    """
+    if os.path.exists(target):
+        return target
+    os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
+    with FileLock(target + ".lock"):
+        if os.path.exists(target):
+            return target
+        tmp = f"{target}{PART}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        try:
+            write(tmp)
+            os.replace(tmp, target)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+    return target

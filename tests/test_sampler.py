@@ -176,8 +176,9 @@ def test_resume_at_any_batch_under_another_world_size_and_batch_size_is_exact(
     for s in old:
         s.set_epoch(e)
         received += flat(list(itertools.islice(iter(s), k)))
-        states.append(json.loads(json.dumps(s.state_dict())))
-        assert states[-1] == s.state_dict(batches_received=k)
+        states.append(json.loads(json.dumps(s.state_dict(batches_received=k))))
+        if k == 0:  # between passes the sampler knows: no argument needed
+            assert states[-1] == s.state_dict()
     assert all(state == states[0] for state in states)  # save any rank's
 
     new = [sampler(n, new_batch, r, new_world, **kw) for r in range(new_world)]
@@ -201,16 +202,25 @@ def test_resume_at_any_batch_under_another_world_size_and_batch_size_is_exact(
     assert [list(s) for s in new] == epoch(n, new_batch, new_world, e + 1, **kw)
 
 
-def test_state_counts_batches_handed_to_a_single_process_loader() -> None:
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_default_state_mid_pass_is_refused_naming_batches_received(workers: int) -> None:
     n, batch = 101, 10
     s = sampler(n, batch, seed=4)
-    loader = loader_of(n, s)
-    head = []
-    for i, b in enumerate(loader):
-        head.append(b.tolist())
-        if i == 3:
-            break
-    state = s.state_dict()
+    loader = loader_of(n, s, workers=workers)
+    it = iter(loader)
+    head = [next(it).tolist() for _ in range(4)]
+    # the sampler handed out 4 batches (0 workers) or more (prefetch): it cannot tell
+    # which, so a default state is refused when it is loaded, and the loop that took it
+    # stops at its next batch
+    unsure = s.state_dict()
+    with pytest.raises(StateError, match=r"batches_received.*StatefulDataLoader"):
+        next(it)
+    del it
+    refused = sampler(n, batch, seed=4)
+    refused.load_state_dict(unsure)
+    with pytest.raises(StateError, match=r"state_dict\(\s*batches_received="):
+        list(refused)
+    state = s.state_dict(batches_received=4)
     assert (state["epoch"], state["position"], state["batches"]) == (0, 40, 4)
     fresh = sampler(n, batch, seed=4)
     fresh.load_state_dict(state)
@@ -226,7 +236,9 @@ def test_batches_received_makes_resume_exact_with_prefetching_workers() -> None:
     loader = loader_of(n, s, workers=2)
     it = iter(loader)
     head = [next(it).tolist() for _ in range(k)]
-    assert s.state_dict()["position"] > k * batch  # the workers prefetched more
+    s.state_dict()  # the workers prefetched more than the loop received: refused
+    with pytest.raises(StateError, match="batches_received"):
+        next(it)
     state = s.state_dict(batches_received=k)
     del it
     fresh = sampler(n, batch, seed=2)
@@ -240,7 +252,7 @@ def test_len_after_a_load_counts_the_batches_received_before_it() -> None:
     it = iter(s)
     for _ in range(20):
         next(it)
-    state = s.state_dict()
+    state = s.state_dict(batches_received=20)
     fresh = sampler(1001, 10, 1, 2)
     fresh.load_state_dict(state)
     assert (len(fresh), fresh.remaining_batches) == (51, 31)
@@ -255,7 +267,7 @@ def test_set_epoch_keeps_a_loaded_position_of_that_epoch_only() -> None:
     s.set_epoch(3)
     it = iter(s)
     next(it), next(it)
-    state = s.state_dict()
+    state = s.state_dict(batches_received=2)
     resumed = sampler(100, 10, seed=1)
     resumed.load_state_dict(state)
     resumed.set_epoch(3)  # as Lightning does before the resumed epoch
@@ -270,7 +282,7 @@ def test_set_epoch_during_a_pass_sets_the_next_one() -> None:
     it = iter(s)
     first = next(it)
     s.set_epoch(7)  # the pass in progress (epoch 0) is not affected
-    assert (s.epoch, len(s), s.state_dict()["position"]) == (0, 3, 10)
+    assert (s.epoch, len(s), s.state_dict(batches_received=1)["position"]) == (0, 3, 10)
     assert [first, *it] == epoch(30, 10, 1, 0, seed=1)[0]
     state = s.state_dict()
     assert (state["epoch"], state["position"]) == (7, 0)
@@ -328,7 +340,7 @@ def test_a_billion_samples_plan_in_constant_memory() -> None:
         s = sampler(n, batch, 3, world, seed=11)
         it = iter(s)
         batches = [next(it) for _ in range(3)]
-        state = s.state_dict()
+        state = s.state_dict(batches_received=3)
         resumed = sampler(n, batch, 0, 1, seed=11)
         resumed.load_state_dict(state)
         after = next(iter(resumed))

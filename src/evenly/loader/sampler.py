@@ -25,7 +25,7 @@ from evenly.core.passes import Pass, PassTracker
 from evenly.core.plan import CHUNK, EpochPlan
 from evenly.core.state import PassState
 from evenly.core.topology import Topology
-from evenly.errors import EvenlyWarning, check_int
+from evenly.errors import EvenlyWarning, StateError, check_int
 from evenly.runtime.detect import resolve_topology, warn_if_rank_local
 
 __all__ = ["BatchSampler"]
@@ -115,6 +115,11 @@ class BatchSampler(Sampler[list[int]]):
         self.process_group = process_group
         self._warned_rank_local = False
         self._passes = PassTracker()
+        #: (pass, batches handed out) when StatefulDataLoader last asked the iterator
+        self._snapshot: tuple[Pass | None, int] = (None, -1)
+        #: (pass, batches handed out) of a default state_dict() not confirmed yet
+        self._unconfirmed: tuple[Pass | None, int] = (None, -1)
+        self._pending = False  # a loaded state counted batches handed out
         #: The pass in progress (or the last one); ``None`` once a new one is due.
         self._pass: Pass | None = None
         self._current_plan = self._plan(0, 0, 1)
@@ -238,16 +243,17 @@ class BatchSampler(Sampler[list[int]]):
         """Where the epoch stands, as a small JSON-serialisable dict.
 
         ``batches_received`` is the number of batches the training loop has received in
-        the pass in progress; by default, the batches this sampler has handed out, which
-        is exact with ``num_workers=0`` and under ``StatefulDataLoader`` (it asks the
-        sampler at the right moment), but counts prefetched batches with workers under
-        a plain DataLoader.  All ranks give the same state once they received the same
-        number of batches: save rank 0's.
+        the pass in progress.  It may be left out between passes, and under torchdata's
+        ``StatefulDataLoader`` (which asks at the right moment, right after handing each
+        batch out).  Otherwise a sampler cannot know what the loop received (a plain
+        DataLoader with workers draws batches ahead of it), so a default call in the
+        middle of a pass raises ``StateError`` naming the argument.  All ranks give the
+        same state once they received the same number of batches: save rank 0's.
 
         >>> import json
         >>> sampler = BatchSampler(10, batch_size=3, shuffle=False, rank=0, world_size=1)
         >>> it = iter(sampler); _ = next(it); _ = next(it)
-        >>> state = sampler.state_dict()
+        >>> state = sampler.state_dict(batches_received=2)
         >>> state["epoch"], state["position"]
         (0, 6)
         >>> other = BatchSampler(10, batch_size=2, shuffle=False, rank=0, world_size=1)
@@ -263,6 +269,7 @@ class BatchSampler(Sampler[list[int]]):
                     f"next one (epoch {self.epoch}) has not started"
                 )
             return self._passes.next_start().to_dict(self.fingerprint())
+        unconfirmed = batches_received is None and self._snapshot != (current, current.received)
         received = current.received if batches_received is None else batches_received
         received = check_int("batches_received", received, minimum=0)
         if current.total is not None and received > current.total:
@@ -271,8 +278,13 @@ class BatchSampler(Sampler[list[int]]):
                 f"{current.total} batch(es) in this pass of epoch {current.start.epoch}"
             )
         if received == current.total:  # the pass is over: point at the next one
-            return self._passes.next_start().to_dict(self.fingerprint())
-        return current.locate(received).to_dict(self.fingerprint())
+            state = self._passes.next_start().to_dict(self.fingerprint())
+        else:
+            state = current.locate(received).to_dict(self.fingerprint())
+        if unconfirmed:  # see _Batches: confirmed at once under StatefulDataLoader, or refused
+            self._unconfirmed = (current, current.received)
+            state[_UNCONFIRMED] = True
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Make the next ``iter()`` continue ``state`` exactly, under any world size or
@@ -280,8 +292,35 @@ class BatchSampler(Sampler[list[int]]):
 
         Raises ``evenly.StateError`` naming every field that does not match this sampler.
         """
+        state = dict(state)
+        self._pending = bool(state.pop(_UNCONFIRMED, False))
         self._passes.load(PassState.from_dict(state, self.fingerprint()))
         self._pass = None
+
+    def _check_counted(self, current: Pass | None) -> None:
+        """Refuse to go on from (or past) a state that counted batches handed out."""
+        if self._pending:
+            raise StateError(
+                "evenly: this BatchSampler state was saved by state_dict() without "
+                "batches_received in the middle of a pass, so it counts the batches the "
+                "sampler handed out, which a DataLoader with workers draws ahead of the "
+                "loop: resuming from it could skip data. Save it with state_dict("
+                "batches_received=<the batches your loop received in the epoch>), or use "
+                "torchdata's StatefulDataLoader (it asks the sampler as it hands out a batch)"
+            )
+        if current is not None and self._unconfirmed[0] is current:
+            raise StateError(
+                f"evenly: BatchSampler.state_dict() was called without batches_received "
+                f"after {self._unconfirmed[1]} batch(es) of epoch {current.start.epoch} "
+                f"were handed out, and the loader drew more: a DataLoader with workers draws "
+                f"batches ahead of the loop, so that state may count batches the loop never "
+                f"received. Call state_dict(batches_received=<the batches your loop received "
+                f"in this epoch>), or use torchdata's StatefulDataLoader"
+            )
+
+
+#: the key a default mid-pass state carries until StatefulDataLoader confirms it
+_UNCONFIRMED = "batches_unconfirmed"
 
 
 def _generate(current: Pass, plan: EpochPlan, rank: int) -> Iterator[list[int]]:
@@ -322,6 +361,7 @@ class _Batches(Iterator[list[int]]):
         return self
 
     def __next__(self) -> list[int]:
+        self._sampler._check_counted(self._pass)
         if self._pass is None:
             if self._over:
                 raise StopIteration
@@ -330,11 +370,26 @@ class _Batches(Iterator[list[int]]):
         return next(self._batches)
 
     def state_dict(self) -> dict[str, Any]:
-        """``{"pass_over": True}`` once every batch of the pass has been drawn."""
+        """``{"pass_over": True}`` once every batch of the pass has been drawn.
+
+        ``StatefulDataLoader`` calls it right after handing each batch out, then the
+        sampler's own ``state_dict()``: that is the moment the sampler's count of the
+        batches handed out is the count the loop will have received, so it is marked.
+        """
+        sampler = self._sampler
+        if self._pass is not None:
+            sampler._snapshot = (self._pass, self._pass.received)
+            if sampler._unconfirmed == sampler._snapshot:  # asked together: StatefulDataLoader
+                sampler._unconfirmed = (None, -1)
         done = self._pass is not None and self._pass.remaining == 0
         return {"pass_over": done or self._over}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore an iterator that has not started: a pass that was over stays over."""
+        """Restore an iterator that has not started: a pass that was over stays over.
+
+        StatefulDataLoader restores it right after the sampler: the sampler's state,
+        taken together with this one, was exact.
+        """
         if self._pass is None:
+            self._sampler._pending = False
             self._over = bool(state.get("pass_over", False))

@@ -1,10 +1,9 @@
 """``evenly.Mix``: weighted sources with exact proportions, each source an endless stream of
-its own passes (every sample once before any twice), exact elastic resume, and a weight
-change at an epoch boundary that continues every stream where it stopped.
+its own passes (every sample once before any twice), exact elastic resume, and weight
+changes (``set_weights``, or at an epoch boundary) that continue every stream.
 
-This module is the source object ``evenly.Dataset`` reads (indices, checkpoints, stream
-offsets); the planning math lives in :mod:`evenly.core.mix`, and what a pass over a Mix
-carries (a loaded state's stream offsets and steps) in its pass state
+The source ``evenly.Dataset`` reads; the planning math is in :mod:`evenly.core.mix`, and what
+a pass carries (stream offsets, steps, weight changes) is in the owner's pass state
 (:mod:`evenly.core.mix.checkpoint`), never on the Mix.  No torch, no I/O of its own.
 """
 
@@ -16,26 +15,23 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from evenly.core.mix.apportion import check_weights, epoch_offsets, mix_counts
-from evenly.core.mix.checkpoint import MixPart, check_saved_part
-from evenly.core.mix.order import MixOrder
+from evenly.core.mix.apportion import check_weights, mix_counts
+from evenly.core.mix.checkpoint import (
+    EpochSetup,
+    MixPart,
+    Weights,
+    check_saved_part,
+    epoch_setup,
+    saved_weights,
+    with_weights,
+)
+from evenly.core.mix.order import MixOrder, TooSmallStep
 from evenly.core.source import SourceView
 from evenly.errors import StateError, check_int
 
 __all__ = ["Mix"]
 
 I64 = npt.NDArray[np.int64]
-
-
-class _TooSmallStep:
-    """The order of a pass whose step is below the epoch's ``hold``: it raises when read
-    (not when planned, so that ``len(dataset)`` keeps working)."""
-
-    def __init__(self, message: str) -> None:
-        self.message = message
-
-    def __call__(self, positions: npt.ArrayLike) -> I64:
-        raise ValueError(self.message)
 
 
 class Mix:
@@ -216,14 +212,19 @@ class Mix:
     def stream_offsets(self, epoch: int, part: Any = None) -> dict[str, int]:
         """Each stream's offset at the start of ``epoch`` (items read before it), from
         epoch 0 or from the anchor of a loaded state (``part``)."""
-        return dict(zip(self.names, self._epoch_start(epoch, MixPart.from_json(part)), strict=True))
+        offsets = self._setup(epoch, MixPart.from_json(part)).offsets
+        return dict(zip(self.names, offsets, strict=True))
 
-    def _epoch_start(self, epoch: int, part: MixPart | None) -> tuple[int, ...]:
-        if part is None:
-            return epoch_offsets(self._counts, epoch)
-        return epoch_offsets(
-            self._counts, epoch, fixed=part.anchor_offsets, fixed_epoch=part.anchor_epoch
-        )
+    def _counts_of(self, weights: Weights | None, positions: int) -> tuple[int, ...]:
+        if weights is None and positions == len(self):
+            return self._counts
+        if weights is None:
+            own = self.weights
+            weights = tuple(float(n) for n in self.lengths) if own is None else tuple(own.values())
+        return mix_counts(self.lengths, weights, positions, names=self.names)
+
+    def _setup(self, epoch: int, part: MixPart | None) -> EpochSetup:
+        return epoch_setup(part, epoch, len(self), self._counts_of)
 
     def _order(
         self,
@@ -235,10 +236,11 @@ class Mix:
         part: MixPart | None,
     ) -> MixOrder:
         *history, (start, step) = segments
+        setup = self._setup(epoch, part)
         return MixOrder(
             self.lengths,
-            self._counts,
-            self._epoch_start(epoch, part),
+            setup.counts,
+            setup.offsets,
             names=self.names,
             seed=seed,
             epoch=epoch,
@@ -247,6 +249,7 @@ class Mix:
             start=start,
             history=history,
             hold=hold,
+            changes=setup.changes,
         )
 
     def epoch_order(
@@ -258,7 +261,7 @@ class Mix:
         step: int,
         start: int = 0,
         part: Any = None,
-    ) -> MixOrder | _TooSmallStep:
+    ) -> MixOrder | TooSmallStep:
         """Epoch ``epoch``'s order (position -> index) dealt in global steps of ``step``
         from position ``start`` (a resume: only with the ``part`` of a loaded state of that
         position, as the pass state carries it).  O(number of sources):
@@ -283,14 +286,7 @@ class Mix:
                 )
             history, hold = loaded.resume, loaded.hold
         if step < hold:  # refused when read, so that len(dataset) still works
-            return _TooSmallStep(
-                f"evenly.Mix: the global step (world_size x batch_size) is {step} but epoch "
-                f"{epoch} was {'started' if start else 'set up'} with steps of at least {hold}"
-                ": a mixture stays exact only if no step is smaller.  Resume at an epoch "
-                f"boundary, keep world_size x batch_size >= {hold}, or build the Mix with "
-                "min_step=<the smallest step> from the start (under a loader other than "
-                "evenly.DataLoader the step is world_size)"
-            )
+            return TooSmallStep.of(step, epoch, hold, started=bool(start))
         try:
             return self._order(seed, epoch, shuffle, (*history, (start, step)), hold, loaded)
         except ValueError as exc:
@@ -313,22 +309,24 @@ class Mix:
         (JSON-serialisable).  ``part`` is what the pass state carries (a loaded state's
         anchor and resume)."""
         loaded = MixPart.from_json(part)
-        start = self._epoch_start(epoch, loaded)
+        setup = self._setup(epoch, loaded)
         segments: list[list[int]] = []
         hold = 0  # none yet: the epoch's steps are known once a pass is dealt
-        now = start
+        now = setup.offsets
         if position:
             segments, hold, now = self._dealt(epoch, position, loaded, order)
         return {
             "names": list(self.names),
             "lengths": list(self.lengths),
-            "counts": list(self._counts),
+            "counts": list(setup.counts),
             "epoch": epoch,
             "position": position,
-            "epoch_offsets": list(start),
+            "epoch_offsets": list(setup.offsets),
             "offsets": list(now),
             "segments": segments,
-            "hold": hold,
+            "hold": hold or (loaded.hold if loaded and loaded.hold else 0),
+            "weights": None if setup.weights is None else list(setup.weights),
+            "changes": [[p, list(w)] for p, w in setup.weight_changes],
         }
 
     def _dealt(
@@ -371,18 +369,32 @@ class Mix:
         an epoch boundary (``position == 0``) other weights or ``samples_per_epoch`` are
         fine (each stream continues where it stopped); mid-epoch they raise.
         """
+        saved, changes = saved_weights(state, len(self.names))
         offsets, segments, hold = check_saved_part(
-            state, self.names, self.lengths, tuple(self._counts), epoch, position
+            state, self.names, self.lengths, self._counts_of(saved, len(self)), epoch, position
         )
-        part = MixPart(epoch, offsets)
+        if changes and not position:
+            raise StateError("evenly.Mix: a state at an epoch start lists weight changes")
+        if changes:
+            hold = hold or check_int("state hold", state.get("hold"), minimum=1)
+        part = MixPart(epoch, offsets, None, hold if changes else None, saved, changes)
         if position:
             assert hold is not None
-            try:  # the saved steps must reach ``position`` exactly
+            part = MixPart(epoch, offsets, segments, hold, saved, changes)
+            try:  # the saved steps and weight changes must reach ``position`` exactly
                 self._order(0, epoch, False, (*segments, (position, hold)), hold, part)
             except ValueError as exc:
                 raise StateError(f"evenly.Mix: the saved step history is invalid: {exc}") from exc
-            part = MixPart(epoch, offsets, segments, hold)
         return part.to_json()
+
+    def reweighted(self, state: Any, weights: Mapping[str, float]) -> dict[str, Any]:
+        """The mixture part of a checkpoint (:meth:`source_state`) with ``weights`` from
+        its position on (``set_weights``): mid-epoch, a weight change there; at an epoch
+        start, the epoch's weights.  Later epochs keep them until changed."""
+        checked = check_weights(self.names, weights)
+        vector = [checked[n] for n in self.names]
+        counts = self._counts_of(tuple(vector), len(self) - state["position"])  # checks them
+        return with_weights(state, vector, list(counts))
 
     def __repr__(self) -> str:
         return f"evenly.Mix({self.counts}, samples_per_epoch={len(self)})"

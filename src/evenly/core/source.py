@@ -11,7 +11,7 @@ is built (or its source replaced), so that no hot path asks ``getattr``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
@@ -113,6 +113,8 @@ class PlannedSource(Protocol):
     def load_source_state(self, state: Any, epoch: int, position: int) -> Any: ...
 
     def carried_part(self, part: Any) -> Any: ...
+
+    def reweighted(self, state: Any, weights: Mapping[str, float]) -> dict[str, Any]: ...
 
     def read_one(self, index: int) -> Any: ...
 

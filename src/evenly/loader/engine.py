@@ -66,6 +66,14 @@ class Engine:
         #: (len, fingerprint, generation) of the dataset when the workers started
         self._workers_view: tuple[int, int, int] | None = None
 
+    def iterating(self) -> PassIterator | None:
+        """The iterator of the pass last started, if the loop still holds it."""
+        return self._iterator() if self._iterator is not None else None
+
+    def follow(self, iterator: PassIterator) -> None:
+        """Track ``iterator`` (it adopted the pass just started) as the one in use."""
+        self._iterator = weakref.ref(iterator)
+
     def _running(self) -> Any:
         return torch_compat.running_iterator(self.loader)
 

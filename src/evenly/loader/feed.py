@@ -131,6 +131,13 @@ class PassIterator(Iterator[Any]):
         """The private torch DataLoader's iterator."""
         return self._inner
 
+    def adopt(self, other: PassIterator) -> None:
+        """Go on with ``other``'s pass (a restart at the position reached, as
+        ``set_weights`` does): the training loop keeps iterating this object."""
+        self._inner, self._pass, self._plan, self._on_end = (
+            other._inner, other._pass, other._plan, other._on_end
+        )  # fmt: skip
+
     def __iter__(self) -> PassIterator:
         return self
 

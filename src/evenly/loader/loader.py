@@ -2,16 +2,14 @@
 the dataset, hands whole collated batches over from the workers, advances the epoch by
 itself and knows how much of the epoch the training loop has received.
 
-It keeps every torch DataLoader attribute a framework reads (``dataset``,
-``batch_size``, ``collate_fn``, ``num_workers`` ...), so a loader rebuilt from them (as
-Accelerate's ``prepare()`` does) gets the user's settings; the iteration itself runs on
-a private torch DataLoader over a feed that yields one collated batch per plan batch.
+It keeps every torch DataLoader attribute a framework reads, so a loader rebuilt from
+them gets the user's settings; the iteration runs on a private loader (``engine``).
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -27,24 +25,13 @@ from evenly.core.stream import StreamPlan
 from evenly.dataset import SKIP_SLOTS, Dataset
 from evenly.errors import EvenlyWarning, check_int
 from evenly.interop import gather
+from evenly.loader import mixing
 from evenly.loader.engine import Engine
 from evenly.loader.feed import NO_LENGTH, PassIterator
 from evenly.runtime.agreement import DEFAULT_TIMEOUT, check_pass
-from evenly.runtime.checks import warn_about
+from evenly.runtime.checks import warn_about, warn_skipped
 
 __all__ = ["DataLoader"]
-
-
-def _refuse_planned_source(dataset: Dataset[Any]) -> None:
-    """A source that plans its own epochs (an ``evenly.Mix``) lays its steps out from each
-    epoch's start, which a stream of epochs does not keep: refused until it can."""
-    if dataset._planner.view.planned is not None:
-        raise ValueError(
-            f"evenly.DataLoader(infinite=True) does not support a "
-            f"{type(dataset.source).__name__} source yet: its per-step proportions and its "
-            f"resume are defined per epoch, and a stream of epochs would silently repeat or "
-            f"skip samples; train a Mix epoch by epoch (infinite=False)"
-        )
 
 
 class DataLoader(torch.utils.data.DataLoader[Any]):
@@ -84,12 +71,10 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
             full (a batch may span an epoch boundary), each epoch still read exactly once
             and every rank getting the same batches count; ``state_dict()`` resumes
             exactly by step under any topology.  ``len()`` is then undefined.
-        transport: how workers hand batches to the main process.  ``"slots"``
-            (default): each worker copies a batch's tensors and numpy arrays into one of
-            a few shared-memory slots it reuses, and the main process copies them out
-            (no new shared-memory segment and file descriptor per batch, as torch's
-            hand-off needs; batches come out in ordinary memory, contiguous, pinned by
-            ``pin_memory=True`` as usual).  ``"torch"``: torch's own hand-off.
+        transport: how workers hand batches over.  ``"slots"`` (default): through a
+            few shared-memory slots each worker reuses (no new segment and file
+            descriptor per batch, as torch's hand-off needs; see docs/guide.md).
+            ``"torch"``: torch's own hand-off.
 
     >>> loader = evenly.DataLoader(evenly.Dataset(list(range(5))), batch_size=2,
     ...                            infinite=True)
@@ -141,7 +126,7 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         if infinite and batch_size is None:
             raise ValueError("evenly.DataLoader(infinite=True) needs a batch_size")
         if infinite:
-            _refuse_planned_source(dataset)
+            mixing.refuse_planned_source(dataset)
         self.infinite = bool(infinite)
         if agreement_timeout <= 0:
             raise ValueError(f"agreement_timeout must be > 0 seconds, got {agreement_timeout}")
@@ -259,15 +244,7 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         return int(self._skipped.sum())
 
     def _warn_skipped(self, plan: EpochPlan) -> None:
-        skipped = self.num_skipped
-        if skipped:
-            warnings.warn(
-                f"evenly: on_error='skip' replaced {skipped} unreadable sample(s) in epoch "
-                f"{plan.epoch} on this rank with other samples, so every rank kept its "
-                f"{plan.num_batches} batches; each is logged by the 'evenly' logger",
-                EvenlyWarning,
-                stacklevel=3,
-            )
+        warn_skipped(self.num_skipped, plan)
 
     # ---- checkpoints -----------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -309,6 +286,28 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         loaded = planner.from_state(state, self._drop)
         self._follow_dataset()
         self._passes.load(loaded, planner.carried(loaded))
+
+    # ---- online mixing ----------------------------------------------------------
+    def set_weights(self, weights: Mapping[str, float]) -> None:
+        """An ``evenly.Mix``'s new weights, from the next batch this loader yields.
+
+        The rest of the epoch follows them, each source's stream continuing (once
+        before twice); later epochs keep them.  Mid-pass, the pass restarts where the
+        loop stands (prefetched batches are read again); the state records the change,
+        so a fresh loader with the original weights resumes exactly.  Under DDP every
+        rank calls it after the same batch (``PlanMismatchError`` otherwise).  See
+        docs/mixtures.md, "Weights that change during training".
+
+        >>> import evenly
+        >>> mix = evenly.Mix({"a": list(range(100)), "b": list(range(100, 200))},
+        ...                  weights={"a": 1, "b": 1}, samples_per_epoch=40)
+        >>> loader = evenly.DataLoader(evenly.Dataset(mix, shuffle=True), batch_size=4)
+        >>> it = iter(loader); first = [next(it) for _ in range(5)]   # 20 at 1:1
+        >>> loader.set_weights({"a": 3, "b": 1})                      # 20 more at 3:1
+        >>> sum(int(x) < 100 for b in it for x in b)
+        15
+        """
+        mixing.set_weights(self, weights)
 
     # ---- passes ----------------------------------------------------------------
     def _use_columns(self) -> bool:
@@ -361,7 +360,7 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         n = self.dataset._planner.num_samples()
         if n == 0:
             raise ValueError("evenly.DataLoader(infinite=True): the source is empty")
-        _refuse_planned_source(self.dataset)
+        mixing.refuse_planned_source(self.dataset)
         spec = self._spec(self._passes.next_start(), infinite=True)
         stream = self.dataset._planner.stream_plan_for(spec)
 

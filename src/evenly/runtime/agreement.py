@@ -218,4 +218,6 @@ def check_pass(spec: PassSpec, fingerprint: dict[str, Any], *, group: Any, timeo
         "world_size": spec.world_size,
         "rank": spec.rank,
     }
+    if spec.source is not None:  # a Mix's part: its anchor and weight changes
+        view["mix"] = spec.source
     check_agreement(view, group=group, timeout=timeout)

@@ -17,6 +17,7 @@ from evenly.errors import EvenlyWarning
 __all__ = [
     "check_current",
     "warn_about",
+    "warn_skipped",
 ]
 
 logger = logging.getLogger("evenly")
@@ -73,4 +74,16 @@ def check_current(
             f"(epoch {spec.epoch}): {stale}.  Persistent DataLoader workers keep the "
             f"dataset they started with: use evenly.DataLoader (it restarts them), or "
             f"build a new DataLoader after changing the data"
+        )
+
+
+def warn_skipped(skipped: int, plan: EpochPlan) -> None:
+    """At a pass end under ``on_error="skip"``: how many samples this rank replaced."""
+    if skipped:
+        warnings.warn(
+            f"evenly: on_error='skip' replaced {skipped} unreadable sample(s) in epoch "
+            f"{plan.epoch} on this rank with other samples, so every rank kept its "
+            f"{plan.num_batches} batches; each is logged by the 'evenly' logger",
+            EvenlyWarning,
+            stacklevel=4,
         )

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -231,6 +231,24 @@ class Planner:
             part = planned.source_state(state.epoch, state.position, state.source, order)
             saved = PassState(state.epoch, state.position, state.batches, part)
         return saved.to_dict(self.fingerprint(drop_last))
+
+    def reweighted(
+        self,
+        state: PassState,
+        weights: Mapping[str, float],
+        drop_last: bool | None = None,
+        order: Any = None,
+    ) -> PassState:
+        """``state`` with a planned source's new ``weights`` from its position on (as if
+        saved, changed and loaded: the same checks as a checkpoint)."""
+        planned = self.view.planned
+        if planned is None:
+            raise TypeError(
+                f"set_weights needs an evenly.Mix source, not {type(self.source).__name__}"
+            )
+        saved = self.to_state(state, drop_last, order)
+        saved["source_state"] = planned.reweighted(saved["source_state"], weights)
+        return self.from_state(saved, drop_last)
 
     def carried(self, state: PassState) -> Any:
         """What of a loaded state holds for the owner's later passes (a Mix's anchor)."""

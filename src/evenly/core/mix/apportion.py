@@ -48,7 +48,7 @@ import numpy.typing as npt
 
 from evenly.core.permutation import as_int64
 
-__all__ = ["Apportionment", "check_weights", "epoch_offsets", "mix_counts"]
+__all__ = ["Apportionment", "Segmented", "check_weights", "epoch_offsets", "mix_counts"]
 
 I64 = npt.NDArray[np.int64]
 _INT64_SAFE = 3_037_000_499  # floor(sqrt(2**63 - 1)): P * c_d fits in int64 below it
@@ -232,6 +232,61 @@ class Apportionment:
             if d >= 0:
                 out[:, d] = node[n]
         return out.astype(np.int64)
+
+
+class Segmented:
+    """An epoch's apportionment when the weights change inside it (``set_weights``).
+
+    ``segments`` lists ``(start, counts)``: from position ``start`` on, the rest of the
+    epoch (``sum(counts)`` positions) is apportioned by ``counts`` (the first segment
+    starts at 0 with the epoch's counts).  ``F(P)`` for ``P`` in a segment is the counts
+    reached at its start plus that segment's own :class:`Apportionment` of ``P - start``:
+    each stream continues where the previous segment left it, and at every step boundary
+    ``Q`` of a segment starting at ``P`` each source's count in ``[P, Q)`` is within the
+    segment's bound of ``(Q - P) * counts_d / sum(counts)``.
+
+    >>> f = Segmented([(0, (5, 5)), (4, (6, 0))], hold=2)
+    >>> f(np.array([0, 2, 4, 6, 10])).tolist()
+    [[0, 0], [1, 1], [2, 2], [4, 2], [8, 2]]
+    >>> f.totals
+    (8, 2)
+    """
+
+    def __init__(self, segments: Sequence[tuple[int, Sequence[int]]], hold: int) -> None:
+        if not segments or int(segments[0][0]) != 0:
+            raise ValueError(f"the first segment must start at position 0, got {segments}")
+        self.starts = np.array([int(s) for s, _ in segments], dtype=np.int64)
+        total = sum(int(c) for c in segments[0][1])
+        for (start, counts), nxt in zip(segments, [*self.starts[1:].tolist(), total], strict=True):
+            if sum(int(c) for c in counts) != total - int(start) or not start < nxt:
+                raise ValueError(
+                    f"a segment from position {start} must apportion the {total - int(start)} "
+                    f"positions left of the epoch's {total}, and start before the next one "
+                    f"({nxt}); got counts {tuple(counts)}"
+                )
+        self.parts = [Apportionment(c, hold) for _, c in segments]
+        self.total = total
+        base = [np.zeros(len(segments[0][1]), dtype=np.int64)]
+        for d, part in enumerate(self.parts[:-1]):
+            base.append(base[-1] + part([int(self.starts[d + 1] - self.starts[d])])[0])
+        self._base = np.stack(base)
+        #: per source, the largest of the segments' bounds
+        self.bounds = tuple(max(b) for b in zip(*(p.bounds for p in self.parts), strict=True))
+        #: the epoch's count of each source
+        self.totals = tuple(int(x) for x in (self._base[-1] + self.parts[-1].counts))
+
+    def __call__(self, positions: npt.ArrayLike) -> I64:
+        """Counts of each source among the first ``P`` positions, shape ``(len(P), D)``."""
+        P = as_int64(positions).reshape(-1)
+        if len(self.parts) == 1:
+            return self.parts[0](P)
+        seg = np.searchsorted(self.starts, P, side="right") - 1
+        out = self._base[seg].copy()
+        for k, part in enumerate(self.parts):
+            at = seg == k
+            if at.any():
+                out[at] += part(P[at] - self.starts[k])
+        return out
 
 
 def check_weights(names: Sequence[str], weights: Mapping[str, float]) -> dict[str, float]:

@@ -38,10 +38,10 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-from evenly.core.mix.apportion import Apportionment
+from evenly.core.mix.apportion import Segmented
 from evenly.core.permutation import as_int64, derive_keys, keyed_bijection, mix64
 
-__all__ = ["MixOrder"]
+__all__ = ["MixOrder", "TooSmallStep"]
 
 I64 = npt.NDArray[np.int64]
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -79,6 +79,7 @@ class MixOrder:
         start: int = 0,
         history: Sequence[tuple[int, int]] = (),
         hold: int | None = None,
+        changes: Sequence[tuple[int, Sequence[int]]] = (),
     ) -> None:
         self.names = tuple(str(n) for n in names)
         self.lengths = np.array([int(n) for n in lengths], dtype=np.int64)
@@ -105,7 +106,14 @@ class MixOrder:
         self._starts = np.array([s for s, _ in segments], dtype=np.int64)
         self._steps = np.array([g for _, g in segments], dtype=np.int64)
         self._ends = np.append(self._starts[1:], self.num_samples)
-        self._apportion = Apportionment(self.counts, self.hold)
+        self.changes = tuple((int(p), tuple(int(c) for c in cs)) for p, cs in changes)
+        for p, _ in self.changes:
+            if not 0 < p < self.num_samples:
+                raise ValueError(f"a weight change at position {p} is outside the epoch")
+            self._boundary(p)
+        self._apportion = Segmented([(0, self.counts), *self.changes], self.hold)
+        #: the epoch's count of each source (``counts`` unless the weights changed in it)
+        self.totals = self._apportion.totals
         self.bounds = self._apportion.bounds
         self._base = np.concatenate([[0], np.cumsum(self.lengths)[:-1]]).astype(np.int64)
         (self._slot_key,) = derive_keys("mix-slot", self.seed, self.epoch, 1)
@@ -199,3 +207,26 @@ class MixOrder:
         what a checkpoint records; the end of the epoch gives the next epoch's offsets."""
         used = self.counts_at(position)
         return tuple(o + u for o, u in zip(self.offsets, used, strict=True))
+
+
+class TooSmallStep:
+    """The order of a pass whose step is below the epoch's ``hold``: it raises when read
+    (not when planned, so that ``len(dataset)`` keeps working)."""
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+    @classmethod
+    def of(cls, step: int, epoch: int, hold: int, *, started: bool) -> TooSmallStep:
+        """The order of a pass dealt in steps of ``step`` below the epoch's ``hold``."""
+        return cls(
+            f"evenly.Mix: the global step (world_size x batch_size) is {step} but epoch "
+            f"{epoch} was {'started' if started else 'set up'} with steps of at least {hold}"
+            ": a mixture stays exact only if no step is smaller.  Resume at an epoch "
+            f"boundary, keep world_size x batch_size >= {hold}, or build the Mix with "
+            "min_step=<the smallest step> from the start (under a loader other than "
+            "evenly.DataLoader the step is world_size)"
+        )
+
+    def __call__(self, positions: npt.ArrayLike) -> I64:
+        raise ValueError(self.message)

@@ -335,5 +335,6 @@ def test_skip_first_batches_of_a_loader_it_did_not_wrap_is_a_skip_loader_in_grad
     dataset = Spy()
     skipped = skip_first_batches(torch.utils.data.DataLoader(dataset, batch_size=2), 1)
     assert isinstance(skipped, SkipDataLoader) and skipped.dataset is dataset
+    assert skipped.skip_batches == 1  # the count evenly's delegated pass leaves out
     assert [b.tolist() for b in skipped] == [[2, 3], [4, 5]]
     assert seen == [skipped]

@@ -120,18 +120,22 @@ def test_a_prepared_plain_loader_over_the_dataset_is_never_sharded_twice() -> No
         assert {s["lens"][0] for s in stateful} == {len(epoch[0])}
 
 
-@pytest.mark.parametrize("n", NS)
-def test_hf_trainer_resumes_mid_epoch_exactly_in_a_fresh_run(tmp_path: Path, n: int) -> None:
+@pytest.mark.parametrize(("n", "own"), [(NS[0], False), (NS[1], False), (NS[1], True)])
+def test_hf_trainer_resumes_mid_epoch_exactly_in_a_fresh_run(
+    tmp_path: Path, n: int, own: bool
+) -> None:
+    """Over the Trainer's own loader, and (own) with ``get_train_dataloader`` returning
+    an evenly.DataLoader: the resume goes through skip_first_batches over that loader."""
     steps, per_epoch = 20, -(-n // (WORLD * 10))
     out = str(tmp_path / "run")
     before = run_ranks(
-        hf_trainer_ranks.train_then_checkpoint, WORLD, n, steps, out, env=QUIET, timeout=150
+        hf_trainer_ranks.train_then_checkpoint, WORLD, n, steps, out, own, env=QUIET, timeout=150
     )
     checkpoint = str(tmp_path / "run" / f"checkpoint-{steps}")
     after = run_ranks(
-        hf_trainer_ranks.resume_two_epochs, WORLD, n, checkpoint, out, env=QUIET, timeout=150
+        hf_trainer_ranks.resume_two_epochs, WORLD, n, checkpoint, out, own, env=QUIET, timeout=150
     )
-    label = f"HF Trainer resume, N={n}"
+    label = f"HF Trainer resume, N={n}, evenly.DataLoader={own}"
     rest = [r[: per_epoch - steps] for r in after]
     epoch1 = [r[per_epoch - steps :] for r in after]
     assert [len(r) for r in before] == [steps] * WORLD

@@ -330,21 +330,56 @@ def test_gather_for_metrics_over_a_padded_evenly_loader_is_warned_once(pad: str)
         assert said == []
 
 
-@pytest.mark.parametrize("workers", [0, 2])
-def test_skip_first_batches_over_an_evenly_loader_is_refused_before_the_first_batch(
-    workers: int,
+def times_ten(x: int) -> int:
+    return x * 10
+
+
+def _skip_loader(workers: int, context: str | None = None) -> evenly.DataLoader:
+    ds = evenly.Dataset(list(range(N)), shuffle=True, seed=2, transform=times_ten)
+    return evenly.DataLoader(ds, batch_size=B, num_workers=workers, multiprocessing_context=context)
+
+
+def _epochs(loader: Any, n: int = 2) -> list[list[list[int]]]:
+    return [[b.tolist() for b in loader] for _ in range(n)]
+
+
+@pytest.mark.parametrize(("workers", "context"), [(0, None), (2, "fork"), (3, "spawn")])
+def test_skip_first_batches_over_an_evenly_loader_gives_the_rest_of_its_epoch(
+    workers: int, context: str | None
 ) -> None:
     """accelerate's skip_first_batches() builds a SkipDataLoader from an
-    evenly.DataLoader's dataset, which would read other batches and, after load_state,
-    skip the received ones twice: a clear error naming the fix, before any batch (with
-    forked workers too), while the evenly.DataLoader itself keeps working."""
+    evenly.DataLoader's dataset: the dataset serves its owner's pass from the k-th batch
+    (the k batches the SkipDataLoader drops are fillers, not reads), and the owner goes
+    on with the next epoch; with k not a multiple of the workers too."""
     from accelerate import Accelerator
 
+    reference = _epochs(_skip_loader(0))
     accelerator = Accelerator(cpu=True)
-    loader = accelerator.prepare(
-        evenly.DataLoader(evenly.Dataset(list(range(N))), batch_size=B, num_workers=workers)
-    )
-    skipped = accelerator.skip_first_batches(loader, 2)
-    with pytest.raises(RuntimeError, match=r"skip_first_batches\(\).*Iterate the evenly"):
-        next(iter(skipped))
-    assert sorted(int(x) for b in loader for x in b) == list(range(N))
+    loader = accelerator.prepare(_skip_loader(workers, context))
+    for k in (2, 0):
+        skipped = accelerator.skip_first_batches(loader, k)
+        assert [b.tolist() for b in skipped] == reference[0][k:]
+        assert [b.tolist() for b in loader] == reference[1]  # then the next epoch
+        loader.set_epoch(0)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_skip_first_batches_after_load_state_is_exact_or_refused(workers: int) -> None:
+    """After a state loaded into the evenly.DataLoader (what accelerator.load_state
+    does), skipping the batches the state says were received gives the rest once; any
+    other count is a clear error before the first batch."""
+    from accelerate import Accelerator
+
+    reference = _epochs(_skip_loader(0))
+    old = _skip_loader(0)
+    it = iter(old)
+    for _ in range(7):
+        next(it)
+    state = old.state_dict()
+    accelerator = Accelerator(cpu=True)
+    loader = accelerator.prepare(_skip_loader(workers))
+    loader.load_state_dict(state)
+    with pytest.raises(RuntimeError, match=r"says 7 batch\(es\).*skip exactly 7"):
+        next(iter(accelerator.skip_first_batches(loader, 2)))
+    assert [b.tolist() for b in accelerator.skip_first_batches(loader, 7)] == reference[0][7:]
+    assert [b.tolist() for b in loader] == reference[1]

@@ -1,17 +1,15 @@
 """``evenly.Dataset``: an IterableDataset over any sized, indexable source that reads each
 sample exactly once per epoch across DDP ranks and DataLoader workers.
 
-This is the user's view: settings, topology, ``set_epoch``, ``len``, checkpoints of its
-own passes.  Under ``evenly.DataLoader`` the loader owns the pass (and its batch size)
-and talks to the dataset through its :class:`~evenly.runtime.planner.Planner`; under any
-other loader (a plain torch DataLoader, one that Accelerate or Lightning rebuilt,
-StatefulDataLoader) the dataset owns its passes (:mod:`evenly.runtime.own_passes`): its
-topology is fixed in the main process (at the latest when it is pickled for the
-workers), ``set_epoch`` marks a pass start, and every further pass is the next epoch.
+The user's view: settings, topology, ``set_epoch``, ``len``, checkpoints of its own
+passes.  Under ``evenly.DataLoader`` the loader owns the pass and talks to its
+:class:`~evenly.runtime.planner.Planner`; under any other loader the dataset owns its
+passes (:mod:`evenly.runtime.own_passes`), its topology fixed in the main process.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar
 
@@ -25,7 +23,7 @@ from evenly.core.state import PassState
 from evenly.core.topology import Topology
 from evenly.errors import StateError, check_int
 from evenly.interop.accelerate import Wrapped, before_pass, check_pass, driving, len_asked, under
-from evenly.interop.skip import refuse_skip_loader
+from evenly.interop.skip import delegation_of, read_delegated
 from evenly.runtime.checks import warn_about
 from evenly.runtime.detect import (
     group_of,
@@ -137,18 +135,17 @@ class Dataset(IterableDataset[Any], Generic[T_co]):
         self._fixed: Topology | None = None
         self._warned_rank_local = False
         self._owned = False  # whether an evenly.DataLoader owns passes over this dataset
+        self._owner: weakref.ref[Any] | None = None  # the last one
         self._passes = OwnPasses()
         #: what the main process saw last (len, fingerprint, generation), for workers
         self._seen = torch.tensor([_UNSET, 0, 0], dtype=torch.int64).share_memory_()  # type: ignore[no-untyped-call]
         self._skipped = torch.zeros(SKIP_SLOTS, dtype=torch.int64).share_memory_()  # type: ignore[no-untyped-call]
-        #: samples this process's iterator has handed out in its current pass
-        self._progress = [0]
+        self._progress = [0]  # samples this process handed out in its current pass
         #: in a spawned worker's copy: how Accelerate drove the pass when it was pickled
         self._wrapped: Wrapped | None = None
         self.topology()
         self._note_main_view()
 
-    # ---- settings (the source and transform may change between passes) ------------
     @property
     def source(self) -> Source[T_co]:
         """The samples.  Replacing it starts a new generation: persistent workers holding
@@ -206,7 +203,6 @@ class Dataset(IterableDataset[Any], Generic[T_co]):
         if get_worker_info() is None:
             self._seen[:] = torch.tensor(self._planner.main_view(), dtype=torch.int64)
 
-    # ---- topology ----------------------------------------------------------------
     def topology(self) -> Topology:
         """This process's data-parallel (rank, world_size): explicit, else the given
         process group, else torch.distributed, else torchrun's variables, else 0 of 1.
@@ -235,9 +231,10 @@ class Dataset(IterableDataset[Any], Generic[T_co]):
         if get_worker_info() is None:
             self.topology()  # fixed here if it can be detected (else the copy resolves it)
             self._note_main_view()
-            if self._owned:  # spawned workers have no Accelerate state: refuse it here
-                refuse_skip_loader(self)
         state = self.__dict__.copy()
+        if get_worker_info() is None and self._owned:  # spawned workers see no Accelerate
+            state["_delegation"] = delegation_of(self)
+        state["_owner"] = None
         state["process_group"] = None
         state["_wrapped"] = driving(self, self._wrapped)
         return state
@@ -307,8 +304,12 @@ class Dataset(IterableDataset[Any], Generic[T_co]):
         info = get_worker_info()
         num_workers, worker_id = (info.num_workers, info.id) if info is not None else (1, 0)
         check_pass(self, info.dataset if info is not None else None, self._wrapped)
-        if self._owned:  # an evenly.DataLoader's dataset, read by a loader rebuilt from it
-            refuse_skip_loader(self)
+        delegation = self.__dict__.get("_delegation") or delegation_of(self)
+        if delegation is not None:  # accelerate's skip_first_batches: the owner's pass
+            yield from read_delegated(
+                self._planner, delegation, worker_id, num_workers, seen=self._seen.tolist()
+            )
+            return
         key = self._passes.key(info)
         state, skip = self._passes.begin(key, num_workers)
         spec = self._own_spec(state)
@@ -326,7 +327,6 @@ class Dataset(IterableDataset[Any], Generic[T_co]):
         )
         self._passes.finish(key)
 
-    # ---- checkpoints of the dataset's own passes -----------------------------------
     def state_dict(self, samples_received: int | None = None) -> dict[str, Any]:
         """The position in the dataset's own pass as a small JSON-serialisable dict.
 

@@ -62,8 +62,20 @@ def train(
     return out
 
 
-def _trainer(n: int, out_dir: str, **args: Any) -> tuple[Any, Recorder]:
+def _trainer(n: int, out_dir: str, own: bool = False, **args: Any) -> tuple[Any, Recorder]:
+    """A Trainer over an ``evenly.Dataset``; with ``own``, its ``get_train_dataloader``
+    returns an ``evenly.DataLoader`` (a mid-epoch resume then goes through accelerate's
+    ``skip_first_batches`` over that loader)."""
     from transformers import Trainer, TrainingArguments
+
+    class OwnLoader(Trainer):  # type: ignore[misc]
+        def get_train_dataloader(self) -> Any:
+            return evenly.DataLoader(
+                self.train_dataset,
+                batch_size=BATCH,
+                num_workers=WORKERS,
+                collate_fn=self.data_collator,  # the Trainer's (float32, as its own loader)
+            )
 
     samples = [{"idx": i, "x": i / n, "labels": 0.0} for i in range(n)]
     model = Recorder()
@@ -79,18 +91,25 @@ def _trainer(n: int, out_dir: str, **args: Any) -> tuple[Any, Recorder]:
         **args,
     }
     dataset = evenly.Dataset(samples, shuffle=True, seed=0)
-    return Trainer(model=model, args=TrainingArguments(**settings), train_dataset=dataset), model
+    kind = OwnLoader if own else Trainer
+    return kind(model=model, args=TrainingArguments(**settings), train_dataset=dataset), model
 
 
-def train_then_checkpoint(rank: int, world: int, n: int, steps: int, out_dir: str) -> Any:
+def train_then_checkpoint(
+    rank: int, world: int, n: int, steps: int, out_dir: str, own: bool = False
+) -> Any:
     """``steps`` optimizer steps of epoch 0, checkpointed (``save_steps``)."""
-    trainer, model = _trainer(n, out_dir, max_steps=steps, save_strategy="steps", save_steps=steps)
+    trainer, model = _trainer(
+        n, out_dir, own, max_steps=steps, save_strategy="steps", save_steps=steps
+    )
     trainer.train()
     return model.seen
 
 
-def resume_two_epochs(rank: int, world: int, n: int, checkpoint: str, out_dir: str) -> Any:
+def resume_two_epochs(
+    rank: int, world: int, n: int, checkpoint: str, out_dir: str, own: bool = False
+) -> Any:
     """A fresh run: ``train(resume_from_checkpoint=...)`` over 2 epochs."""
-    trainer, model = _trainer(n, out_dir, num_train_epochs=2, save_strategy="no")
+    trainer, model = _trainer(n, out_dir, own, num_train_epochs=2, save_strategy="no")
     trainer.train(resume_from_checkpoint=checkpoint)
     return model.seen

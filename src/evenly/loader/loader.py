@@ -9,6 +9,7 @@ them gets the user's settings; the iteration runs on a private loader (``engine`
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -24,7 +25,7 @@ from evenly.core.state import PassState
 from evenly.core.stream import StreamPlan
 from evenly.dataset import SKIP_SLOTS, Dataset
 from evenly.errors import EvenlyWarning, check_int
-from evenly.interop import gather
+from evenly.interop import gather, skip
 from evenly.loader import mixing
 from evenly.loader.engine import Engine
 from evenly.loader.feed import NO_LENGTH, PassIterator
@@ -159,7 +160,9 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         self._columnar_choice = columnar
         self._user_collate = collate_fn
         self._passes = PassTracker()
-        dataset._owned = True
+        dataset._owned, dataset._owner = True, weakref.ref(self)
+        #: the epoch a pass delegated to accelerate's SkipDataLoader consumed (-1: none)
+        self._delegated = torch.full((1,), -1, dtype=torch.int64).share_memory_()  # type: ignore[no-untyped-call]
         #: dataset.set_epoch calls this loader has followed (it follows only later ones)
         self._followed = dataset._passes.epoch_calls[0]
         self._last_num_samples: int | None = None
@@ -171,6 +174,10 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
     def _follow_dataset(self) -> None:
         """A ``dataset.set_epoch`` made since the last one this loader followed counts
         as this loader's own ``set_epoch`` (the later call wins)."""
+        self._follow_set_epoch()
+        skip.after_delegated(self._passes, self._delegated)  # skip_first_batches ran one
+
+    def _follow_set_epoch(self) -> None:
         calls, epoch = self.dataset._passes.epoch_calls
         if calls > self._followed:
             self._followed = calls
@@ -287,7 +294,6 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         self._follow_dataset()
         self._passes.load(loaded, planner.carried(loaded))
 
-    # ---- online mixing ----------------------------------------------------------
     def set_weights(self, weights: Mapping[str, float]) -> None:
         """An ``evenly.Mix``'s new weights, from the next batch this loader yields.
 

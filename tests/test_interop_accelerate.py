@@ -58,11 +58,18 @@ def test_accelerate_without_dispatch_delivers_every_sample_once_per_epoch() -> N
     check_two_epochs(results, "accelerate dispatch_batches=False")
 
 
-def test_accelerate_save_state_mid_epoch_resumes_exactly_in_a_fresh_run(tmp_path: Path) -> None:
+@pytest.mark.parametrize("skip", [False, True])
+def test_accelerate_save_state_mid_epoch_resumes_exactly_in_a_fresh_run(
+    tmp_path: Path, skip: bool
+) -> None:
+    """load_state, then the loader itself, or (skip) Accelerate's documented
+    ``skip_first_batches(loader, steps)`` over it: the rest once, not skipped twice."""
     steps = 20
     ckpt = str(tmp_path / "ckpt")
     first = run_ranks(accelerate_ranks.train_then_save, WORLD, NS, steps, ckpt, env=QUIET)
-    second = run_ranks(accelerate_ranks.load_then_train, WORLD, NS, ckpt, env=QUIET)
+    second = run_ranks(
+        accelerate_ranks.load_then_train, WORLD, NS, ckpt, steps if skip else 0, env=QUIET
+    )
     for n in NS:
         before = [r[n] for r in first]
         rest, epoch1 = ([r[n][e] for r in second] for e in range(2))

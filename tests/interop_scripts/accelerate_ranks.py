@@ -82,14 +82,17 @@ def train_then_save(
 
 
 def load_then_train(
-    rank: int, world: int, ns: tuple[int, ...], ckpt: str
+    rank: int, world: int, ns: tuple[int, ...], ckpt: str, skip: int = 0
 ) -> dict[int, list[list[list[int]]]]:
-    """A fresh run: ``load_state``, then two passes: the rest of epoch 0, then epoch 1."""
+    """A fresh run: ``load_state``, then two passes: the rest of epoch 0 (with ``skip``,
+    through ``accelerator.skip_first_batches(loader, skip)``, Accelerate's documented
+    mid-epoch resume), then epoch 1."""
     accelerator, model, opt, prepared = _setup(ns, None)
     accelerator.load_state(str(Path(ckpt)))
     out: dict[int, list[list[list[int]]]] = {}
     for n, loader in zip(ns, prepared, strict=True):
-        out[n] = [[_step(accelerator, model, opt, b, n) for b in loader] for _ in range(2)]
+        first = accelerator.skip_first_batches(loader, skip) if skip else loader
+        out[n] = [[_step(accelerator, model, opt, b, n) for b in ld] for ld in (first, loader)]
     return out
 
 

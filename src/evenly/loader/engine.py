@@ -22,7 +22,7 @@ from evenly.loader.feed import Feed, PassIterator, pass_through, settle
 from evenly.runtime import torch_compat
 from evenly.runtime.channel import PassChannel
 from evenly.runtime.planner import Planner
-from evenly.transport.slots import Transport
+from evenly.transport.slots import HOLD, Transport
 
 __all__ = ["Engine"]
 
@@ -83,8 +83,9 @@ class Engine:
         if self.feed.transport is not None:
             self.feed.transport.close()
             self.feed.transport = None
-        if self.transport == "slots":
-            self.feed.transport = Transport(self.num_workers, slots=self.prefetch_factor + 1)
+        if self.transport != "torch":
+            hold = HOLD if self.transport == "slots" else 0  # "copy": copied out at once
+            self.feed.transport = Transport(self.num_workers, self.prefetch_factor + 1, hold)
 
     def start(
         self,

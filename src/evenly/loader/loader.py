@@ -86,10 +86,11 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
             exactly by step under any topology.  ``len()`` is then undefined.
         transport: how workers hand batches to the main process.  ``"slots"``
             (default): each worker copies a batch's tensors and numpy arrays into one of
-            a few shared-memory slots it reuses, and the main process copies them out
-            (no new shared-memory segment and file descriptor per batch, as torch's
-            hand-off needs; batches come out in ordinary memory, contiguous, pinned by
-            ``pin_memory=True`` as usual).  ``"torch"``: torch's own hand-off.
+            a few shared-memory slots it reuses, and the loop gets tensors that view
+            the slot (zero-copy; the slot is reused only once they are all freed; a loop
+            that keeps more than 8 batches per worker gets the later ones copied).
+            ``"copy"``: the same slots, copied out into ordinary memory at once.
+            ``"torch"``: torch's own hand-off (a new shared-memory segment per tensor).
 
     >>> loader = evenly.DataLoader(evenly.Dataset(list(range(5))), batch_size=2,
     ...                            infinite=True)
@@ -135,8 +136,8 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
                 "skip and repeat samples on resume; remove in_order=False (workers already "
                 "read whole batches in parallel)"
             )
-        if transport not in ("slots", "torch"):
-            raise ValueError(f"transport must be 'slots' or 'torch', got {transport!r}")
+        if transport not in ("slots", "copy", "torch"):
+            raise ValueError(f"transport must be 'slots', 'copy' or 'torch', got {transport!r}")
         self.transport = transport
         if infinite and batch_size is None:
             raise ValueError("evenly.DataLoader(infinite=True) needs a batch_size")

@@ -17,7 +17,6 @@ from typing import Any
 import torch
 import torch.distributed
 import torch.utils.data
-from torch.utils.data import default_collate
 
 from evenly.core.passes import Pass, PassTracker
 from evenly.core.plan import EpochPlan
@@ -27,24 +26,19 @@ from evenly.core.stream import StreamPlan
 from evenly.dataset import SKIP_SLOTS, Dataset
 from evenly.errors import EvenlyWarning, check_int
 from evenly.interop import gather
+from evenly.loader.choices import (
+    WorkerType,
+    check_worker_type,
+    refuse_planned_source,
+    use_columns,
+    use_threads,
+)
 from evenly.loader.engine import Engine
 from evenly.loader.feed import NO_LENGTH, PassIterator
 from evenly.runtime.agreement import DEFAULT_TIMEOUT, check_pass
 from evenly.runtime.checks import warn_about
 
 __all__ = ["DataLoader"]
-
-
-def _refuse_planned_source(dataset: Dataset[Any]) -> None:
-    """A source that plans its own epochs (an ``evenly.Mix``) lays its steps out from each
-    epoch's start, which a stream of epochs does not keep: refused until it can."""
-    if dataset._planner.view.planned is not None:
-        raise ValueError(
-            f"evenly.DataLoader(infinite=True) does not support a "
-            f"{type(dataset.source).__name__} source yet: its per-step proportions and its "
-            f"resume are defined per epoch, and a stream of epochs would silently repeat or "
-            f"skip samples; train a Mix epoch by epoch (infinite=False)"
-        )
 
 
 class DataLoader(torch.utils.data.DataLoader[Any]):
@@ -91,6 +85,16 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
             that keeps more than 8 batches per worker gets the later ones copied).
             ``"copy"``: the same slots, copied out into ordinary memory at once.
             ``"torch"``: torch's own hand-off (a new shared-memory segment per tensor).
+        worker_type: who reads the ``num_workers`` shares of each pass.
+            ``"process"``: worker processes (torch's).  ``"thread"``: reader threads in
+            this process, one per share, each over its own copy of the source; the same
+            batches in the same order, no hand-off between processes; fastest where
+            reads release the GIL (numpy / Arrow gathers, file reads, decompression),
+            slow for per-sample Python; refused with a transform that seeds the global
+            generators per sample (use ``seed_generators=()`` and
+            ``evenly.sample_seed()``) or a ``worker_init_fn``.  ``"auto"`` (default):
+            threads for columnar passes (no per-sample Python) where that is safe,
+            processes otherwise.
 
     >>> loader = evenly.DataLoader(evenly.Dataset(list(range(5))), batch_size=2,
     ...                            infinite=True)
@@ -119,6 +123,7 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         columnar: bool | None = None,
         infinite: bool = False,
         transport: str = "slots",
+        worker_type: WorkerType = "auto",
         **kwargs: Any,
     ) -> None:
         if not isinstance(dataset, Dataset):
@@ -139,10 +144,11 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         if transport not in ("slots", "copy", "torch"):
             raise ValueError(f"transport must be 'slots', 'copy' or 'torch', got {transport!r}")
         self.transport = transport
+        self.worker_type = check_worker_type(worker_type, kwargs)
         if infinite and batch_size is None:
             raise ValueError("evenly.DataLoader(infinite=True) needs a batch_size")
         if infinite:
-            _refuse_planned_source(dataset)
+            refuse_planned_source(dataset)
         self.infinite = bool(infinite)
         if agreement_timeout <= 0:
             raise ValueError(f"agreement_timeout must be > 0 seconds, got {agreement_timeout}")
@@ -172,6 +178,7 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
             skipped=self._skipped,
             loader_args=kwargs,
         )
+        self._loader_args = kwargs
         self._columnar_choice = columnar
         self._user_collate = collate_fn
         self._passes = PassTracker()
@@ -312,24 +319,6 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         self._passes.load(loaded, planner.carried(loaded))
 
     # ---- passes ----------------------------------------------------------------
-    def _use_columns(self) -> bool:
-        if self._columnar_choice is False or self.batch_size is None:
-            return False
-        view = self.dataset._planner.view
-        if self._columnar_choice is True:
-            if view.read_columns is None:
-                raise TypeError(
-                    f"evenly.DataLoader(columnar=True): {type(view.source).__name__} has no "
-                    f"read_columns(); use an Arrow-backed source (evenly.from_arrow, "
-                    f"from_parquet) or columnar=None"
-                )
-            return True
-        return (
-            view.columnar_exact
-            and self.dataset.transform is None
-            and self._user_collate in (None, default_collate)
-        )
-
     def __iter__(self) -> PassIterator:  # type: ignore[override]
         self._follow_dataset()
         if self.infinite:
@@ -362,7 +351,7 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         n = self.dataset._planner.num_samples()
         if n == 0:
             raise ValueError("evenly.DataLoader(infinite=True): the source is empty")
-        _refuse_planned_source(self.dataset)
+        refuse_planned_source(self.dataset)
         spec = self._spec(self._passes.next_start(), infinite=True)
         stream = self.dataset._planner.stream_plan_for(spec)
 
@@ -379,12 +368,17 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         self._plan = plan
         # workers fork before the agreement exchange, never right after a collective: a
         # process forked while a gloo thread is finishing a collective can hang in os.fork
+        columnar = use_columns(self._columnar_choice, self.batch_size, self.dataset,
+                               self._user_collate)  # fmt: skip
+        threads = use_threads(self.worker_type, self.num_workers, self.dataset, columnar,
+                              self._loader_args)  # fmt: skip
         iterator = self._engine.start(
             spec,
             plan,
             current,
-            columnar=self._use_columns(),
+            columnar=columnar,
             on_end=self._warn_skipped if isinstance(plan, EpochPlan) else None,
+            threads=threads,
         )
         if self.check_plan:
             check_pass(

@@ -183,7 +183,10 @@ class _Writer:
         if segment is not None and segment.size >= need:
             return segment
         size = -(-need * 5 // 4 // 4096) * 4096
-        if self.slots * size > _shm_free() // 2:  # leave /dev/shm room (a full one is a SIGBUS)
+        room = _shm_free() // 2  # leave /dev/shm room (a full one is a SIGBUS)
+        if slot >= self.slots and 2 * size > room:  # an extra slot: only where it is cheap
+            return None
+        if self.slots * size > room:
             self.disabled = True
             return None
         try:

@@ -187,3 +187,14 @@ def test_thread_copies_of_file_sources_are_their_own(tmp_path: Path) -> None:
     mix = evenly.Mix({"a": source, "b": list(range(5))})
     twin_mix = mix.copy_for_thread()
     assert twin_mix._sources[0] is not source and twin_mix._sources[1] is mix._sources[1]
+
+
+def test_single_samples_and_a_collate_fn_go_through_threads_as_through_processes() -> None:
+    def run(worker_type: str, **kw: Any) -> list[Any]:
+        ds = evenly.Dataset([sample(i) for i in range(30)], shuffle=True, seed=3)
+        loader = evenly.DataLoader(ds, num_workers=2, worker_type=worker_type, **kw)
+        return [decoded(b) for b in loader]
+
+    assert run("thread", batch_size=None) == run("process", batch_size=None)
+    pairs = {"batch_size": 4, "collate_fn": lambda b: [s["id"] for s in b]}
+    assert run("thread", **pairs) == run("process", **pairs)

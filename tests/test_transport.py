@@ -311,7 +311,7 @@ def _aliased_and_nested(index: int) -> dict[str, Any]:
 
 
 @pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors:UserWarning")
-@pytest.mark.parametrize("transport", ["slots", "torch"])
+@pytest.mark.parametrize("transport", ["slots", "copy", "torch"])
 def test_aliased_and_nested_tensors_arrive_as_torch_hands_them_over(transport: str) -> None:
     """A tensor that appears twice in a batch arrives as one tensor, and a strided nested
     tensor goes through (both as with torch's own hand-off)."""

@@ -87,3 +87,15 @@ def test_held_batches_outlive_a_killed_worker_and_a_dropped_loader() -> None:
     assert all(intact(b) for b in held)
     held.clear()  # the finalizers run with their transport gone: nothing raised
     gc.collect()
+
+
+@pytest.mark.parametrize("persistent", [True, False])
+def test_a_batch_held_across_epochs_is_intact(persistent: bool) -> None:
+    """At a pass start a worker gives every slot still in use a new segment (with
+    persistent workers), or new workers get new slots: the held batch is never written."""
+    loader = loader_over(8 * 12, persistent_workers=persistent)
+    kept = next(iter(loader))
+    snapshot = {name: value.clone() for name, value in kept.items()}
+    for _ in range(2):
+        assert all(intact(b) for b in loader)
+    assert all(torch.equal(kept[name], snapshot[name]) for name in kept)

@@ -59,10 +59,13 @@ def same_shard_rate(ids: np.ndarray, per_shard: int) -> float:
     return float(np.mean(shard[1:] == shard[:-1]))
 
 
-def worker_read_chars() -> int:
-    """``rchar`` summed over this process's live children (the loader's workers)."""
+def worker_read_chars(own: bool = False) -> int:
+    """``rchar`` summed over this process's live children (the loader's workers), or with
+    ``own`` this process's (the reader threads of ``worker_type="thread"``)."""
     import psutil
 
+    if own:
+        return int(psutil.Process().io_counters().read_chars)
     total = 0
     for p in psutil.Process().children(recursive=True):
         with contextlib.suppress(psutil.Error):

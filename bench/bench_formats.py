@@ -71,6 +71,7 @@ R_COLUMNAR_W0 = (R_COLUMNAR[0], ("np-batch-w0", NP_BATCHED + "-w0"), R_COLUMNAR[
 CONTENDERS: list[tuple[str, str, tuple[tuple[str, str], ...], str]] = [
     ("sample", "map-style-in-memory", (R_LIT,), ""),
     ("sample", "evenly-in-memory", (R_MAP, R_LIT), ""),
+    ("sample", "evenly-in-memory-threads", (R_MAP, R_LIT), ""),
     ("sample", "map-style-transform", (), ""),
     ("sample", "evenly-transform-torch", (R_MAP_TF,), ""),
     ("sample", "evenly-transform-default", (R_MAP_TF,), ""),
@@ -86,7 +87,10 @@ CONTENDERS: list[tuple[str, str, tuple[tuple[str, str], ...], str]] = [
     ("columnar", "memmap-gather-1proc", (), ""),
     ("columnar", "map-style-numpy-batched", (("gather", GATHER),), ""),
     ("columnar", "evenly-arrow-columnar", R_COLUMNAR, ""),
+    ("columnar", "evenly-arrow-procs", R_COLUMNAR, ""),
+    ("columnar", "evenly-arrow-copy", R_COLUMNAR, ""),
     ("columnar", "evenly-parquet-columnar", R_COLUMNAR, ""),
+    ("columnar", "evenly-parquet-procs", R_COLUMNAR, ""),
     ("columnar", "map-style-numpy-batched-w0", (("gather", GATHER),), ""),
     ("columnar", "evenly-arrow-columnar-w0", R_COLUMNAR_W0, ""),
     ("columnar", "litdata", (("gather", GATHER),), "litdata"),
@@ -102,6 +106,12 @@ NOTES = {
     "columnar:memmap-gather-1proc": "one process, no DataLoader",
     "columnar:map-style-numpy-batched-w0": "0 workers: no hand-off between processes",
     "columnar:evenly-arrow-columnar-w0": "0 workers: no hand-off between processes",
+    "columnar:evenly-arrow-columnar": "worker_type='auto': 2 reader threads",
+    "columnar:evenly-parquet-columnar": "worker_type='auto': 2 reader threads",
+    "columnar:evenly-arrow-procs": "2 worker processes, zero-copy slots",
+    "columnar:evenly-parquet-procs": "2 worker processes, zero-copy slots",
+    "columnar:evenly-arrow-copy": "2 worker processes, slots copied out",
+    "sample:evenly-in-memory-threads": "worker_type='thread': per-sample Python holds the GIL",
     "sample:hf-datasets": "shard shuffle + 10k buffer",
     "sample:webdataset": "shard shuffle + 10k buffer",
 }
@@ -276,6 +286,13 @@ def loader_for(key: str, args: argparse.Namespace) -> Iterable[Any]:
     d, workers, batch = args.data_dir, args.workers, args.batch_size
     if name.endswith("-w0"):  # the same loader read in the main process
         name, workers = name[: -len("-w0")], 0
+    #: evenly's reader and hand-off: -threads, -procs (zero-copy slots), -copy
+    how = {"-threads": {"worker_type": "thread"}, "-procs": {"worker_type": "process"},
+           "-copy": {"worker_type": "process", "transport": "copy"}}  # fmt: skip
+    chosen = next((k for k in how if name.startswith("evenly-") and name.endswith(k)), None)
+    reader_kw: dict[str, Any] = how[chosen] if chosen else {}
+    if chosen:
+        name = name[: -len(chosen)]
     common: dict[str, Any] = {"batch_size": batch, "num_workers": workers}
     common["persistent_workers"] = workers > 0
 
@@ -294,7 +311,7 @@ def loader_for(key: str, args: argparse.Namespace) -> Iterable[Any]:
             src: Any = [sample(buf, i) for i in range(len(buf) // PAYLOAD)]
             if "transform" in name:
                 transform, gens, fn = decode, ("torch",) if name.endswith("torch") else None, None
-        elif "columnar" in name:
+        elif workload == "columnar":
             fn = None
             sub = "arrow-col" if "arrow" in name else "parquet-col"
             reader = evenly.from_arrow if "arrow" in name else evenly.from_parquet
@@ -308,8 +325,8 @@ def loader_for(key: str, args: argparse.Namespace) -> Iterable[Any]:
             src = evenly.from_webdataset(os.path.join(d, "tar"))
         kw: dict[str, Any] = {} if gens is None else {"seed_generators": gens}
         ds = evenly.Dataset(src, shuffle=mode, block_shards=8, transform=transform, **kw)
-        columnar = True if "columnar" in name else None
-        return evenly.DataLoader(ds, collate_fn=fn, columnar=columnar, **common)
+        columnar = True if workload == "columnar" else None
+        return evenly.DataLoader(ds, collate_fn=fn, columnar=columnar, **common, **reader_kw)
     if name == "map-style-in-memory":
         buf = payloads(d)
         items = [sample(buf, i) for i in range(len(buf) // PAYLOAD)]
@@ -370,14 +387,16 @@ def child(key: str, args: argparse.Namespace) -> None:
     for _ in range(args.warmup):
         for _b in loader:
             pass
-    read0 = worker_read_chars()
+    read0 = {own: worker_read_chars(own) for own in (False, True)}
     ids: list[np.ndarray] = []
     t0 = time.perf_counter()
     for b in loader:
         ids.append(np.asarray(b[field]))
     seconds = time.perf_counter() - t0
     in_workers = args.workers > 0 and not key.endswith(("1proc", "-w0"))
-    read = worker_read_chars() - read0 if in_workers else None
+    # reader threads read in this process
+    threads = getattr(getattr(loader, "_engine", None), "_thread_views", None) is not None
+    read = worker_read_chars(threads) - read0[threads] if in_workers else None
     child_report(ids, seconds, n, -(-n // args.shards), read)
 
 
@@ -477,13 +496,17 @@ GOALS: list[tuple[str, str, float, str, str, str]] = [
      "columnar:evenly-arrow-columnar", "columnar:litdata", "rate"),
     ("columnar Parquet global vs litdata", ">=", 3.0,
      "columnar:evenly-parquet-columnar", "columnar:litdata", "rate"),
-    ("columnar Arrow vs map-style numpy batched", ">=", 1.0,
+    ("columnar Arrow vs map-style numpy batched", ">=", 10.0,
      "columnar:evenly-arrow-columnar", NP_BATCHED, "rate"),
+    ("columnar Arrow, processes, vs map-style numpy batched (reported)", ">=", 10.0,
+     "columnar:evenly-arrow-procs", NP_BATCHED, "rate"),
     ("columnar Parquet vs map-style numpy batched", ">=", 1.0,
      "columnar:evenly-parquet-columnar", NP_BATCHED, "rate"),
-    ("columnar Arrow vs 1-process memmap gather", ">=", 0.25,
+    ("columnar Arrow (threads) vs 1-process memmap gather", ">=", 0.5,
      "columnar:evenly-arrow-columnar", GATHER, "rate"),
-    ("columnar Parquet vs 1-process memmap gather", ">=", 0.25,
+    ("columnar Arrow, processes, vs memmap gather (reported)", ">=", 0.5,
+     "columnar:evenly-arrow-procs", GATHER, "rate"),
+    ("columnar Parquet (threads) vs 1-process memmap gather", ">=", 0.5,
      "columnar:evenly-parquet-columnar", GATHER, "rate"),
     ("transform, seed_generators=('torch',), vs map-style", ">=", 0.8,
      "sample:evenly-transform-torch", MAP_TF, "rate"),

@@ -1,10 +1,12 @@
-"""The hand-off alone: 2 workers that only gather 256 random 1 KiB rows from a numpy array
-and hand the batch over, through torch's hand-off and through evenly's shared-memory
-slots, next to the same gather in one process.  Rounds interleave the contenders; medians
-[min-max] of rows/s.  This is the ceiling of any 2-worker loader of the columnar workload
-in ``bench_formats.py``.
+"""The hand-off alone: 2 readers that only gather 256 random 1 KiB rows from a numpy array
+and hand the batch over, next to the same gather in one process.  The readers are worker
+processes handing over through torch's hand-off, through evenly's shared-memory slots
+copied out (``transport="copy"``) and viewed in place (``"slots"``, zero-copy), or two
+reader threads in the main process (``worker_type="thread"``).  Rounds interleave the
+contenders; medians [min-max] of rows/s.  This is the ceiling of any 2-worker loader of
+the columnar workload in ``bench_formats.py``.
 
-    python bench/bench_transport.py [--rounds 3] [--batches 2000]
+    python bench/bench_transport.py [--rounds 5] [--batches 2000]
 """
 
 from __future__ import annotations
@@ -13,15 +15,35 @@ import argparse
 import statistics
 import time
 from collections.abc import Iterator
+from functools import partial
 from typing import Any
 
 import numpy as np
 import torch
 import torch.utils.data as tud
 
-from evenly.transport.slots import Transport, unpack
+from evenly.loader.threads import ThreadPass
+from evenly.transport.slots import HOLD, Transport, unpack
 
-ROWS, WIDTH, BATCH = 200_000, 1024, 256
+ROWS, WIDTH, BATCH, READERS = 200_000, 1024, 256, 2
+_DATA: dict[str, np.ndarray] = {}
+
+
+def rows() -> np.ndarray:
+    """The rows, made once per process (shared by threads, copied by fork)."""
+    if "rows" not in _DATA:
+        _DATA["rows"] = np.random.default_rng(0).integers(0, 256, (ROWS, WIDTH), dtype=np.uint8)
+    return _DATA["rows"]
+
+
+def gather(batches: int, wid: int, workers: int, pack: Any = None) -> Iterator[Any]:
+    """Reader ``wid`` of ``workers``: its share of ``batches`` random-row batches."""
+    rng = np.random.default_rng(wid)
+    data = rows()
+    for _ in range(batches // workers):
+        idx = rng.integers(0, ROWS, BATCH)
+        batch = {"idx": torch.from_numpy(idx), "data": torch.from_numpy(data[idx])}
+        yield pack(batch) if pack is not None else batch
 
 
 class Gather(tud.IterableDataset[Any]):
@@ -35,12 +57,18 @@ class Gather(tud.IterableDataset[Any]):
         writer = self.transport.writer(wid) if self.transport is not None else None
         if writer is not None:
             writer.reclaim()
-        rng = np.random.default_rng(wid)
-        data = np.random.default_rng(0).integers(0, 256, (ROWS, WIDTH), dtype=np.uint8)
-        for _ in range(self.batches // workers):
-            idx = rng.integers(0, ROWS, BATCH)
-            batch = {"idx": torch.from_numpy(idx), "data": torch.from_numpy(data[idx])}
-            yield writer.pack(batch) if writer is not None else batch
+        return gather(self.batches, wid, workers, writer.pack if writer is not None else None)
+
+
+class Threads:
+    """Two reader threads in this process, taken round robin (evenly's thread path)."""
+
+    def __init__(self, batches: int) -> None:
+        self.batches = batches
+
+    def __iter__(self) -> Iterator[Any]:
+        reads = [partial(gather, self.batches, w, READERS) for w in range(READERS)]
+        return ThreadPass(reads, prefetch=2)
 
 
 def rate(loader: Any) -> float:
@@ -51,22 +79,25 @@ def rate(loader: Any) -> float:
     return n / (time.perf_counter() - t0)
 
 
+def processes(batches: int, transport: Transport | None) -> tud.DataLoader[Any]:
+    return tud.DataLoader(
+        Gather(batches, transport), batch_size=None, num_workers=READERS,
+        persistent_workers=True,
+    )  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--batches", type=int, default=2000)
     args = ap.parse_args()
+    n = args.batches
     loaders: dict[str, Any] = {
-        "one process": Gather(args.batches, None),
-        "2 workers, torch hand-off": tud.DataLoader(
-            Gather(args.batches, None), batch_size=None, num_workers=2, persistent_workers=True
-        ),
-        "2 workers, evenly slots": tud.DataLoader(
-            Gather(args.batches, Transport(2, slots=3)),
-            batch_size=None,
-            num_workers=2,
-            persistent_workers=True,
-        ),
+        "one process": Gather(n, None),
+        "2 workers, torch hand-off": processes(n, None),
+        "2 workers, slots, copy": processes(n, Transport(READERS, 3, hold=0)),
+        "2 workers, slots, zero-copy": processes(n, Transport(READERS, 3, hold=HOLD)),
+        "2 threads": Threads(n),
     }
     for loader in loaders.values():  # warm-up: start workers, fault pages in
         rate(loader)
@@ -82,7 +113,8 @@ def main() -> None:
     for name, values in results.items():
         med = statistics.median(values)
         print(f"{name:<28} {med:>12,.0f} [{min(values):,.0f}-{max(values):,.0f}] rows/s  "
-              f"{med / base:.2f}x one process")  # fmt: skip
+              f"{med / base:.2f}x [{min(values) / base:.2f}-{max(values) / base:.2f}] "
+              f"one process")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -818,16 +818,25 @@ class StatefulRig(Rig):
 
 # ---- factories ----------------------------------------------------------------------------
 def evenly_loader(
-    source: Callable[[], Any], *, infinite: bool = False, **dataset_kwargs: Any
+    source: Callable[[], Any],
+    *,
+    infinite: bool = False,
+    worker_type: str = "auto",
+    **dataset_kwargs: Any,
 ) -> Make:
-    """``evenly.DataLoader`` over ``evenly.Dataset(source(), ...)``."""
+    """``evenly.DataLoader`` over ``evenly.Dataset(source(), ...)`` (its workers of
+    ``worker_type``)."""
 
     def make(rank: int, layout: Layout) -> Rig:
         ds: evenly.Dataset[Any] = evenly.Dataset(
             source(), rank=rank, world_size=layout.world_size, **dataset_kwargs
         )
         loader = evenly.DataLoader(
-            ds, batch_size=layout.batch_size, infinite=infinite, **_loader_kwargs(layout)
+            ds,
+            batch_size=layout.batch_size,
+            infinite=infinite,
+            worker_type=worker_type,  # type: ignore[arg-type]
+            **_loader_kwargs(layout),
         )
         return EvenlyLoaderRig(loader)
 

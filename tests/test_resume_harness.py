@@ -87,6 +87,11 @@ FINITE = {
     "evenly-loader-workers": finite(
         evenly_loader(numbers, **SHUFFLED), Layout(2, 2, 4), Layout(3, 1, 3), False
     ),
+    # reader threads: every stop (no process start per resumed rank)
+    "evenly-loader-threads": finite(
+        evenly_loader(numbers, worker_type="thread", **SHUFFLED), Layout(2, 2, 4),
+        Layout(3, 3, 3), True,
+    ),
     "torch-loader": finite(
         torch_loader(numbers, **SHUFFLED), Layout(2, 0, 4), Layout(3, 0, 5), True
     ),
@@ -144,14 +149,18 @@ def test_stateful_loader_resumes_after_a_full_last_batch_of_the_epoch() -> None:
 # Each iter() of an infinite loader plans two chunks of 8192 stream positions ahead (some
 # 440 epochs of 37 samples, ~0.3 s): few resumed ranks keep the every-step row short.
 @pytest.mark.parametrize(
-    ("before", "after", "every_batch"),
-    [(Layout(2, 0, 4), Layout(1, 0, 6), True), (Layout(2, 2, 4), Layout(3, 1, 4), False)],
-    ids=["no-workers", "workers"],
+    ("before", "after", "every_batch", "worker_type"),
+    [
+        (Layout(2, 0, 4), Layout(1, 0, 6), True, "auto"),
+        (Layout(2, 2, 4), Layout(3, 1, 4), False, "auto"),
+        (Layout(2, 2, 4), Layout(1, 3, 6), False, "thread"),
+    ],
+    ids=["no-workers", "workers", "threads"],
 )
 def test_an_infinite_loader_resumes_by_step_across_epoch_boundaries(
-    before: Layout, after: Layout, every_batch: bool
+    before: Layout, after: Layout, every_batch: bool, worker_type: str
 ) -> None:
-    make = evenly_loader(numbers, infinite=True, **SHUFFLED)
+    make = evenly_loader(numbers, infinite=True, worker_type=worker_type, **SHUFFLED)
     report = check_resume(
         make, before, after, num_samples=N, every_batch=every_batch, samples=range(N)
     )

@@ -59,19 +59,40 @@ def assert_same(a: Any, b: Any) -> None:
 
 
 def test_a_packed_batch_unpacks_to_an_equal_batch_in_ordinary_memory() -> None:
-    transport = Transport(1, slots=2)
+    transport = Transport(1, slots=2, hold=0)  # transport="copy"
     writer = transport.writer(0)
     batch = rich_batch(1)
     item = writer.pack(batch)
     assert type(item) is Packed and item.arena is not None
     out = unpack(item)
     assert_same(out, batch)
-    assert not out["f32"].is_shared()  # copied out of the slot, not a view of it
+    assert out["f32"].untyped_storage().data_ptr() != item.arena.data_ptr()  # a copy
+    assert transport.held(0) == 0  # copied out: the slot is free at once
     assert out["strided"].stride() == batch["strided"].stride()  # left to torch as it was
 
 
-def test_a_slot_is_reused_only_after_the_main_process_copied_it_out() -> None:
+def test_a_zero_copy_batch_views_its_slot_until_its_last_view_is_freed() -> None:
     transport = Transport(1, slots=2)
+    writer = transport.writer(0)
+    batch = rich_batch(1)
+    item = writer.pack(batch)
+    out = unpack(item)
+    assert_same(out, batch)
+    assert out["f32"].data_ptr() == item.arena.data_ptr()  # the slot's own memory
+    assert transport.held(0) == 1
+    keep = out["np16"][1:]  # a view of a view keeps the slot
+    del out
+    assert transport.held(0) == 1
+    writer.drain()
+    assert writer.busy == {item.slot: item.ticket}
+    del keep
+    assert transport.held(0) == 0
+    writer.drain()
+    assert writer.busy == {}
+
+
+def test_a_slot_is_reused_only_after_the_main_process_copied_it_out() -> None:
+    transport = Transport(1, slots=2, hold=0)
     writer = transport.writer(0)
     first, second = writer.pack(rich_batch(1)), writer.pack(rich_batch(2))
     assert {first.slot, second.slot} == {0, 1}
@@ -81,34 +102,55 @@ def test_a_slot_is_reused_only_after_the_main_process_copied_it_out() -> None:
     assert_same(unpack(first), rich_batch(1))
     fourth = writer.pack(rich_batch(4))  # the freed slot
     assert type(fourth) is Packed and fourth.slot == first.slot
-    assert fourth.arena is None  # the main process has the arena since the first batch
+    assert fourth.arena is None  # the main process has the segment since the first batch
     assert_same(unpack(second), rich_batch(2))
     assert_same(unpack(fourth), rich_batch(4))
 
 
+def test_a_loop_holding_batches_gets_more_slots_up_to_a_bound_then_copies() -> None:
+    """Slots never block: with every slot held by the loop the worker adds one, up to
+    ``slots + hold``; the main process copies once the loop holds ``hold`` batches (so
+    their slots come back at once), and past the bound a batch goes torch's way."""
+    transport = Transport(1, slots=2, hold=3)
+    writer = transport.writer(0)
+    held = [unpack(writer.pack(rich_batch(i))) for i in range(3)]  # zero-copy, held
+    assert transport.held(0) == 3 and len(writer.segments) == 3
+    copied = unpack(writer.pack(rich_batch(3)))  # the loop holds 3: copied, slot freed
+    assert transport.held(0) == 3
+    writer.drain()
+    assert len(writer.busy) == 3
+    in_flight = [writer.pack(rich_batch(i)) for i in (4, 5)]  # slots 4 and 5 of 5
+    assert all(type(p) is Packed for p in in_flight) and len(writer.segments) == 5
+    over = rich_batch(6)
+    assert writer.pack(over) is over  # the bound: torch's way, no wait
+    for i, out in enumerate([*held, copied, *map(unpack, in_flight)]):
+        assert_same(out, rich_batch(i))
+
+
 def test_a_late_free_message_never_frees_a_slot_that_was_reused() -> None:
-    """A free message for an earlier use of a slot is received and honoured (the worker
-    reads it and learns from it that the main process has its arena), but it frees
-    nothing: the slot stays with its current batch until that batch's own message."""
-    transport = Transport(1, slots=1)
+    """A slot still in use at a pass start gets a new segment (the loop may hold the old
+    one, or it carried a batch the abandoned pass dropped): a free message for the old
+    use frees nothing and the old memory is never written again."""
+    transport = Transport(1, slots=1, hold=0)
     writer = transport.writer(0)
     assert writer.free is not None
     dropped = writer.pack(rich_batch(1))  # a batch an abandoned pass never handed over
+    old = dropped.arena.clone()
     writer.reclaim()  # the next pass starts
     current = writer.pack(rich_batch(2))
-    assert current.slot == dropped.slot and current.ticket != dropped.ticket
-    assert not writer.confirmed and current.arena is not None  # no message read yet
+    assert current.slot == dropped.slot and current.key != dropped.key
+    assert current.arena is not None and current.arena.data_ptr() != dropped.arena.data_ptr()
+    assert torch.equal(dropped.arena, old)  # the retired segment was not written
     transport._send_free(dropped)  # a free message for the old use of the slot
     assert writer.free.poll()  # it waits in the worker's pipe
     third = rich_batch(3)
     assert writer.pack(third) is third  # the one slot is still busy: torch's hand-off
     assert not writer.free.poll()  # the late message was read ...
-    assert writer.confirmed  # ... and honoured: its arena is known to the main process
     assert writer.busy == {current.slot: current.ticket}  # ... and it freed nothing
     assert_same(unpack(current), rich_batch(2))  # the reused slot's batch is intact
     fourth = writer.pack(rich_batch(4))  # the current batch's own message frees the slot
     assert type(fourth) is Packed and fourth.slot == current.slot
-    assert fourth.arena is None  # sent without the arena: the main process has it
+    assert fourth.arena is None  # sent without the segment: the main process has it
     assert_same(unpack(fourth), rich_batch(4))
 
 
@@ -189,7 +231,7 @@ def test_slots_give_the_same_batches_as_torchs_hand_off(context: str) -> None:
         ids = torch.cat([b["id"] for b in epoch_slots]).tolist()
         assert sorted(ids) == list(range(203))  # exactly once
         assert all(bool((b["x"][:, 0] == b["id"]).all()) for b in epoch_slots)
-    # the slots were used: their batches are ordinary memory, torch's are shared segments
+    # the slots were used: their batches view evenly's slots, not torch's shared segments
     assert not any(b["x"].is_shared() for e in slots for b in e)
     assert all(b["x"].is_shared() for e in plain for b in e)
 
@@ -269,7 +311,7 @@ def _aliased_and_nested(index: int) -> dict[str, Any]:
 
 
 @pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors:UserWarning")
-@pytest.mark.parametrize("transport", ["slots", "torch"])
+@pytest.mark.parametrize("transport", ["slots", "copy", "torch"])
 def test_aliased_and_nested_tensors_arrive_as_torch_hands_them_over(transport: str) -> None:
     """A tensor that appears twice in a batch arrives as one tensor, and a strided nested
     tensor goes through (both as with torch's own hand-off)."""

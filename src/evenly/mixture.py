@@ -9,6 +9,7 @@ a pass carries (stream offsets, steps, weight changes) is in the owner's pass st
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -168,6 +169,14 @@ class Mix:
             "indices span the concatenated sources, so indexing it would read only a "
             "prefix; wrap it: evenly.Dataset(mix) (read_one/read_many take global indices)"
         )
+
+    def copy_for_thread(self) -> Mix:
+        """The Mix a reader thread reads (``worker_type="thread"``): each source's own
+        ``copy_for_thread()`` where it has one, everything else shared."""
+        twin = copy.copy(self)
+        twin._sources = [getattr(s, "copy_for_thread", lambda s=s: s)() for s in self._sources]
+        twin._views = [SourceView.of(s) for s in twin._sources]
+        return twin
 
     def read_one(self, index: int) -> Any:
         """The sample at global ``index`` (into the concatenated sources)."""

@@ -1,13 +1,15 @@
 """The engine under ``evenly.DataLoader``: a private torch DataLoader over the feed, its
 workers and their shared-memory slots.  The loader owns the passes; the engine runs one:
 it publishes the pass spec, restarts persistent workers that hold a stale dataset, gives
-workers that are about to start fresh slots, and hands back the iterator that counts
-what the loop received."""
+workers that are about to start fresh slots (or, on the thread path, starts reader
+threads over their own source copies), and hands back the iterator that counts what the
+loop received."""
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from functools import partial
 from typing import Any
 
 import torch
@@ -16,13 +18,15 @@ from torch.utils.data import default_collate, default_convert
 
 from evenly.core.passes import Pass
 from evenly.core.plan import EpochPlan
+from evenly.core.source import SourceView
 from evenly.core.spec import PassSpec
 from evenly.core.stream import StreamPlan
 from evenly.loader.feed import Feed, PassIterator, pass_through, settle
+from evenly.loader.threads import ThreadPass, thread_copy
 from evenly.runtime import torch_compat
 from evenly.runtime.channel import PassChannel
 from evenly.runtime.planner import Planner
-from evenly.transport.slots import Transport
+from evenly.transport.slots import HOLD, Transport
 
 __all__ = ["Engine"]
 
@@ -62,6 +66,10 @@ class Engine:
             collate_fn=pass_through,
             **args,
         )
+        self.timeout = float(args.get("timeout", 0) or 0)
+        self.pin_memory = bool(args.get("pin_memory", False)) and torch.cuda.is_available()
+        #: (what they were copied from, the reader threads' source copies)
+        self._thread_views: tuple[tuple[int, int, int, int], list[SourceView]] | None = None
         self._iterator: weakref.ref[PassIterator] | None = None
         #: (len, fingerprint, generation) of the dataset when the workers started
         self._workers_view: tuple[int, int, int] | None = None
@@ -91,8 +99,31 @@ class Engine:
         if self.feed.transport is not None:
             self.feed.transport.close()
             self.feed.transport = None
-        if self.transport == "slots":
-            self.feed.transport = Transport(self.num_workers, slots=self.prefetch_factor + 1)
+        if self.transport != "torch":
+            hold = HOLD if self.transport == "slots" else 0  # "copy": copied out at once
+            self.feed.transport = Transport(self.num_workers, self.prefetch_factor + 1, hold)
+
+    def _thread_reads(self, spec: PassSpec, columnar: bool) -> list[Callable[[], Iterator[Any]]]:
+        """Each reader thread's share of the pass, read from its own source copy (kept
+        while the dataset's source is the same object, its length and generation too)."""
+        planner, feed, workers = self.planner, self.feed, self.num_workers
+        key = (id(planner.view), *planner.main_view())
+        if self._thread_views is None or self._thread_views[0] != key:
+            views = [SourceView.of(thread_copy(planner.view.source)) for _ in range(workers)]
+            self._thread_views = (key, views)
+        views = self._thread_views[1]
+        pin = self.pin_memory
+
+        def read(w: int) -> Iterator[Any]:
+            items = planner.read(
+                spec, w, workers, collate=feed.collate, columnar=columnar,
+                skipped=feed.skipped, view=views[w],
+            )  # fmt: skip
+            if feed.per_sample is not None:
+                items = map(feed.per_sample, items)
+            return map(torch_compat.pin_memory, items) if pin else items
+
+        return [partial(read, w) for w in range(workers)]
 
     def start(
         self,
@@ -102,11 +133,24 @@ class Engine:
         *,
         columnar: bool,
         on_end: Callable[[EpochPlan], None] | None,
+        threads: bool = False,
     ) -> PassIterator:
-        """Publish the pass to the workers and start iterating the private loader."""
+        """Publish the pass to the workers and start iterating the private loader (or,
+        with ``threads``, start ``num_workers`` reader threads in this process)."""
         previous = self._iterator() if self._iterator is not None else None
         if previous is not None:  # the previous pass, finished or abandoned
-            settle(previous.inner, shut_down=True)
+            if isinstance(previous.inner, ThreadPass):
+                previous.inner.close()
+            else:
+                settle(previous.inner, shut_down=True)
+        if threads:
+            self.feed.columnar = columnar
+            inner = ThreadPass(
+                self._thread_reads(spec, columnar), self.prefetch_factor, self.timeout
+            )
+            iterator = PassIterator(inner, current, plan, on_end)
+            self._iterator = weakref.ref(iterator)
+            return iterator
         view = (spec.num_samples, self.planner.source_fingerprint(), spec.generation)
         self._restart_stale_workers(view)
         if self._running() is None:

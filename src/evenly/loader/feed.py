@@ -15,6 +15,7 @@ from torch.utils.data import IterableDataset, default_collate, get_worker_info
 from evenly.core.passes import Pass
 from evenly.core.plan import EpochPlan
 from evenly.core.stream import StreamPlan
+from evenly.loader.threads import ThreadPass
 from evenly.runtime import torch_compat
 from evenly.runtime.channel import PassChannel
 from evenly.runtime.planner import Planner
@@ -150,7 +151,8 @@ class PassIterator(Iterator[Any]):
         except StopIteration:
             if not self._pass.finished:
                 self._pass.finished = True
-                settle(self._inner)
+                if not isinstance(self._inner, ThreadPass):
+                    settle(self._inner)
                 if self._on_end is not None and isinstance(self._plan, EpochPlan):
                     self._on_end(self._plan)
             raise
@@ -162,6 +164,8 @@ class PassIterator(Iterator[Any]):
         error as the cause: a bare connection error (the worker died while the main
         process fetched its batch's shared memory), or torch's RuntimeError (its SIGCHLD
         handler's, or "exited unexpectedly" while waiting for data)."""
+        if isinstance(self._inner, ThreadPass):
+            return  # reader threads: the error is the reader's own
         handing_over = not isinstance(exc, RuntimeError)
         try:
             dead = dead_workers(self._inner, wait=2.0 if handing_over else 0.0)

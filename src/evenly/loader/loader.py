@@ -16,7 +16,6 @@ from typing import Any
 import torch
 import torch.distributed
 import torch.utils.data
-from torch.utils.data import default_collate
 
 from evenly.core.passes import Pass, PassTracker
 from evenly.core.plan import EpochPlan
@@ -27,6 +26,13 @@ from evenly.dataset import SKIP_SLOTS, Dataset
 from evenly.errors import EvenlyWarning, check_int
 from evenly.interop import gather, skip
 from evenly.loader import mixing
+from evenly.loader.choices import (
+    WorkerType,
+    check_worker_type,
+    refuse_planned_source,
+    use_columns,
+    use_threads,
+)
 from evenly.loader.engine import Engine
 from evenly.loader.feed import NO_LENGTH, PassIterator
 from evenly.runtime.agreement import DEFAULT_TIMEOUT, check_pass
@@ -72,10 +78,16 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
             full (a batch may span an epoch boundary), each epoch still read exactly once
             and every rank getting the same batches count; ``state_dict()`` resumes
             exactly by step under any topology.  ``len()`` is then undefined.
-        transport: how workers hand batches over.  ``"slots"`` (default): through a
-            few shared-memory slots each worker reuses (no new segment and file
-            descriptor per batch, as torch's hand-off needs; see docs/guide.md).
-            ``"torch"``: torch's own hand-off.
+        transport: how workers hand batches over.  ``"slots"`` (default): through
+            shared-memory slots whose tensors the loop gets as views (zero-copy; past 8
+            held batches per worker, copies).  ``"copy"``: the slots, copied out.
+            ``"torch"``: torch's own hand-off.  See docs/guide.md.
+        worker_type: who reads the ``num_workers`` shares.  ``"process"``: worker
+            processes.  ``"thread"``: reader threads in this process, each over its
+            own copy of the source (same batches, same order; for reads that release
+            the GIL; refused with per-sample seeding of the global generators or a
+            ``worker_init_fn``).  ``"auto"`` (default): threads for columnar passes
+            where safe, processes otherwise.
 
     >>> loader = evenly.DataLoader(evenly.Dataset(list(range(5))), batch_size=2,
     ...                            infinite=True)
@@ -104,6 +116,7 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         columnar: bool | None = None,
         infinite: bool = False,
         transport: str = "slots",
+        worker_type: WorkerType = "auto",
         **kwargs: Any,
     ) -> None:
         if not isinstance(dataset, Dataset):
@@ -121,19 +134,19 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
                 "skip and repeat samples on resume; remove in_order=False (workers already "
                 "read whole batches in parallel)"
             )
-        if transport not in ("slots", "torch"):
-            raise ValueError(f"transport must be 'slots' or 'torch', got {transport!r}")
+        if transport not in ("slots", "copy", "torch"):
+            raise ValueError(f"transport must be 'slots', 'copy' or 'torch', got {transport!r}")
         self.transport = transport
+        self.worker_type = check_worker_type(worker_type, kwargs)
         if infinite and batch_size is None:
             raise ValueError("evenly.DataLoader(infinite=True) needs a batch_size")
         if infinite:
-            mixing.refuse_planned_source(dataset)
+            refuse_planned_source(dataset)
         self.infinite = bool(infinite)
         if agreement_timeout <= 0:
             raise ValueError(f"agreement_timeout must be > 0 seconds, got {agreement_timeout}")
         effective_drop = dataset.drop_last if drop_last is None else bool(drop_last)
-        # workers are forked once, not every epoch (faster epochs; and a process with
-        # communication threads, as under DDP, forks as rarely as possible)
+        # workers fork once, not every epoch (a process with DDP's threads forks rarely)
         kwargs.setdefault("persistent_workers", num_workers > 0)
         super().__init__(
             dataset,
@@ -157,6 +170,7 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
             skipped=self._skipped,
             loader_args=kwargs,
         )
+        self._loader_args = kwargs
         self._columnar_choice = columnar
         self._user_collate = collate_fn
         self._passes = PassTracker()
@@ -316,24 +330,6 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         mixing.set_weights(self, weights)
 
     # ---- passes ----------------------------------------------------------------
-    def _use_columns(self) -> bool:
-        if self._columnar_choice is False or self.batch_size is None:
-            return False
-        view = self.dataset._planner.view
-        if self._columnar_choice is True:
-            if view.read_columns is None:
-                raise TypeError(
-                    f"evenly.DataLoader(columnar=True): {type(view.source).__name__} has no "
-                    f"read_columns(); use an Arrow-backed source (evenly.from_arrow, "
-                    f"from_parquet) or columnar=None"
-                )
-            return True
-        return (
-            view.columnar_exact
-            and self.dataset.transform is None
-            and self._user_collate in (None, default_collate)
-        )
-
     def __iter__(self) -> PassIterator:  # type: ignore[override]
         self._follow_dataset()
         if self.infinite:
@@ -366,7 +362,7 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         n = self.dataset._planner.num_samples()
         if n == 0:
             raise ValueError("evenly.DataLoader(infinite=True): the source is empty")
-        mixing.refuse_planned_source(self.dataset)
+        refuse_planned_source(self.dataset)
         spec = self._spec(self._passes.next_start(), infinite=True)
         stream = self.dataset._planner.stream_plan_for(spec)
 
@@ -381,14 +377,18 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         self._skipped.zero_()
         self._passes.begin(current)
         self._plan = plan
-        # workers fork before the agreement exchange, never right after a collective: a
-        # process forked while a gloo thread is finishing a collective can hang in os.fork
+        # workers fork before the agreement, never right after a collective (may hang)
+        columnar = use_columns(self._columnar_choice, self.batch_size, self.dataset,
+                               self._user_collate)  # fmt: skip
+        threads = use_threads(self.worker_type, self.num_workers, self.dataset, columnar,
+                              self._loader_args)  # fmt: skip
         iterator = self._engine.start(
             spec,
             plan,
             current,
-            columnar=self._use_columns(),
+            columnar=columnar,
             on_end=self._warn_skipped if isinstance(plan, EpochPlan) else None,
+            threads=threads,
         )
         if self.check_plan:
             check_pass(

@@ -281,17 +281,19 @@ class Planner:
         skipped: torch.Tensor | None = None,
         progress: list[int] | None = None,
         seen: list[int] | None = None,
+        view: SourceView | None = None,
     ) -> Iterator[Any]:
         """This worker's share of the pass ``spec``: single samples, or with ``collate``
         (or ``columnar``) one collated batch per plan batch.  A generator: every check
         runs on the first ``next()``.  ``seen``: (len, fingerprint, generation) as the
-        main process last saw them, for the dataset's own passes."""
+        main process last saw them, for the dataset's own passes.  ``view``: the source
+        to read (a reader thread's own copy; default: the dataset's)."""
         check_current(spec, self.num_samples(), self.generation, seen, self.source_fingerprint)
         self.check_files()
         plan = self.stream_plan_for(spec) if spec.infinite else self.plan_for(spec)
         tap = self.tap
         ctx = ReadContext(
-            self.view,
+            self.view if view is None else view,
             plan,
             spec.rank,
             num_workers,

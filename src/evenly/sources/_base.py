@@ -3,6 +3,7 @@ batched reads grouped by shard, and error messages that name the file and the sa
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import os
 import posixpath
@@ -278,6 +279,11 @@ class ShardedSource:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._pid = os.getpid()
+
+    def copy_for_thread(self) -> Any:
+        """The source a reader thread reads (``worker_type="thread"``): a copy with its
+        own open files and caches, as a worker process gets by pickling."""
+        return copy.copy(self)
 
     def __repr__(self) -> str:
         where = "remote" if self.cache is not None else "local"

@@ -27,9 +27,11 @@ if TYPE_CHECKING:
 __all__ = ["AuditResult", "audit", "audit_many", "build_records"]
 
 
-def _encode(ids: list[Any]) -> tuple[I64, list[str] | None, list[Any]]:
+def _encode(ids: I64 | list[Any]) -> tuple[I64, list[str] | None, list[Any]]:
     """Integer codes for the ids, their labels (None if the ids are ints) and the
     distinct id values indexed by code (for shard_fn)."""
+    if isinstance(ids, np.ndarray):
+        return ids.astype(np.int64, copy=False), None, []
     if all(isinstance(i, int | np.integer) and not isinstance(i, bool) for i in ids):
         codes = np.asarray(ids, dtype=np.int64)
         return codes, None, []
@@ -61,19 +63,25 @@ def build_records(
     shard_fn: Callable[[Any], Any] | None = None,
 ) -> Records:
     """Merge the ranks' results into one ``Records``."""
+    int_ids = all(isinstance(r.ids, np.ndarray) for r in ranks)
     ids: list[Any] = []
     cols: list[list[Any]] = [[], [], [], [], [], []]
     reads: list[I64] = []
     for result in ranks:
         worker, epoch, batch, pos, draws = result.arrays()
-        ids.extend(result.ids)
+        ids.extend([] if int_ids else list(result.ids))
         read = np.asarray(result.reads, dtype=np.int64).reshape(-1)
         reads.append(read if len(read) == len(result.ids) else np.full(len(result.ids), -1))
         for col, arr in zip(
             cols, (np.full(len(worker), result.rank), worker, epoch, batch, pos, draws), strict=True
         ):
             col.append(arr)
-    codes, labels, distinct = _encode(ids)
+    all_ids: I64 | list[Any] = ids
+    if int_ids:
+        all_ids = np.concatenate(
+            [np.asarray(r.ids, dtype=np.int64) for r in ranks] or [np.zeros(0, dtype=np.int64)]
+        )
+    codes, labels, distinct = _encode(all_ids)
     rank0 = ranks[0]
     mix = rank0.mix
     reference, source = rank0.expected, rank0.expected_source

@@ -35,7 +35,7 @@ from evenly.mixture import Mix
 
 from ._factory import Factory, describe, resolve
 from ._procs import detach, exit_on_signals, stop
-from ._trace import SplitCollate, TracedIterable, TracedMap, default_id, trace_evenly
+from ._trace import MetaBatch, SplitCollate, TracedIterable, TracedMap, default_id, trace_evenly
 from ._types import F64, I64, AuditError, IdFn, MixInfo, RankEpoch, Settings
 
 __all__ = ["AuditError", "Job", "RankResult", "Settings", "collect", "describe", "resolve"]
@@ -57,7 +57,7 @@ class RankResult:
     """Everything one rank delivered for one job, in delivery order (one row a sample)."""
 
     rank: int
-    ids: list[Any] = field(default_factory=list)
+    ids: I64 | list[Any] = field(default_factory=list)
     worker: I64 = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     epoch: I64 = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     batch: I64 = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
@@ -188,55 +188,89 @@ class _WarningLog:
         return [text if n == 1 else f"{text} (x{n})" for text, n in self.seen.values()]
 
 
-def run_job(job: Job, settings: Settings, rank: int) -> RankResult:
-    """Audit one factory in this (already initialised) rank process."""
+class _Columns:
+    """A rank's deliveries, one ``MetaBatch`` a batch, joined into columns at the end
+    (nothing is kept or shipped per sample)."""
+
+    def __init__(self) -> None:
+        self.metas: list[MetaBatch] = []
+        self.epochs: list[int] = []
+
+    def add(self, epoch: int, metas: MetaBatch) -> None:
+        self.metas.append(metas)
+        self.epochs.append(epoch)
+
+    def fill(self, result: RankResult, first_batch: dict[int, int] | None = None) -> None:
+        """Set ``result``'s columns (``first_batch``: epoch -> the batch number the first
+        recorded batch of that epoch had, for a run that resumed inside it)."""
+        metas = self.metas
+        sizes = np.asarray([len(m.reads) for m in metas], dtype=np.int64)
+        epochs = np.asarray(self.epochs, dtype=np.int64)
+        # batch number within its epoch: counts restart where the epoch changes
+        index = np.arange(len(metas), dtype=np.int64)
+        starts = np.flatnonzero(np.r_[True, epochs[1:] != epochs[:-1]]) if len(metas) else index
+        batch_no = index - np.repeat(starts, np.diff(np.r_[starts, len(metas)]))
+        if first_batch:
+            batch_no += np.asarray([first_batch.get(int(e), 0) for e in epochs], dtype=np.int64)
+        result.epoch = np.repeat(epochs, sizes)
+        result.batch = np.repeat(batch_no, sizes)
+        total = int(sizes.sum())
+        result.pos = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+        if not metas:
+            return
+        result.worker = np.concatenate([m.worker for m in metas])
+        result.draws = np.concatenate([m.draws for m in metas]).reshape(-1, 3)
+        result.reads = np.concatenate([m.reads for m in metas])
+        if all(isinstance(m.ids, np.ndarray) for m in metas):
+            result.ids = np.concatenate([np.asarray(m.ids, dtype=np.int64) for m in metas])
+        else:
+            result.ids = [
+                i
+                for m in metas
+                for i in (m.ids.tolist() if isinstance(m.ids, np.ndarray) else m.ids)
+            ]
+
+
+def build_loader(job: Job, settings: Settings) -> tuple[Any, Any, dict[str, Any], bool]:
+    """The factory's dataset, traced, in its loader: ``(dataset, loader, kwargs, iterable)``."""
     name = describe(job.factory)
     factory = resolve(job.factory) if isinstance(job.factory, str) else job.factory
+    dataset, kwargs = _split(factory(), name)
+    loader, iterable = _build(dataset, kwargs, job.id_fn or default_id, settings, name)
+    return dataset, loader, kwargs, iterable
+
+
+def run_job(job: Job, settings: Settings, rank: int) -> RankResult:
+    """Audit one factory in this (already initialised) rank process."""
     result = RankResult(rank=rank)
     log = _WarningLog()
-    metas: list[tuple[Any, ...]] = []
-    epochs: list[int] = []
-    batches_col: list[int] = []
-    positions: list[int] = []
+    columns = _Columns()
     with warnings.catch_warnings():
         warnings.simplefilter("always")
         warnings.showwarning = log
-        dataset, kwargs = _split(factory(), name)
-        loader, iterable = _build(dataset, kwargs, job.id_fn or default_id, settings, name)
+        dataset, loader, kwargs, iterable = build_loader(job, settings)
         result.expected, result.expected_source = _expected(dataset, iterable)
         managed = isinstance(dataset, EvenlyDataset)
         for epoch in range(settings.epochs):
             if not managed:
                 _set_epoch([dataset, kwargs.get("sampler"), kwargs.get("batch_sampler")], epoch)
             if managed:  # the pass evenly.DataLoader plans (its batch size and drop_last)
-                reported = loader.plan.samples_per_rank  # type: ignore[attr-defined]
+                reported = loader.plan.samples_per_rank
             elif iterable:
                 reported = _length(dataset)
             else:
                 reported = _length(getattr(loader.batch_sampler, "sampler", None))
             reported_batches = _length(loader)
             samples = batches = 0
-            for b, (_, batch_metas) in enumerate(loader):
-                k = len(batch_metas)
-                metas.extend(batch_metas)
-                epochs.extend([epoch] * k)
-                batches_col.extend([b] * k)
-                positions.extend(range(k))
-                samples += k
+            for _, metas in loader:
+                columns.add(epoch, metas)
+                samples += len(metas.reads)
                 batches += 1
             result.per_rank.append(
                 RankEpoch(rank, epoch, samples, batches, reported, reported_batches)
             )
     result.mix = _mix_info(dataset, settings.epochs)
-    if metas:
-        workers, ids, *draws, reads = zip(*metas, strict=True)
-        result.ids = list(ids)
-        result.worker = np.asarray(workers, dtype=np.int64)
-        result.draws = np.asarray(draws, dtype=np.float64).T.copy()
-        result.reads = np.asarray(reads, dtype=np.int64)
-    result.epoch = np.asarray(epochs, dtype=np.int64)
-    result.batch = np.asarray(batches_col, dtype=np.int64)
-    result.pos = np.asarray(positions, dtype=np.int64)
+    columns.fill(result)
     result.warnings = log.lines()
     return result
 

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +21,8 @@ from ._factory import Factory, describe, resolve
 from ._findings import all_findings
 from ._result import AuditResult
 from ._types import I64, AuditError, IdFn, Records, Settings
+
+I64_EMPTY = np.zeros(0, dtype=np.int64)
 
 if TYPE_CHECKING:
     from ._collect import RankResult
@@ -123,6 +126,19 @@ def _check(name: str, value: int, minimum: int) -> int:
     return value
 
 
+def _codes(results: list[RankResult]) -> tuple[list[I64], Callable[[int], str]]:
+    """Integer codes for the ids of several runs, in one code space, and their labels."""
+    ids: I64 | list[Any]
+    if all(isinstance(r.ids, np.ndarray) for r in results):
+        ids = np.concatenate([np.asarray(r.ids, dtype=np.int64) for r in results] or [I64_EMPTY])
+    else:
+        ids = [i for r in results for i in list(r.ids)]
+    codes, labels, _ = _encode(ids)
+    bounds = np.cumsum([0] + [len(r.ids) for r in results])
+    split = [codes[a:b] for a, b in itertools.pairwise(bounds)]
+    return split, (str if labels is None else labels.__getitem__)
+
+
 def audit_many(
     factories: Sequence[Factory],
     *,
@@ -134,6 +150,10 @@ def audit_many(
     shard_fn: Callable[[Any], Any] | None = None,
     expected: int | None = None,
     timeout: float = 300.0,
+    resume: bool = False,
+    resume_world_size: int | None = None,
+    resume_workers: int | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> list[AuditResult]:
     """Audit several factories in one group of rank processes (cheaper than one
     ``audit`` each); arguments as for ``audit``."""
@@ -146,6 +166,10 @@ def audit_many(
     )
     if expected is not None:
         _check("expected", expected, 0)
+    if resume_world_size is not None:
+        _check("resume_world_size", resume_world_size, 1)
+    if resume_workers is not None:
+        _check("resume_workers", resume_workers, 0)
     for factory in factories:
         if isinstance(factory, str):
             resolve(factory)  # fail fast, in this process, with a clear message
@@ -155,11 +179,34 @@ def audit_many(
     # ``import evenly`` (that imports this module for ``evenly.audit``) does not.
     from ._collect import Job, collect
 
-    per_job = collect([Job(f, id_fn) for f in factories], settings)
+    if not resume:
+        if progress is not None:
+            progress(f"running {len(factories)} factory(ies) on {world_size} ranks")
+        per_job = collect([Job(f, id_fn) for f in factories], settings)
+        results = []
+        for factory, ranks in zip(factories, per_job, strict=True):
+            records = build_records(ranks, settings, expected=expected, shard_fn=shard_fn)
+            found = all_findings(records)
+            results.append(AuditResult(describe(factory), settings, records, found))
+        return results
+    from ._resumeplan import resume_findings, run_resume
+
+    outcome = run_resume(
+        [Job(f, id_fn, stateful=True) for f in factories],
+        settings,
+        world_size=resume_world_size,
+        num_workers=resume_workers,
+        progress=progress,
+    )
     results = []
-    for factory, ranks in zip(factories, per_job, strict=True):
-        records = build_records(ranks, settings, expected=expected, shard_fn=shard_fn)
-        results.append(AuditResult(describe(factory), settings, records, all_findings(records)))
+    for factory, (refs, report) in zip(factories, outcome, strict=True):
+        records = build_records(refs, settings, expected=expected, shard_fn=shard_fn)
+        everything = refs + [r for s in report.stops for seg in s.segments for r in seg]
+        split, label = _codes(everything)
+        code_of = {id(r): c for r, c in zip(everything, split, strict=True)}
+        report.findings = resume_findings(report, refs, code_of, settings, label)
+        found = all_findings(records) + report.findings
+        results.append(AuditResult(describe(factory), settings, records, found, report))
     return results
 
 
@@ -174,6 +221,9 @@ def audit(
     shard_fn: Callable[[Any], Any] | None = None,
     expected: int | None = None,
     timeout: float = 300.0,
+    resume: bool = False,
+    resume_world_size: int | None = None,
+    resume_workers: int | None = None,
 ) -> AuditResult:
     """Run ``factory`` in ``world_size`` real rank processes, each through a DataLoader
     with ``num_workers`` workers for ``epochs`` epochs, and judge what was delivered.
@@ -189,6 +239,16 @@ def audit(
         expected: distinct samples per epoch across all ranks, when ``len()`` does not
             say (by default: ``len(source)`` of an evenly.Dataset, else ``len(dataset)``).
         timeout: seconds before a stuck audit is stopped.
+        resume: also stop every rank at a few batches (early, middle, the last batch,
+            the epoch boundary, a second resume), save the loader's state, load it in
+            fresh processes and compare the rest with the uninterrupted run (one
+            ``resume_*`` finding per stop; ``resume`` says onto what it resumed).
+            ``evenly.Dataset`` runs under ``evenly.DataLoader``, a dataset with
+            ``state_dict``/``load_state_dict`` under torchdata's ``StatefulDataLoader``,
+            a ``LoaderFactory`` under its own loader; anything else "cannot resume"
+            (a WARN).
+        resume_world_size, resume_workers: the topology to resume onto (default: the
+            audit's), where the state allows it (else a WARN says so).
     """
     return audit_many(
         [factory],
@@ -200,4 +260,7 @@ def audit(
         shard_fn=shard_fn,
         expected=expected,
         timeout=timeout,
+        resume=resume,
+        resume_world_size=resume_world_size,
+        resume_workers=resume_workers,
     )[0]

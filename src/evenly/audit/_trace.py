@@ -35,8 +35,10 @@ __all__ = [
     "IdFn",
     "MetaBatch",
     "SplitCollate",
+    "TagCollate",
     "TracedIterable",
     "TracedMap",
+    "TracedStateful",
     "default_id",
     "trace_evenly",
 ]
@@ -125,6 +127,17 @@ class TracedIterable(IterableDataset[tuple[Any, Meta]]):
         return len(self.inner)
 
 
+class TracedStateful(TracedIterable):
+    """A ``TracedIterable`` that forwards ``state_dict``/``load_state_dict`` (so torchdata's
+    ``StatefulDataLoader`` saves and loads the wrapped dataset's state)."""
+
+    def state_dict(self) -> Any:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: Any) -> None:
+        self.inner.load_state_dict(state)
+
+
 class TracedMap(MapDataset[tuple[Any, Meta]]):
     """A map-style dataset whose ``__getitem__`` returns ``(dataset[i], meta)``."""
 
@@ -208,3 +221,17 @@ class SplitCollate:
 
     def __call__(self, items: list[tuple[Any, Meta]]) -> tuple[Any, MetaBatch]:
         return self.collate([s for s, _ in items]), MetaBatch.of([m for _, m in items])
+
+
+class TagCollate:
+    """For a loader the audit cannot give a traced dataset (``LoaderFactory``): the metas
+    are taken in the collate function, in the worker, from the raw samples."""
+
+    def __init__(self, id_fn: IdFn, collate: Callable[[list[Any]], Any] | None = None) -> None:
+        self.id_fn = id_fn
+        self.collate = default_collate if collate is None else collate
+
+    def __call__(self, samples: list[Any]) -> tuple[Any, MetaBatch]:
+        worker = _worker_id()
+        metas = [_meta(worker, s, self.id_fn) for s in samples]
+        return self.collate(samples), MetaBatch.of(metas)

@@ -20,6 +20,7 @@ __all__ = [
     "AuditError",
     "Finding",
     "IdFn",
+    "LoaderFactory",
     "MixInfo",
     "RankEpoch",
     "Records",
@@ -44,6 +45,22 @@ GENERATORS = ("random", "numpy", "torch")
 class AuditError(RuntimeError):
     """The audit could not run: a factory that does not import, a rank that failed, a
     timeout, or a report that needs ``pip install 'evenly[report]'``."""
+
+
+@dataclass(frozen=True)
+class LoaderFactory:
+    """What a factory returns for a data loader that makes its own loader (litdata's or
+    MosaicML's ``StreamingDataLoader``, a user's own): ``make(batch_size=, num_workers=,
+    collate_fn=)`` builds the rank's loader; ``dataset`` (optional) is asked for
+    ``len()`` and ``set_epoch``.  The audit passes a ``collate_fn`` that records each
+    batch's samples; wrap your own collate with ``functools.partial`` if you need one.
+
+    >>> LoaderFactory(make=dict).make(batch_size=2, num_workers=0, collate_fn=None)
+    {'batch_size': 2, 'num_workers': 0, 'collate_fn': None}
+    """
+
+    make: Callable[..., Any]
+    dataset: Any = None
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,139 @@
+"""Start a group of real rank processes, run one task in each, and collect the results.
+
+Each rank is a spawned process with ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_*``
+set and a gloo process group on 127.0.0.1, so code that asks ``torch.distributed`` sees
+the truth.  ``launch(world_size, timeout, task, payload)`` calls the module-level
+``task(rank, payload)`` in every rank and returns the results in rank order; every
+process it started (DataLoader workers included) is stopped on every exit path.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import pickle
+import queue as queue_mod
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from ._procs import detach, exit_on_signals, stop
+from ._types import AuditError
+
+__all__ = ["launch", "working_on"]
+
+#: What this rank process is doing, for the message if it fails (see ``working_on``).
+_CURRENT = ["process group setup"]
+
+
+def working_on(what: str) -> None:
+    """Name what this rank does now (a factory), for the message if it fails."""
+    _CURRENT[0] = what
+
+
+P = TypeVar("P")
+R = TypeVar("R")
+
+
+def _rank_main(
+    rank: int, world_size: int, port: int, task: Callable[[int, Any], Any], payload: Any, out: Any
+) -> None:
+    detach()  # its own process group: stopping the audit stops its workers too
+    os.environ.update(
+        {
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world_size),
+        }
+    )
+    # A spawned process inherits "spawn" as its start method; a rank started by torchrun
+    # has the platform's default (fork on Linux), which is what DataLoader workers use.
+    multiprocessing.set_start_method(multiprocessing.get_all_start_methods()[0], force=True)
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        try:
+            out.put((rank, True, task(rank, payload)))
+        finally:
+            dist.destroy_process_group()
+    except BaseException:
+        out.put((rank, False, f"while auditing {_CURRENT[0]}:\n{traceback.format_exc()}"))
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _gather(procs: list[Any], out: Any, timeout: float, results: dict[int, Any]) -> None:
+    """Fill ``results`` (rank -> result) from the ranks; raise ``AuditError`` when a rank
+    fails, dies or the audit runs past ``timeout``."""
+    world_size = len(procs)
+    deadline = time.monotonic() + timeout
+    while len(results) < world_size:
+        try:
+            rank, ok, value = out.get(timeout=min(1.0, max(0.01, deadline - time.monotonic())))
+        except queue_mod.Empty:
+            dead = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in results]
+            if dead:
+                code = procs[dead[0]].exitcode
+                raise AuditError(
+                    f"rank {dead[0]} exited with code {code} before reporting; every rank "
+                    f"process and its DataLoader workers were stopped"
+                ) from None
+            if time.monotonic() > deadline:
+                waiting = [r for r in range(world_size) if r not in results]
+                raise AuditError(
+                    f"the audit did not finish within its timeout of {timeout:g} s "
+                    f"(--timeout / timeout=): rank(s) {waiting} had not reported. A rank is "
+                    f"stuck: a dataset or worker that never ends, or a collective that only "
+                    f"some ranks join? Every rank process and its DataLoader workers were "
+                    f"stopped; raise the timeout if the dataset is only slow"
+                ) from None
+            continue
+        if not ok:
+            raise AuditError(f"rank {rank} failed {value}")
+        results[rank] = value
+
+
+def launch(world_size: int, timeout: float, task: Callable[[int, P], R], payload: P) -> list[R]:
+    """``task(rank, payload)`` in ``world_size`` fresh rank processes; results by rank."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_rank_main, args=(r, world_size, port, task, payload, out))
+        for r in range(world_size)
+    ]
+    try:
+        for p in procs:
+            p.start()
+    except (pickle.PicklingError, AttributeError, TypeError) as exc:
+        stop(procs, grace=0.0)
+        raise AuditError(
+            f"the factory and id_fn travel to the rank processes by pickle and must be "
+            f"module-level functions (or functools.partial of one), not lambdas or local "
+            f"functions: {exc}"
+        ) from exc
+    results: dict[int, Any] = {}
+    with exit_on_signals():
+        try:
+            _gather(procs, out, timeout, results)
+        finally:
+            left = stop(procs, grace=10.0 if len(results) == world_size else 0.5)
+            if left:
+                raise AuditError(
+                    f"processes {left} started by the audit still run after SIGKILL "
+                    f"(uninterruptible I/O?); stop them by pid"
+                )
+    return [results[r] for r in range(world_size)]

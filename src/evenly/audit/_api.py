@@ -153,6 +153,7 @@ def audit_many(
     resume: bool = False,
     resume_world_size: int | None = None,
     resume_workers: int | None = None,
+    resume_at: Sequence[float] = (),
     progress: Callable[[str], None] | None = None,
 ) -> list[AuditResult]:
     """Audit several factories in one group of rank processes (cheaper than one
@@ -163,7 +164,10 @@ def audit_many(
         epochs=_check("epochs", epochs, 1),
         batch_size=_check("batch_size", batch_size, 1),
         timeout=float(timeout),
+        resume_at=tuple(float(f) for f in resume_at),
     )
+    if any(not 0.0 < f <= 1.0 for f in settings.resume_at):
+        raise ValueError(f"resume_at must be fractions in (0, 1], got {list(resume_at)}")
     if expected is not None:
         _check("expected", expected, 0)
     if resume_world_size is not None:
@@ -224,6 +228,7 @@ def audit(
     resume: bool = False,
     resume_world_size: int | None = None,
     resume_workers: int | None = None,
+    resume_at: Sequence[float] = (),
 ) -> AuditResult:
     """Run ``factory`` in ``world_size`` real rank processes, each through a DataLoader
     with ``num_workers`` workers for ``epochs`` epochs, and judge what was delivered.
@@ -249,6 +254,7 @@ def audit(
             (a WARN).
         resume_world_size, resume_workers: the topology to resume onto (default: the
             audit's), where the state allows it (else a WARN says so).
+        resume_at: more stops, as fractions of the first epoch (0.5: its middle batch).
     """
     return audit_many(
         [factory],
@@ -263,4 +269,5 @@ def audit(
         resume=resume,
         resume_world_size=resume_world_size,
         resume_workers=resume_workers,
+        resume_at=resume_at,
     )[0]

@@ -57,9 +57,10 @@ class Stop:
         return f"{self.name} ({where} epoch {self.epoch})"
 
 
-def choose_stops(batches: list[int], epochs: int) -> list[Stop]:
+def choose_stops(batches: list[int], epochs: int, at: tuple[float, ...] = ()) -> list[Stop]:
     """The interruption points for epochs of ``batches`` batches per rank (the fewest over
-    ranks): early, middle, the last batch, the epoch boundary, a second resume.
+    ranks): early, middle, the last batch, the epoch boundary, a second resume, and one
+    after each fraction ``at`` of the first epoch's batches.
 
     >>> [str(s) for s in choose_stops([6, 6], 2)]  # doctest: +NORMALIZE_WHITESPACE
     ['early (batch 1 of epoch 0)', 'middle (batch 3 of epoch 0)',
@@ -84,8 +85,11 @@ def choose_stops(batches: list[int], epochs: int) -> list[Stop]:
     elif n0 - first >= 1:
         then = Stop("second resume", 0, first + max(1, (n0 - first) // 2))
     else:
-        return stops
-    stops.append(Stop("second resume", 0, first, then=then))
+        then = None
+    if then is not None:
+        stops.append(Stop("second resume", 0, first, then=then))
+    for frac in at:
+        stops.append(Stop(f"at {frac:g}", 0, min(n0, max(1, round(frac * n0)))))
     return stops
 
 
@@ -212,10 +216,12 @@ def reference_task(
         working_on(str(job.factory))
         reference = run_job(job, settings, rank)
         counts = [r.batches for r in sorted(reference.per_rank, key=lambda r: r.epoch)]
-        dataset, loader, kwargs, _ = build_loader(job, settings)
-        why = resumable(dataset, loader, kwargs)
-        del loader
-        stops = choose_stops(_agree(counts), settings.epochs)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the reference reported them
+            dataset, loader, kwargs, _ = build_loader(job, settings)
+            why = resumable(dataset, loader, kwargs)
+            del loader
+        stops = choose_stops(_agree(counts), settings.epochs, settings.resume_at)
         if why is not None:
             out.append((reference, why, [], []))
             continue

@@ -221,13 +221,19 @@ def check_stop(
                 f"epoch {e}: {int(extra.sum())} repeated ({_show(repeated, label)})"
                 + ("" if same else f", beyond the {allowed} a new padding may need")
             )
-        if not compare_order or len(missing):
+        if not compare_order or len(missing) or int(extra.sum()) > allowed:
             continue
         order, expected = first_occurrences(got.global_order(e)), ref_orders[e]
         if not agree(order, expected):
             other = [f for f, o in ref_orders.items() if f != e and agree(order, o)]
             if other:
                 out.problems.append(f"epoch {e}: wrong epoch, delivered epoch {other[0]}'s order")
+                continue
+            if len(order) and len(expected) and order[0] != expected[0]:
+                out.problems.append(
+                    f"epoch {e}: wrong epoch, its order differs from its first sample on "
+                    f"(an epoch skipped or replayed?)"
+                )
                 continue
         if same:
             for r in range(got.world_size):

@@ -81,7 +81,7 @@ def _states(runs: list[Resumed]) -> tuple[list[bytes] | None, str | None]:
 
 
 def _slug(stop: Stop) -> str:
-    return "resume_" + stop.name.replace(" ", "_")
+    return "resume_" + "".join(c if c.isalnum() else "_" for c in stop.name)
 
 
 class _Plan:

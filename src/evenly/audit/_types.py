@@ -72,6 +72,8 @@ class Settings:
     epochs: int
     batch_size: int
     timeout: float = 300.0
+    #: for a resume audit: extra stops, as fractions of the first epoch's batches
+    resume_at: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from ._collect import (
     Columns,
     Job,
     RankResult,
+    _is_iterable,
     _WarningLog,
     build_loader,
     epoch_objects,
@@ -105,6 +106,12 @@ class Resumed:
     warnings: list[str] = field(default_factory=list)
 
 
+def _last_line(exc: BaseException) -> str:
+    """The message of ``exc`` (a worker's error: the last line of its traceback)."""
+    lines = [line for line in str(exc).strip().splitlines() if line.strip()]
+    return lines[-1].strip() if lines else type(exc).__name__
+
+
 class _Saved(Exception):
     """The run reached its stop."""
 
@@ -123,7 +130,7 @@ def resumable(dataset: Any, loader: Any, kwargs: dict[str, Any]) -> str | None:
     sampler = kwargs.get("batch_sampler") or kwargs.get("sampler")
     if is_stateful(dataset) or is_stateful(sampler):
         return None
-    if not hasattr(dataset, "__getitem__") or sampler is not None:
+    if _is_iterable(dataset) or sampler is not None:
         what = type(sampler).__name__ if sampler is not None else "dataset"
         return (
             f"a {type(dataset).__name__} without state_dict/load_state_dict "
@@ -191,6 +198,12 @@ def _run(
                     epoch += 1
         except _Saved:
             pass
+        except Exception as exc:
+            if loaded is None and start is None:
+                raise  # not a resume: the audit cannot run
+            # a state applied lazily (StatefulDataLoader's workers) fails here
+            out.error = f"{type(exc).__name__} after loading the state: {_last_line(exc)}"
+            return out
     columns.fill(result, first_batch)
     out.warnings = log.lines()
     del loader

@@ -6,6 +6,9 @@ defect each (``tests/zoo.py``), of evenly under other topologies, and of the tes
 from __future__ import annotations
 
 import functools
+import json
+import os
+import subprocess
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -17,6 +20,7 @@ from hypothesis import strategies as st
 
 from evenly.audit import AuditResult, Finding, audit_many
 from evenly.audit._junit import junit_xml
+from evenly.audit._report import image_size
 from evenly.audit._resume import choose_stops
 from evenly.audit._resumecheck import Run, check_stop, prefix_matches
 from evenly.testing import Topology, assert_loader_correct, topologies
@@ -193,7 +197,7 @@ def test_the_resume_audit_finds_each_defect_of_the_zoo() -> None:
     assert by["sampler"].ok  # a warning, not a defect
 
 
-def test_the_resume_audit_passes_evenly_onto_more_ranks_and_workers() -> None:
+def test_the_resume_audit_passes_evenly_onto_more_ranks_and_workers(tmp_path: Path) -> None:
     evenly_result, ranked = audit_many(
         [functools.partial(zoo.evenly_dataset, 60), functools.partial(zoo.zoo, "rank_state")],
         num_workers=1,
@@ -211,6 +215,33 @@ def test_the_resume_audit_passes_evenly_onto_more_ranks_and_workers() -> None:
     assert topology.status == "WARN"
     assert "cannot resume onto another topology" in topology.detail
     assert set(_resume_status(ranked).values()) == {"PASS"}  # resumed on its 2 ranks
+    page = evenly_result.write_report(tmp_path)
+    text = page.read_text()
+    assert "Resume: what each rank delivered before and after each interruption" in text
+    assert "3 x 2" in text  # the stops' topology, in the resume table
+    from PIL import Image
+
+    with Image.open(tmp_path / "resume.png") as img:
+        assert img.size == image_size("resume", 1)
+
+
+def test_the_cli_resume_exit_status_and_junit(tmp_path: Path) -> None:
+    junit = tmp_path / "audit.xml"
+    run = subprocess.run(
+        [sys.executable, "-m", "evenly.audit", "tests.zoo:zoo", "tests.zoo:forgets_position",
+         "--resume", "--workers", "0", "--world-size", "2", "--batch-size", "4",
+         "--junit", str(junit), "--json"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )  # fmt: skip
+    assert run.returncode == 1, run.stderr  # a defect: exit status 1
+    right, broken = json.loads(run.stdout)
+    assert right["ok"] and not broken["ok"]
+    suites = ET.parse(junit).getroot().findall("testsuite")
+    assert [s.get("name") for s in suites] == ["tests.zoo:zoo", "tests.zoo:forgets_position"]
+    assert suites[0].get("failures") == "0" and int(suites[1].get("failures") or 0) >= 1
+    failed = {c.get("name") for c in suites[1].findall("testcase") if c.find("failure") is not None}
+    assert "resume_early" in failed
 
 
 def test_assert_loader_correct_passes_evenly_resumed_onto_one_rank_without_workers() -> None:

@@ -162,6 +162,11 @@ class Stream(IterableDataset[int]):
         self.epoch, self.pos = int(state["epoch"]), int(state["pos"])
 
 
+def forgets_position() -> LoaderFactory:
+    """``zoo("forgets_position")`` under a name the CLI can import."""
+    return zoo("forgets_position")
+
+
 def stream(size: int = SIZE) -> Stream:
     return Stream(size)
 

@@ -108,4 +108,4 @@ class AuditResult:
         # Deferred: the report module is only needed here (it imports matplotlib lazily).
         from ._report import write_report
 
-        return write_report(Path(directory), self.factory, self.records, self.findings)
+        return write_report(Path(directory), self.factory, self.records, self.findings, self.resume)

@@ -44,6 +44,8 @@ class StopRun:
     segments: list[list[RankResult]] = field(default_factory=list)
     error: str | None = None
     notes: list[str] = field(default_factory=list)
+    #: every delivered sample of the run, encoded (set by ``resume_findings``)
+    run: Run | None = None
 
 
 @dataclass
@@ -53,6 +55,8 @@ class ResumeReport:
     cannot: str | None = None
     stops: list[StopRun] = field(default_factory=list)
     findings: list[Finding] = field(default_factory=list)
+    #: the uninterrupted run, encoded (set by ``resume_findings``)
+    reference: Run | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -223,6 +227,7 @@ def resume_findings(
     if report.cannot is not None:
         return [Finding("resume", "Resume", "WARN", 0, f"cannot resume: {report.cannot}")]
     ref = _run_of(refs, [encode(r) for r in refs], 0, settings.world_size)
+    report.reference = ref
     findings: list[Finding] = []
     notes: list[str] = []
     for s in report.stops:
@@ -237,6 +242,7 @@ def resume_findings(
                 for k, rs in enumerate(s.segments)
             ]
             got = Run.concat(segs, s.world_size)
+            s.run = got
             check = check_stop(
                 ref,
                 got,

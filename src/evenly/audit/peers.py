@@ -8,6 +8,7 @@ import, with their versions.
 ==============  ===============================================================
 name            recipe (rank and world size from torch.distributed)
 ==============  ===============================================================
+``evenly``      ``evenly.Dataset(rows, shuffle=True, seed=0)`` in ``evenly.DataLoader``
 ``torch``       map-style rows + ``torch.utils.data.DistributedSampler(shuffle=True,
                 seed=0)``, ``set_epoch`` every epoch
 ``hf``          ``datasets`` on disk -> ``to_iterable_dataset(num_shards=8)`` ->
@@ -24,7 +25,7 @@ name            recipe (rank and world size from torch.distributed)
 ==============  ===============================================================
 
 >>> sorted(PEERS)
-['grain', 'hf', 'litdata', 'mosaic', 'torch', 'webdataset']
+['evenly', 'grain', 'hf', 'litdata', 'mosaic', 'torch', 'webdataset']
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ __all__ = ["PEERS", "installed", "peer_factory", "write_peer_data"]
 
 #: Peer name -> the module whose version is reported.
 PEERS = {
+    "evenly": "evenly",
     "torch": "torch",
     "hf": "datasets",
     "webdataset": "webdataset",
@@ -103,6 +105,12 @@ def torch_sampler(data: str) -> tuple[Any, dict[str, Any]]:
 
     rows = _Rows(os.path.join(data, "hf"))
     return rows, {"sampler": DistributedSampler(rows, shuffle=True, seed=0)}  # type: ignore[arg-type]
+
+
+def evenly_rows(data: str) -> Any:
+    import evenly
+
+    return evenly.Dataset(_Rows(os.path.join(data, "hf")), shuffle=True, seed=0)
 
 
 def hf_iterable(data: str) -> Any:
@@ -223,6 +231,7 @@ def grain(data: str) -> LoaderFactory:
 
 
 _FACTORIES: dict[str, Callable[[str], Any]] = {
+    "evenly": evenly_rows,
     "torch": torch_sampler,
     "hf": hf_iterable,
     "webdataset": webdataset,
@@ -250,7 +259,7 @@ def write_peer_data(name: str, data: str | Path, n: int) -> None:
     """Write samples ``{"id": 0..n-1}`` where peer ``name`` reads them under ``data``."""
     root = Path(data)
     per = -(-n // SHARDS)
-    if name in ("torch", "hf"):
+    if name in ("evenly", "torch", "hf"):
         if not (root / "hf").exists():
             _import("datasets").Dataset.from_dict({"id": list(range(n))}).save_to_disk(
                 str(root / "hf"), num_shards=SHARDS

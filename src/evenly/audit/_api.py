@@ -252,8 +252,9 @@ def audit(
             ``state_dict``/``load_state_dict`` under torchdata's ``StatefulDataLoader``,
             a ``LoaderFactory`` under its own loader; anything else "cannot resume"
             (a WARN).
-        resume_world_size, resume_workers: the topology to resume onto (default: the
-            audit's), where the state allows it (else a WARN says so).
+        resume_world_size: the ranks to resume onto (default: the audit's), where the
+            state allows it (else a WARN says so).
+        resume_workers: the workers per rank to resume onto (default: the audit's).
         resume_at: more stops, as fractions of the first epoch (0.5: its middle batch).
     """
     return audit_many(

@@ -186,7 +186,7 @@ def audit_many(
     if not resume:
         if progress is not None:
             progress(f"running {len(factories)} factory(ies) on {world_size} ranks")
-        per_job = collect([Job(f, id_fn) for f in factories], settings)
+        per_job = collect([Job(f, id_fn) for f in factories], settings, progress)
         results = []
         for factory, ranks in zip(factories, per_job, strict=True):
             records = build_records(ranks, settings, expected=expected, shard_fn=shard_fn)

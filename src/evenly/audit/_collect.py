@@ -12,7 +12,7 @@ dataset, the sampler and the batch sampler when they have one, as a careful user
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
@@ -24,7 +24,7 @@ from evenly.loader.loader import DataLoader as EvenlyLoader
 from evenly.mixture import Mix
 
 from ._factory import Factory, describe, resolve
-from ._launch import launch, working_on
+from ._launch import launch, tell, working_on
 from ._trace import (
     MetaBatch,
     SplitCollate,
@@ -38,6 +38,9 @@ from ._trace import (
 from ._types import F64, I64, AuditError, IdFn, LoaderFactory, MixInfo, RankEpoch, Settings
 
 __all__ = ["AuditError", "Job", "RankResult", "Settings", "collect", "describe", "resolve"]
+
+#: Batches between two progress lines from rank 0.
+PROGRESS_EVERY = 250
 
 #: DataLoader arguments the audit sets itself; a factory may not override them.
 _RESERVED = frozenset({"dataset", "batch_size", "num_workers"})
@@ -310,6 +313,8 @@ def run_job(job: Job, settings: Settings, rank: int) -> RankResult:
                 columns.add(epoch, metas)
                 samples += len(metas.reads)
                 batches += 1
+                if batches % PROGRESS_EVERY == 0:
+                    tell(f"{describe(job.factory)}: epoch {epoch}, batch {batches}")
             result.per_rank.append(
                 RankEpoch(rank, epoch, samples, batches, reported, reported_batches)
             )
@@ -328,8 +333,10 @@ def _run_jobs(rank: int, payload: tuple[list[Job], Settings]) -> list[RankResult
     return out
 
 
-def collect(jobs: list[Job], settings: Settings) -> list[list[RankResult]]:
+def collect(
+    jobs: list[Job], settings: Settings, progress: Callable[[str], None] | None = None
+) -> list[list[RankResult]]:
     """Run every job in ``settings.world_size`` fresh rank processes (one group for all
     jobs); return, per job, the ``RankResult`` of each rank in rank order."""
-    per_rank = launch(settings.world_size, settings.timeout, _run_jobs, (jobs, settings))
+    per_rank = launch(settings.world_size, settings.timeout, _run_jobs, (jobs, settings), progress)
     return [[per_rank[r][j] for r in range(settings.world_size)] for j in range(len(jobs))]

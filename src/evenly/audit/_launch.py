@@ -43,6 +43,18 @@ def working_on(what: str) -> None:
     _CURRENT[0] = what
 
 
+#: The queue to the audit process, in a rank (for ``tell``).
+_OUT: list[Any] = [None]
+#: ``ok`` of a message that is progress, not a result.
+_PROGRESS = "progress"
+
+
+def tell(text: str) -> None:
+    """From rank 0: a progress line for the audit process (its status line shows it)."""
+    if _OUT[0] is not None:
+        _OUT[0].put((0, _PROGRESS, text))
+
+
 P = TypeVar("P")
 R = TypeVar("R")
 
@@ -75,6 +87,7 @@ def _rank_main(rank: int, world_size: int, port: int, job: bytes, out: Any) -> N
     # has the platform's default (fork on Linux), which is what DataLoader workers use.
     multiprocessing.set_start_method(multiprocessing.get_all_start_methods()[0], force=True)
     torch.set_num_threads(1)
+    _OUT[0] = out if rank == 0 else None
     try:
         task, payload = pickle.loads(job[int.from_bytes(job[:8], "little") + 8 :])
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
@@ -92,7 +105,13 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _gather(procs: list[Any], out: Any, timeout: float, results: dict[int, Any]) -> None:
+def _gather(
+    procs: list[Any],
+    out: Any,
+    timeout: float,
+    results: dict[int, Any],
+    progress: Callable[[str], None] | None = None,
+) -> None:
     """Fill ``results`` (rank -> result) from the ranks; raise ``AuditError`` when a rank
     fails, dies or the audit runs past ``timeout``."""
     world_size = len(procs)
@@ -118,6 +137,10 @@ def _gather(procs: list[Any], out: Any, timeout: float, results: dict[int, Any])
                     f"stopped; raise the timeout if the dataset is only slow"
                 ) from None
             continue
+        if ok == _PROGRESS:
+            if progress is not None:
+                progress(value)
+            continue
         if not ok:
             raise AuditError(f"rank {rank} failed {value}")
         results[rank] = value
@@ -134,8 +157,15 @@ def _context() -> Any:
     return ctx
 
 
-def launch(world_size: int, timeout: float, task: Callable[[int, P], R], payload: P) -> list[R]:
-    """``task(rank, payload)`` in ``world_size`` fresh rank processes; results by rank."""
+def launch(
+    world_size: int,
+    timeout: float,
+    task: Callable[[int, P], R],
+    payload: P,
+    progress: Callable[[str], None] | None = None,
+) -> list[R]:
+    """``task(rank, payload)`` in ``world_size`` fresh rank processes; results by rank
+    (``progress`` gets rank 0's ``tell`` lines)."""
     try:
         body = pickle.dumps((task, payload))
     except (pickle.PicklingError, AttributeError, TypeError) as exc:
@@ -162,7 +192,7 @@ def launch(world_size: int, timeout: float, task: Callable[[int, P], R], payload
     results: dict[int, Any] = {}
     with exit_on_signals():
         try:
-            _gather(procs, out, timeout, results)
+            _gather(procs, out, timeout, results, progress)
         finally:
             left = stop(procs, grace=10.0 if len(results) == world_size else 0.5)
             if left:

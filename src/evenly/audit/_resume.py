@@ -35,7 +35,7 @@ from ._collect import (
     run_job,
     set_epoch,
 )
-from ._launch import working_on
+from ._launch import tell, working_on
 from ._types import LoaderFactory, Settings
 
 __all__ = ["Resumed", "Stop", "choose_stops", "reference_task", "resume_task"]
@@ -238,7 +238,10 @@ def reference_task(
         if why is not None:
             out.append((reference, why, [], []))
             continue
-        runs = [_run(job, settings, rank, until=stop) for stop in stops]
+        runs = []
+        for i, stop in enumerate(stops):
+            tell(f"{job.factory}: stop {i + 1} of {len(stops)}, {stop}")
+            runs.append(_run(job, settings, rank, until=stop))
         out.append((reference, None, stops, runs))
     return out
 
@@ -251,8 +254,9 @@ ResumeItem = tuple[Job, Settings, Stop, list[bytes], bool, "Stop | None"]
 def resume_task(rank: int, items: list[ResumeItem]) -> list[Resumed]:
     """Each item in a fresh loader: load the state, finish (or stop at ``then``)."""
     out = []
-    for job, settings, stop, states, own, then in items:
+    for i, (job, settings, stop, states, own, then) in enumerate(items):
         working_on(f"{job.factory} resumed from {stop}")
+        tell(f"resume {i + 1} of {len(items)}: {stop}")
         state = states[rank] if own else states[0]
         out.append(_run(job, settings, rank, state=state, start=stop, until=then))
     return out

@@ -97,10 +97,13 @@ class _Plan:
     def add(self, item: ResumeItem, target: StopRun) -> None:
         self.items.setdefault(target.world_size, []).append((item, target))
 
-    def run(self, timeout: float) -> list[tuple[ResumeItem, StopRun, list[Resumed]]]:
+    def run(
+        self, timeout: float, say: Callable[[str], None]
+    ) -> list[tuple[ResumeItem, StopRun, list[Resumed]]]:
         done = []
         for world_size, pairs in sorted(self.items.items()):
-            per_rank = launch(world_size, timeout, resume_task, [item for item, _ in pairs])
+            items = [item for item, _ in pairs]
+            per_rank = launch(world_size, timeout, resume_task, items, say)
             for i, (item, target) in enumerate(pairs):
                 done.append((item, target, [per_rank[r][i] for r in range(world_size)]))
         self.items = {}
@@ -121,7 +124,7 @@ def run_resume(
     w2 = settings.world_size if world_size is None else world_size
     k2 = settings.num_workers if num_workers is None else num_workers
     say(f"reference and interrupted runs on {settings.world_size} ranks")
-    per_rank = launch(settings.world_size, settings.timeout, reference_task, (jobs, settings))
+    per_rank = launch(settings.world_size, settings.timeout, reference_task, (jobs, settings), say)
     out: list[tuple[list[RankResult], ResumeReport]] = []
     plan = _Plan()
     for j, job in enumerate(jobs):
@@ -154,7 +157,7 @@ def run_resume(
             plan.add(item, target)
     say(f"resumed runs on {w2} ranks x {k2} workers")
     retry: list[tuple[ResumeItem, StopRun]] = []
-    for item, target, runs in plan.run(settings.timeout):
+    for item, target, runs in plan.run(settings.timeout, say):
         if any(run.error for run in runs) and (target.world_size, target.num_workers) != (
             settings.world_size,
             settings.num_workers,
@@ -171,10 +174,10 @@ def run_resume(
         _finish(item, target, runs, plan)
     for item, target in retry:
         plan.add(item, target)
-    for item, target, runs in plan.run(settings.timeout):
+    for item, target, runs in plan.run(settings.timeout, say):
         _finish(item, target, runs, plan)
     say("second resume")
-    for item, target, runs in plan.run(settings.timeout):
+    for item, target, runs in plan.run(settings.timeout, say):
         _finish(item, target, runs, plan)
     return out
 

@@ -170,10 +170,11 @@ def test_the_resume_audit_finds_each_defect_of_the_zoo() -> None:
     names = [None, *zoo.DEFECTS]
     factories = [functools.partial(zoo.zoo, d) for d in names]
     factories += [zoo.stream, functools.partial(talk.distributed_sampler, size=48)]
+    factories += [functools.partial(zoo.zoo, "unloadable")]
     results = audit_many(
         factories, num_workers=1, world_size=2, epochs=2, batch_size=4, resume=True
     )
-    by = dict(zip([*names, "stream", "sampler"], results, strict=True))
+    by = dict(zip([*names, "stream", "sampler", "unloadable"], results, strict=True))
     for right in (None, "stream"):
         assert set(_resume_status(by[right]).values()) == {"PASS"}, by[right].findings
         assert by[right].finding("resume").status == "PASS"
@@ -195,6 +196,12 @@ def test_the_resume_audit_finds_each_defect_of_the_zoo() -> None:
     cannot = by["sampler"].finding("resume")
     assert cannot.status == "WARN" and "cannot resume" in cannot.detail
     assert by["sampler"].ok  # a warning, not a defect
+    refused = by["unloadable"]
+    assert refused.ok and refused.finding("resume").status == "WARN"
+    assert "at no stop" in refused.finding("resume").detail
+    for name in _resume_status(refused):
+        found = refused.finding(name)
+        assert found.status == "WARN" and "another version" in found.detail, found
 
 
 def test_the_resume_audit_passes_evenly_onto_more_ranks_and_workers(tmp_path: Path) -> None:

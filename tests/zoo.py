@@ -18,6 +18,7 @@ after the pass ended loads as the next epoch's start).  Each
   resume, wrong after the second).
 - ``rank_state``: right, but the state names the rank (it cannot move to another
   world size).
+- ``unloadable``: its ``load_state_dict`` refuses every state (it cannot resume at all).
 
 ``Stream`` is an ``IterableDataset`` with ``state_dict``/``load_state_dict`` (the audit runs
 it under torchdata's ``StatefulDataLoader``, workers included); at the end of a pass it
@@ -115,6 +116,8 @@ class ZooLoader:
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.defect == "unloadable":
+            raise ValueError("this state was saved by another version")
         self.epoch, self.pos = int(state["epoch"]), int(state["pos"])
         self.finished = False
         if state["finished"]:  # saved at the epoch boundary: the next epoch starts

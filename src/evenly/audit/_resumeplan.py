@@ -261,8 +261,11 @@ def resume_findings(
             detail = "; ".join(check.problems + check.notes) or f"exact after resuming {where}"
         notes.extend(s.notes)
         findings.append(Finding(_slug(s.stop), f"Resume: {s.stop}", status, 0, detail))
+    errors = [s.error for s in report.stops if s.error is not None]
     if not report.stops:
         head = Finding("resume", "Resume", "WARN", 0, "no batch to stop at")
+    elif len(errors) == len(report.stops):
+        head = Finding("resume", "Resume", "WARN", len(errors), f"at no stop: {errors[0]}")
     elif notes:
         head = Finding("resume", "Resume", "WARN", len(notes), "; ".join(sorted(set(notes))))
     else:

@@ -35,6 +35,7 @@ from ._collect import (
     run_job,
     set_epoch,
 )
+from ._factory import describe
 from ._launch import tell, working_on
 from ._types import LoaderFactory, Settings
 
@@ -226,7 +227,7 @@ def reference_task(
     jobs, settings = payload
     out: list[tuple[RankResult, str | None, list[Stop], list[Resumed]]] = []
     for job in jobs:
-        working_on(str(job.factory))
+        working_on(describe(job.factory))
         reference = run_job(job, settings, rank)
         counts = [r.batches for r in sorted(reference.per_rank, key=lambda r: r.epoch)]
         with warnings.catch_warnings():
@@ -240,7 +241,7 @@ def reference_task(
             continue
         runs = []
         for i, stop in enumerate(stops):
-            tell(f"{job.factory}: stop {i + 1} of {len(stops)}, {stop}")
+            tell(f"{describe(job.factory)}: stop {i + 1} of {len(stops)}, {stop}")
             runs.append(_run(job, settings, rank, until=stop))
         out.append((reference, None, stops, runs))
     return out
@@ -255,7 +256,7 @@ def resume_task(rank: int, items: list[ResumeItem]) -> list[Resumed]:
     """Each item in a fresh loader: load the state, finish (or stop at ``then``)."""
     out = []
     for i, (job, settings, stop, states, own, then) in enumerate(items):
-        working_on(f"{job.factory} resumed from {stop}")
+        working_on(f"{describe(job.factory)} resumed from {stop}")
         tell(f"resume {i + 1} of {len(items)}: {stop}")
         state = states[rank] if own else states[0]
         out.append(_run(job, settings, rank, state=state, start=stop, until=then))

@@ -266,6 +266,14 @@ def resume_findings(
         head = Finding("resume", "Resume", "WARN", 0, "no batch to stop at")
     elif len(errors) == len(report.stops):
         head = Finding("resume", "Resume", "WARN", len(errors), f"at no stop: {errors[0]}")
+    elif errors:
+        head = Finding(
+            "resume",
+            "Resume",
+            "WARN",
+            len(errors),
+            f"cannot resume at {len(errors)} of {len(report.stops)} stops: {errors[0]}",
+        )
     elif notes:
         head = Finding("resume", "Resume", "WARN", len(notes), "; ".join(sorted(set(notes))))
     else:

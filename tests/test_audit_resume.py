@@ -270,3 +270,19 @@ def test_assert_loader_correct_raises_with_the_findings_of_a_broken_loader() -> 
         assert_loader_correct(
             "examples.talk_attempts:naive", world_size=2, num_workers=1, resume=False
         )
+
+
+def test_the_pytest_plugin_gives_the_assert_loader_fixture(tmp_path: Path) -> None:
+    (tmp_path / "conftest.py").write_text('pytest_plugins = ["evenly.testing"]\n')
+    (tmp_path / "test_uses_it.py").write_text(
+        "from evenly.testing import assert_loader_correct\n\n"
+        "def test_fixture(assert_loader):\n"
+        "    assert assert_loader is assert_loader_correct\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "1 passed" in run.stdout

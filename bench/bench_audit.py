@@ -1,6 +1,7 @@
 """How long ``evenly audit`` takes on a 100,000-sample dataset with 2 ranks x 2 workers x
-2 epochs (target: under 60 s on 2 cores), end to end: spawning the ranks, running the
-DataLoader workers, shipping the records back and computing every finding.
+2 epochs (goal: 10 s or less on an idle 2-core machine; exit status 1 past 60 s), end to
+end: starting the ranks, running the DataLoader workers, shipping the records back and
+computing every finding (no --resume, no --report).
 
     python bench/bench_audit.py [--size 100000] [--batch-size 10] [--report DIR]
 

@@ -25,6 +25,11 @@ PIP=(python -m pip install --quiet -c constraints.txt)
 "${PIP[@]}" Brotli python-snappy zstd zstandard pillow xxhash catalogue transformers
 "${PIP[@]}" --no-deps "mosaicml-streaming==0.13.0"
 
+# Grain (its own DataLoader; evenly.audit.peers adapts it for `evenly audit --peer grain`):
+# its wheel's requirements are light (absl-py, array-record, cloudpickle, etils, numpy,
+# portpicker, protobuf) and leave torch alone
+"${PIP[@]}" "grain==0.2.18"
+
 python - <<'PY'
 import importlib
 import sys
@@ -33,7 +38,7 @@ import types
 # bench_formats.py imports mosaicml-streaming the same way: its streaming.vision
 # subpackage imports torchvision (not installed here, and not needed by the bench)
 sys.modules.setdefault("streaming.vision", types.ModuleType("streaming.vision"))
-for name in ("datasets", "webdataset", "litdata", "streaming", "psutil"):
+for name in ("datasets", "webdataset", "litdata", "streaming", "grain", "psutil"):
     try:
         mod = importlib.import_module(name)
         print(f"ok   {name} {getattr(mod, '__version__', '?')}")

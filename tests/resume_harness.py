@@ -36,7 +36,6 @@ StatefulDataLoader.  Only public API is used: positions are dealt as the documen
 from __future__ import annotations
 
 import gc
-import json
 import warnings
 from abc import ABC, abstractmethod
 from collections import Counter
@@ -48,6 +47,7 @@ import torch
 import torch.utils.data as tud
 
 import evenly
+from evenly.audit._resumecheck import round_trip, shape_of
 
 __all__ = [
     "Layout",
@@ -158,22 +158,6 @@ def to_ids(batch: Any) -> list[int]:
     if isinstance(batch, torch.Tensor):
         return [int(x) for x in batch.reshape(-1).tolist()]
     return [int(x) for x in batch]
-
-
-def round_trip(state: dict[str, Any]) -> dict[str, Any]:
-    """The state as a checkpoint file gives it back."""
-    restored: dict[str, Any] = json.loads(json.dumps(state))
-    return restored
-
-
-def shape_of(value: Any) -> Any:
-    """The state's shape: its keys, recursively, and the JSON type of every value (lists
-    by type only: their length may change)."""
-    if isinstance(value, dict):
-        return tuple(sorted((str(k), shape_of(v)) for k, v in value.items()))
-    if isinstance(value, list | tuple):
-        return "list"
-    return type(value).__name__
 
 
 class Rig(ABC):

@@ -26,12 +26,13 @@ if TYPE_CHECKING:
     from ._findings import all_findings
     from ._result import AuditResult
     from ._trace import default_id
-    from ._types import AuditError, Finding, RankEpoch, Records, Status
+    from ._types import AuditError, Finding, LoaderFactory, RankEpoch, Records, Status
 
 __all__ = [
     "AuditError",
     "AuditResult",
     "Finding",
+    "LoaderFactory",
     "RankEpoch",
     "Records",
     "Status",
@@ -47,6 +48,7 @@ _HOME = {
     "AuditError": "._types",
     "AuditResult": "._result",
     "Finding": "._types",
+    "LoaderFactory": "._types",
     "RankEpoch": "._types",
     "Records": "._types",
     "Status": "._types",

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -21,15 +22,19 @@ from ._findings import all_findings
 from ._result import AuditResult
 from ._types import I64, AuditError, IdFn, Records, Settings
 
+I64_EMPTY = np.zeros(0, dtype=np.int64)
+
 if TYPE_CHECKING:
     from ._collect import RankResult
 
 __all__ = ["AuditResult", "audit", "audit_many", "build_records"]
 
 
-def _encode(ids: list[Any]) -> tuple[I64, list[str] | None, list[Any]]:
+def _encode(ids: I64 | list[Any]) -> tuple[I64, list[str] | None, list[Any]]:
     """Integer codes for the ids, their labels (None if the ids are ints) and the
     distinct id values indexed by code (for shard_fn)."""
+    if isinstance(ids, np.ndarray):
+        return ids.astype(np.int64, copy=False), None, []
     if all(isinstance(i, int | np.integer) and not isinstance(i, bool) for i in ids):
         codes = np.asarray(ids, dtype=np.int64)
         return codes, None, []
@@ -61,19 +66,25 @@ def build_records(
     shard_fn: Callable[[Any], Any] | None = None,
 ) -> Records:
     """Merge the ranks' results into one ``Records``."""
+    int_ids = all(isinstance(r.ids, np.ndarray) for r in ranks)
     ids: list[Any] = []
     cols: list[list[Any]] = [[], [], [], [], [], []]
     reads: list[I64] = []
     for result in ranks:
         worker, epoch, batch, pos, draws = result.arrays()
-        ids.extend(result.ids)
+        ids.extend([] if int_ids else list(result.ids))
         read = np.asarray(result.reads, dtype=np.int64).reshape(-1)
         reads.append(read if len(read) == len(result.ids) else np.full(len(result.ids), -1))
         for col, arr in zip(
             cols, (np.full(len(worker), result.rank), worker, epoch, batch, pos, draws), strict=True
         ):
             col.append(arr)
-    codes, labels, distinct = _encode(ids)
+    all_ids: I64 | list[Any] = ids
+    if int_ids:
+        all_ids = np.concatenate(
+            [np.asarray(r.ids, dtype=np.int64) for r in ranks] or [np.zeros(0, dtype=np.int64)]
+        )
+    codes, labels, distinct = _encode(all_ids)
     rank0 = ranks[0]
     mix = rank0.mix
     reference, source = rank0.expected, rank0.expected_source
@@ -115,6 +126,19 @@ def _check(name: str, value: int, minimum: int) -> int:
     return value
 
 
+def _codes(results: list[RankResult]) -> tuple[list[I64], Callable[[int], str]]:
+    """Integer codes for the ids of several runs, in one code space, and their labels."""
+    ids: I64 | list[Any]
+    if all(isinstance(r.ids, np.ndarray) for r in results):
+        ids = np.concatenate([np.asarray(r.ids, dtype=np.int64) for r in results] or [I64_EMPTY])
+    else:
+        ids = [i for r in results for i in list(r.ids)]
+    codes, labels, _ = _encode(ids)
+    bounds = np.cumsum([0] + [len(r.ids) for r in results])
+    split = [codes[a:b] for a, b in itertools.pairwise(bounds)]
+    return split, (str if labels is None else labels.__getitem__)
+
+
 def audit_many(
     factories: Sequence[Factory],
     *,
@@ -126,6 +150,11 @@ def audit_many(
     shard_fn: Callable[[Any], Any] | None = None,
     expected: int | None = None,
     timeout: float = 300.0,
+    resume: bool = False,
+    resume_world_size: int | None = None,
+    resume_workers: int | None = None,
+    resume_at: Sequence[float] = (),
+    progress: Callable[[str], None] | None = None,
 ) -> list[AuditResult]:
     """Audit several factories in one group of rank processes (cheaper than one
     ``audit`` each); arguments as for ``audit``."""
@@ -135,9 +164,16 @@ def audit_many(
         epochs=_check("epochs", epochs, 1),
         batch_size=_check("batch_size", batch_size, 1),
         timeout=float(timeout),
+        resume_at=tuple(float(f) for f in resume_at),
     )
+    if any(not 0.0 < f <= 1.0 for f in settings.resume_at):
+        raise ValueError(f"resume_at must be fractions in (0, 1], got {list(resume_at)}")
     if expected is not None:
         _check("expected", expected, 0)
+    if resume_world_size is not None:
+        _check("resume_world_size", resume_world_size, 1)
+    if resume_workers is not None:
+        _check("resume_workers", resume_workers, 0)
     for factory in factories:
         if isinstance(factory, str):
             resolve(factory)  # fail fast, in this process, with a clear message
@@ -147,11 +183,34 @@ def audit_many(
     # ``import evenly`` (that imports this module for ``evenly.audit``) does not.
     from ._collect import Job, collect
 
-    per_job = collect([Job(f, id_fn) for f in factories], settings)
+    if not resume:
+        if progress is not None:
+            progress(f"running {len(factories)} factory(ies) on {world_size} ranks")
+        per_job = collect([Job(f, id_fn) for f in factories], settings, progress)
+        results = []
+        for factory, ranks in zip(factories, per_job, strict=True):
+            records = build_records(ranks, settings, expected=expected, shard_fn=shard_fn)
+            found = all_findings(records)
+            results.append(AuditResult(describe(factory), settings, records, found))
+        return results
+    from ._resumeplan import resume_findings, run_resume
+
+    outcome = run_resume(
+        [Job(f, id_fn, stateful=True) for f in factories],
+        settings,
+        world_size=resume_world_size,
+        num_workers=resume_workers,
+        progress=progress,
+    )
     results = []
-    for factory, ranks in zip(factories, per_job, strict=True):
-        records = build_records(ranks, settings, expected=expected, shard_fn=shard_fn)
-        results.append(AuditResult(describe(factory), settings, records, all_findings(records)))
+    for factory, (refs, report) in zip(factories, outcome, strict=True):
+        records = build_records(refs, settings, expected=expected, shard_fn=shard_fn)
+        everything = refs + [r for s in report.stops for seg in s.segments for r in seg]
+        split, label = _codes(everything)
+        code_of = {id(r): c for r, c in zip(everything, split, strict=True)}
+        report.findings = resume_findings(report, refs, code_of, settings, label)
+        found = all_findings(records) + report.findings
+        results.append(AuditResult(describe(factory), settings, records, found, report))
     return results
 
 
@@ -166,6 +225,10 @@ def audit(
     shard_fn: Callable[[Any], Any] | None = None,
     expected: int | None = None,
     timeout: float = 300.0,
+    resume: bool = False,
+    resume_world_size: int | None = None,
+    resume_workers: int | None = None,
+    resume_at: Sequence[float] = (),
 ) -> AuditResult:
     """Run ``factory`` in ``world_size`` real rank processes, each through a DataLoader
     with ``num_workers`` workers for ``epochs`` epochs, and judge what was delivered.
@@ -181,6 +244,18 @@ def audit(
         expected: distinct samples per epoch across all ranks, when ``len()`` does not
             say (by default: ``len(source)`` of an evenly.Dataset, else ``len(dataset)``).
         timeout: seconds before a stuck audit is stopped.
+        resume: also stop every rank at a few batches (early, middle, the last batch,
+            the epoch boundary, a second resume), save the loader's state, load it in
+            fresh processes and compare the rest with the uninterrupted run (one
+            ``resume_*`` finding per stop; ``resume`` says onto what it resumed).
+            ``evenly.Dataset`` runs under ``evenly.DataLoader``, a dataset with
+            ``state_dict``/``load_state_dict`` under torchdata's ``StatefulDataLoader``,
+            a ``LoaderFactory`` under its own loader; anything else "cannot resume"
+            (a WARN).
+        resume_world_size: the ranks to resume onto (default: the audit's), where the
+            state allows it (else a WARN says so).
+        resume_workers: the workers per rank to resume onto (default: the audit's).
+        resume_at: more stops, as fractions of the first epoch (0.5: its middle batch).
     """
     return audit_many(
         [factory],
@@ -192,4 +267,8 @@ def audit(
         shard_fn=shard_fn,
         expected=expected,
         timeout=timeout,
+        resume=resume,
+        resume_world_size=resume_world_size,
+        resume_workers=resume_workers,
+        resume_at=resume_at,
     )[0]

@@ -6,15 +6,18 @@ FAIL, 1 when one is, 2 when the audit could not run (bad factory path, failing r
 timeout: every process the audit started is stopped, DataLoader workers included).
 
     evenly audit examples.talk_attempts:naive --workers 4 --world-size 2 --epochs 2 \\
-        --batch-size 10 [--json] [--report DIR] [--shard-fn mod:fn] [--id-fn mod:fn]
+        --batch-size 10 [--json] [--report DIR] [--junit FILE] [--shard-fn mod:fn]
+        [--id-fn mod:fn] [--resume [--resume-world-size N] [--resume-workers K]]
+    evenly audit --peer litdata --data DIR [--resume]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 __all__ = ["DESCRIPTION", "add_arguments", "main", "register", "run"]
@@ -25,10 +28,15 @@ workers, record every sample delivered, and check it: duplicates and missing sam
 per epoch, per-rank sample and batch counts, partial batches, an order repeated from the
 previous epoch, shuffle quality, random streams shared by workers or ranks, len().  For
 an evenly.Dataset over an evenly.Mix: samples per source per epoch against mix.counts,
-and duplicates/missing judged per source stream.
+and duplicates/missing judged per source stream.  With --resume: every rank stops at a
+few batches (early, middle, the last batch, the epoch boundary, a second resume), saves
+the loader's state, and fresh processes load it and finish; the rest is compared with
+the uninterrupted run (missing, repeated, reordered, wrong epoch).
 
-example:
+examples:
   evenly audit examples.talk_attempts:naive --workers 4 --world-size 2 --epochs 2
+  evenly audit examples.talk_attempts:evenly_dataset --resume --resume-world-size 3
+  evenly audit --peer litdata --data DIR --resume
 
 exit status: 0 when no finding is FAIL, 1 when one is, 2 when the audit could not run.
 """
@@ -38,10 +46,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The audit's arguments, on any parser."""
     parser.add_argument(
         "factories",
-        nargs="+",
+        nargs="*",
         metavar="module.path:factory",
-        help="callable returning the rank's dataset, or (dataset, dataloader_kwargs)",
+        help="callable returning the rank's dataset, (dataset, dataloader_kwargs) or an "
+        "evenly.audit.LoaderFactory",
     )
+    parser.add_argument(
+        "--peer",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="audit a peer loader by name, over --data (see docs/peers.md; repeatable)",
+    )
+    parser.add_argument("--data", default=None, metavar="DIR", help="the data of --peer")
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="also stop at a few batches, save the state, resume in fresh processes",
+    )
+    parser.add_argument("--resume-world-size", type=int, default=None, help="ranks to resume onto")
+    parser.add_argument(
+        "--resume-workers", type=int, default=None, help="workers per rank to resume onto"
+    )
+    parser.add_argument(
+        "--junit", default=None, metavar="FILE", help="write the findings as JUnit XML"
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     parser.add_argument("--workers", type=int, default=2, help="DataLoader workers per rank")
     parser.add_argument("--world-size", type=int, default=2, help="rank processes (gloo)")
     parser.add_argument("--epochs", type=int, default=2)
@@ -117,17 +147,31 @@ def run(args: argparse.Namespace) -> int:
             require_matplotlib()  # before the audit runs, not after
         id_fn = resolve(args.id_fn) if args.id_fn else None
         shard_fn = resolve(args.shard_fn) if args.shard_fn else None
-        results = audit_many(
-            args.factories,
-            num_workers=args.workers,
-            world_size=args.world_size,
-            epochs=args.epochs,
-            batch_size=args.batch_size,
-            id_fn=id_fn,
-            shard_fn=shard_fn,
-            expected=args.expected,
-            timeout=args.timeout,
-        )
+        factories: list[Any] = list(args.factories)
+        if args.peer:
+            from .peers import peer_factory
+
+            if args.data is None:
+                raise AuditError("--peer needs --data DIR (the folder of the peer's data)")
+            factories += [peer_factory(name, args.data) for name in args.peer]
+        if not factories:
+            raise AuditError("name a factory (module.path:factory) or a --peer")
+        with _progress(err, enabled=not args.no_progress) as say:
+            results = audit_many(
+                factories,
+                num_workers=args.workers,
+                world_size=args.world_size,
+                epochs=args.epochs,
+                batch_size=args.batch_size,
+                id_fn=id_fn,
+                shard_fn=shard_fn,
+                expected=args.expected,
+                timeout=args.timeout,
+                resume=args.resume,
+                resume_world_size=args.resume_world_size,
+                resume_workers=args.resume_workers,
+                progress=say,
+            )
     except KeyboardInterrupt:
         err.print("evenly audit: interrupted; every process it started was stopped")
         return 130
@@ -145,6 +189,10 @@ def run(args: argparse.Namespace) -> int:
             per_source = mix_table(r)
             if per_source is not None:
                 out.print(per_source)
+    if args.junit:
+        from ._junit import write_junit
+
+        err.print(f"junit: {write_junit(results, args.junit)}", highlight=False)
     if args.report:
         for i, r in enumerate(results):
             folder = Path(args.report)
@@ -153,6 +201,17 @@ def run(args: argparse.Namespace) -> int:
             page = r.write_report(folder)
             err.print(f"report: {page}", highlight=False)
     return 0 if all(r.ok for r in results) else 1
+
+
+@contextlib.contextmanager
+def _progress(console: Any, *, enabled: bool) -> Iterator[Callable[[str], None] | None]:
+    """A rich status line on stderr naming the audit's current phase (only on a
+    terminal: none in tests, pipes or CI logs)."""
+    if not enabled or not console.is_terminal:
+        yield None
+        return
+    with console.status("evenly audit: starting") as status:
+        yield lambda text: status.update(f"evenly audit: {text}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

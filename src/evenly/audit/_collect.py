@@ -11,22 +11,12 @@ dataset, the sampler and the batch sampler when they have one, as a careful user
 
 from __future__ import annotations
 
-import multiprocessing
-import os
-import pickle
-import queue as queue_mod
-import socket
-import time
-import traceback
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 import numpy as np
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.utils.data import DataLoader, IterableDataset
 
 from evenly.dataset import Dataset as EvenlyDataset
@@ -34,11 +24,23 @@ from evenly.loader.loader import DataLoader as EvenlyLoader
 from evenly.mixture import Mix
 
 from ._factory import Factory, describe, resolve
-from ._procs import detach, exit_on_signals, stop
-from ._trace import SplitCollate, TracedIterable, TracedMap, default_id, trace_evenly
-from ._types import F64, I64, AuditError, IdFn, MixInfo, RankEpoch, Settings
+from ._launch import launch, tell, working_on
+from ._trace import (
+    MetaBatch,
+    SplitCollate,
+    TagCollate,
+    TracedIterable,
+    TracedMap,
+    TracedStateful,
+    default_id,
+    trace_evenly,
+)
+from ._types import F64, I64, AuditError, IdFn, LoaderFactory, MixInfo, RankEpoch, Settings
 
 __all__ = ["AuditError", "Job", "RankResult", "Settings", "collect", "describe", "resolve"]
+
+#: Batches between two progress lines from rank 0.
+PROGRESS_EVERY = 250
 
 #: DataLoader arguments the audit sets itself; a factory may not override them.
 _RESERVED = frozenset({"dataset", "batch_size", "num_workers"})
@@ -50,6 +52,8 @@ class Job:
 
     factory: Factory
     id_fn: IdFn | None = None
+    #: run the dataset under torchdata's StatefulDataLoader (a resume audit)
+    stateful: bool = False
 
 
 @dataclass
@@ -57,7 +61,7 @@ class RankResult:
     """Everything one rank delivered for one job, in delivery order (one row a sample)."""
 
     rank: int
-    ids: list[Any] = field(default_factory=list)
+    ids: I64 | list[Any] = field(default_factory=list)
     worker: I64 = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     epoch: I64 = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     batch: I64 = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
@@ -86,15 +90,35 @@ def _length(obj: Any) -> int | None:
         return None
 
 
-def _set_epoch(objects: list[Any], epoch: int) -> None:
+def _inner(dataset: Any) -> Any:
+    """The dataset itself (a ``LoaderFactory``'s ``dataset``)."""
+    return dataset.dataset if isinstance(dataset, LoaderFactory) else dataset
+
+
+def epoch_objects(dataset: Any, kwargs: dict[str, Any], loader: Any) -> list[Any]:
+    """What a careful loop calls ``set_epoch`` on: the dataset, its sampler and batch
+    sampler, and a loader the factory made itself."""
+    objects = [_inner(dataset), kwargs.get("sampler"), kwargs.get("batch_sampler")]
+    return [*objects, loader] if isinstance(dataset, LoaderFactory) else objects
+
+
+def set_epoch(objects: list[Any], epoch: int) -> None:
+    """``obj.set_epoch(epoch)`` on each object that has it."""
     for obj in objects:
         setter = getattr(obj, "set_epoch", None)
         if callable(setter):
             setter(epoch)
 
 
+def is_stateful(obj: Any) -> bool:
+    """Whether ``obj`` saves and loads a state (``state_dict``/``load_state_dict``)."""
+    return callable(getattr(obj, "state_dict", None)) and callable(
+        getattr(obj, "load_state_dict", None)
+    )
+
+
 def _split(made: Any, name: str) -> tuple[Any, dict[str, Any]]:
-    """A factory returns a dataset, or ``(dataset, dataloader_kwargs)``."""
+    """A factory returns a dataset, ``(dataset, dataloader_kwargs)`` or a ``LoaderFactory``."""
     if isinstance(made, tuple) and len(made) == 2 and isinstance(made[1], Mapping):
         dataset, kwargs = made[0], dict(made[1])
     else:
@@ -115,9 +139,23 @@ def _is_iterable(dataset: Any) -> bool:
 
 
 def _build(
-    dataset: Any, kwargs: dict[str, Any], id_fn: IdFn, settings: Settings, name: str
-) -> tuple[DataLoader[Any], bool]:
-    """The traced dataset's loader, and whether the dataset is iterable."""
+    dataset: Any,
+    kwargs: dict[str, Any],
+    id_fn: IdFn,
+    settings: Settings,
+    name: str,
+    stateful: bool = False,
+) -> tuple[Any, bool]:
+    """The traced dataset's loader, and whether the dataset is iterable (``stateful``:
+    torchdata's ``StatefulDataLoader`` instead of torch's, for a resume audit)."""
+    if isinstance(dataset, LoaderFactory):
+        made = dataset.make(
+            batch_size=settings.batch_size,
+            num_workers=settings.num_workers,
+            collate_fn=TagCollate(id_fn, kwargs.pop("collate_fn", None)),
+            **kwargs,
+        )
+        return made, True
     collate = SplitCollate(kwargs.pop("collate_fn", None))
     if isinstance(dataset, EvenlyDataset):
         loader: DataLoader[Any] = EvenlyLoader(
@@ -129,7 +167,7 @@ def _build(
         )
         return loader, True
     if _is_iterable(dataset):
-        traced: Any = TracedIterable(dataset, id_fn)
+        traced: Any = (TracedStateful if is_stateful(dataset) else TracedIterable)(dataset, id_fn)
         iterable = True
     elif hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__"):
         traced, iterable = TracedMap(dataset, id_fn), False
@@ -140,7 +178,12 @@ def _build(
         )
     if "batch_sampler" not in kwargs:
         kwargs["batch_size"] = settings.batch_size
-    loader = DataLoader(traced, num_workers=settings.num_workers, collate_fn=collate, **kwargs)
+    cls: Any = DataLoader
+    if stateful:
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        cls = StatefulDataLoader
+    loader = cls(traced, num_workers=settings.num_workers, collate_fn=collate, **kwargs)
     return loader, iterable
 
 
@@ -155,6 +198,8 @@ def _mix_info(dataset: Any, epochs: int) -> MixInfo | None:
 
 def _expected(dataset: Any, iterable: bool) -> tuple[int | None, str]:
     """Distinct samples an epoch should deliver across all ranks, and where that is from."""
+    if isinstance(dataset, LoaderFactory):
+        dataset = dataset.dataset
     if isinstance(dataset, EvenlyDataset):
         return _length(dataset.source), "len(source)"
     n = _length(dataset)
@@ -188,157 +233,110 @@ class _WarningLog:
         return [text if n == 1 else f"{text} (x{n})" for text, n in self.seen.values()]
 
 
-def run_job(job: Job, settings: Settings, rank: int) -> RankResult:
-    """Audit one factory in this (already initialised) rank process."""
+class Columns:
+    """A rank's deliveries, one ``MetaBatch`` a batch, joined into columns at the end
+    (nothing is kept or shipped per sample)."""
+
+    def __init__(self) -> None:
+        self.metas: list[MetaBatch] = []
+        self.epochs: list[int] = []
+
+    def add(self, epoch: int, metas: MetaBatch) -> None:
+        self.metas.append(metas)
+        self.epochs.append(epoch)
+
+    def fill(self, result: RankResult, first_batch: dict[int, int] | None = None) -> None:
+        """Set ``result``'s columns (``first_batch``: epoch -> the batch number the first
+        recorded batch of that epoch had, for a run that resumed inside it)."""
+        metas = self.metas
+        sizes = np.asarray([len(m.reads) for m in metas], dtype=np.int64)
+        epochs = np.asarray(self.epochs, dtype=np.int64)
+        # batch number within its epoch: counts restart where the epoch changes
+        index = np.arange(len(metas), dtype=np.int64)
+        starts = np.flatnonzero(np.r_[True, epochs[1:] != epochs[:-1]]) if len(metas) else index
+        batch_no = index - np.repeat(starts, np.diff(np.r_[starts, len(metas)]))
+        if first_batch:
+            batch_no += np.asarray([first_batch.get(int(e), 0) for e in epochs], dtype=np.int64)
+        result.epoch = np.repeat(epochs, sizes)
+        result.batch = np.repeat(batch_no, sizes)
+        total = int(sizes.sum())
+        result.pos = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+        if not metas:
+            return
+        result.worker = np.concatenate([m.worker for m in metas])
+        result.draws = np.concatenate([m.draws for m in metas]).reshape(-1, 3)
+        result.reads = np.concatenate([m.reads for m in metas])
+        if all(isinstance(m.ids, np.ndarray) for m in metas):
+            result.ids = np.concatenate([np.asarray(m.ids, dtype=np.int64) for m in metas])
+        else:
+            result.ids = [
+                i
+                for m in metas
+                for i in (m.ids.tolist() if isinstance(m.ids, np.ndarray) else m.ids)
+            ]
+
+
+def build_loader(job: Job, settings: Settings) -> tuple[Any, Any, dict[str, Any], bool]:
+    """The factory's dataset, traced, in its loader: ``(dataset, loader, kwargs, iterable)``."""
     name = describe(job.factory)
     factory = resolve(job.factory) if isinstance(job.factory, str) else job.factory
+    dataset, kwargs = _split(factory(), name)
+    loader, iterable = _build(
+        dataset, kwargs, job.id_fn or default_id, settings, name, job.stateful
+    )
+    return dataset, loader, kwargs, iterable
+
+
+def run_job(job: Job, settings: Settings, rank: int) -> RankResult:
+    """Audit one factory in this (already initialised) rank process."""
     result = RankResult(rank=rank)
     log = _WarningLog()
-    metas: list[tuple[Any, ...]] = []
-    epochs: list[int] = []
-    batches_col: list[int] = []
-    positions: list[int] = []
+    columns = Columns()
     with warnings.catch_warnings():
         warnings.simplefilter("always")
         warnings.showwarning = log
-        dataset, kwargs = _split(factory(), name)
-        loader, iterable = _build(dataset, kwargs, job.id_fn or default_id, settings, name)
+        dataset, loader, kwargs, iterable = build_loader(job, settings)
         result.expected, result.expected_source = _expected(dataset, iterable)
         managed = isinstance(dataset, EvenlyDataset)
         for epoch in range(settings.epochs):
             if not managed:
-                _set_epoch([dataset, kwargs.get("sampler"), kwargs.get("batch_sampler")], epoch)
+                set_epoch(epoch_objects(dataset, kwargs, loader), epoch)
             if managed:  # the pass evenly.DataLoader plans (its batch size and drop_last)
-                reported = loader.plan.samples_per_rank  # type: ignore[attr-defined]
+                reported = loader.plan.samples_per_rank
             elif iterable:
-                reported = _length(dataset)
+                reported = _length(_inner(dataset))
             else:
                 reported = _length(getattr(loader.batch_sampler, "sampler", None))
             reported_batches = _length(loader)
             samples = batches = 0
-            for b, (_, batch_metas) in enumerate(loader):
-                k = len(batch_metas)
-                metas.extend(batch_metas)
-                epochs.extend([epoch] * k)
-                batches_col.extend([b] * k)
-                positions.extend(range(k))
-                samples += k
+            for _, metas in loader:
+                columns.add(epoch, metas)
+                samples += len(metas.reads)
                 batches += 1
+                if batches % PROGRESS_EVERY == 0:
+                    tell(f"{describe(job.factory)}: epoch {epoch}, batch {batches}")
             result.per_rank.append(
                 RankEpoch(rank, epoch, samples, batches, reported, reported_batches)
             )
     result.mix = _mix_info(dataset, settings.epochs)
-    if metas:
-        workers, ids, *draws, reads = zip(*metas, strict=True)
-        result.ids = list(ids)
-        result.worker = np.asarray(workers, dtype=np.int64)
-        result.draws = np.asarray(draws, dtype=np.float64).T.copy()
-        result.reads = np.asarray(reads, dtype=np.int64)
-    result.epoch = np.asarray(epochs, dtype=np.int64)
-    result.batch = np.asarray(batches_col, dtype=np.int64)
-    result.pos = np.asarray(positions, dtype=np.int64)
+    columns.fill(result)
     result.warnings = log.lines()
     return result
 
 
-def _rank_main(rank: int, settings: Settings, port: int, jobs: list[Job], out: Any) -> None:
-    detach()  # its own process group: stopping the audit stops its workers too
-    os.environ.update(
-        {
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "RANK": str(rank),
-            "WORLD_SIZE": str(settings.world_size),
-            "LOCAL_RANK": str(rank),
-            "LOCAL_WORLD_SIZE": str(settings.world_size),
-        }
-    )
-    # A spawned process inherits "spawn" as its start method; a rank started by torchrun
-    # has the platform's default (fork on Linux), which is what DataLoader workers use.
-    multiprocessing.set_start_method(multiprocessing.get_all_start_methods()[0], force=True)
-    torch.set_num_threads(1)
-    current = "process group setup"
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=settings.world_size)
-        try:
-            results = []
-            for job in jobs:
-                current = describe(job.factory)
-                results.append(run_job(job, settings, rank))
-            out.put((rank, True, results))
-        finally:
-            dist.destroy_process_group()
-    except BaseException:
-        out.put((rank, False, f"while auditing {current}:\n{traceback.format_exc()}"))
+def _run_jobs(rank: int, payload: tuple[list[Job], Settings]) -> list[RankResult]:
+    jobs, settings = payload
+    out = []
+    for job in jobs:
+        working_on(describe(job.factory))
+        out.append(run_job(job, settings, rank))
+    return out
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _gather(
-    procs: list[Any], out: Any, settings: Settings, results: dict[int, list[RankResult]]
-) -> None:
-    """Fill ``results`` (rank -> results per job) from the ranks; raise ``AuditError`` when
-    a rank fails, dies or the audit runs past ``settings.timeout``."""
-    deadline = time.monotonic() + settings.timeout
-    while len(results) < settings.world_size:
-        try:
-            rank, ok, value = out.get(timeout=min(1.0, max(0.01, deadline - time.monotonic())))
-        except queue_mod.Empty:
-            dead = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in results]
-            if dead:
-                code = procs[dead[0]].exitcode
-                raise AuditError(
-                    f"rank {dead[0]} exited with code {code} before reporting; every rank "
-                    f"process and its DataLoader workers were stopped"
-                ) from None
-            if time.monotonic() > deadline:
-                waiting = [r for r in range(settings.world_size) if r not in results]
-                raise AuditError(
-                    f"the audit did not finish within its timeout of {settings.timeout:g} s "
-                    f"(--timeout / timeout=): rank(s) {waiting} had not reported. A rank is "
-                    f"stuck: a dataset or worker that never ends, or a collective that only "
-                    f"some ranks join? Every rank process and its DataLoader workers were "
-                    f"stopped; raise the timeout if the dataset is only slow"
-                ) from None
-            continue
-        if not ok:
-            raise AuditError(f"rank {rank} failed {value}")
-        results[rank] = value
-
-
-def collect(jobs: list[Job], settings: Settings) -> list[list[RankResult]]:
+def collect(
+    jobs: list[Job], settings: Settings, progress: Callable[[str], None] | None = None
+) -> list[list[RankResult]]:
     """Run every job in ``settings.world_size`` fresh rank processes (one group for all
     jobs); return, per job, the ``RankResult`` of each rank in rank order."""
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = _free_port()
-    procs = [
-        ctx.Process(target=_rank_main, args=(r, settings, port, jobs, out))
-        for r in range(settings.world_size)
-    ]
-    try:
-        for p in procs:
-            p.start()
-    except (pickle.PicklingError, AttributeError, TypeError) as exc:
-        stop(procs, grace=0.0)
-        raise AuditError(
-            f"the factory and id_fn travel to the rank processes by pickle and must be "
-            f"module-level functions (or functools.partial of one), not lambdas or local "
-            f"functions: {exc}"
-        ) from exc
-    results: dict[int, list[RankResult]] = {}
-    with exit_on_signals():
-        try:
-            _gather(procs, out, settings, results)
-        finally:
-            left = stop(procs, grace=10.0 if len(results) == settings.world_size else 0.5)
-            if left:
-                raise AuditError(
-                    f"processes {left} started by the audit still run after SIGKILL "
-                    f"(uninterruptible I/O?); stop them by pid"
-                )
-    return [[results[r][j] for r in range(settings.world_size)] for j in range(len(jobs))]
+    per_rank = launch(settings.world_size, settings.timeout, _run_jobs, (jobs, settings), progress)
+    return [[per_rank[r][j] for r in range(settings.world_size)] for j in range(len(jobs))]

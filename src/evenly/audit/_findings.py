@@ -146,13 +146,38 @@ def rank_balance(rec: Records) -> Finding:
     return Finding("rank_balance", "Rank balance", _worst(statuses), worst, "; ".join(parts))
 
 
+def unique_rows(*cols: I64) -> tuple[I64, I64, I64]:
+    """``np.unique(np.stack(cols, 1), axis=0, return_inverse=True, return_counts=True)``
+    on one packed int64 key (``axis=0`` sorts rows as objects: ~20x slower).
+
+    >>> rows, inverse, counts = unique_rows(np.array([1, 0, 1]), np.array([2, 5, 2]))
+    >>> rows.tolist(), inverse.tolist(), counts.tolist()
+    ([[0, 5], [1, 2]], [1, 0, 1], [1, 2])
+    """
+    n = len(cols[0])
+    if n == 0:
+        empty = np.zeros(0, dtype=np.int64)
+        return np.zeros((0, len(cols)), dtype=np.int64), empty, empty
+    lows = [int(c.min()) for c in cols]
+    spans = [int(c.max()) - lo + 1 for c, lo in zip(cols, lows, strict=True)]
+    key = np.zeros(n, dtype=np.int64)
+    for c, lo, span in zip(cols, lows, spans, strict=True):
+        key = key * span + (c.astype(np.int64) - lo)
+    uniq, inverse, counts = np.unique(key, return_inverse=True, return_counts=True)
+    rows = np.zeros((len(uniq), len(cols)), dtype=np.int64)
+    rest = uniq.copy()
+    for j in range(len(cols) - 1, -1, -1):
+        rows[:, j] = rest % spans[j] + lows[j]
+        rest //= spans[j]
+    return rows, inverse.reshape(-1).astype(np.int64), counts.astype(np.int64)
+
+
 def _batch_sizes(rec: Records) -> tuple[I64, I64, I64]:
     """(rank, epoch, size) of every batch with at least one sample."""
     if len(rec) == 0:
         empty = np.zeros(0, dtype=np.int64)
         return empty, empty, empty
-    key = np.stack([rec.epoch, rec.rank, rec.batch], axis=1)
-    uniq, sizes = np.unique(key, axis=0, return_counts=True)
+    uniq, _, sizes = unique_rows(rec.epoch, rec.rank, rec.batch)
     return uniq[:, 1].astype(np.int64), uniq[:, 0].astype(np.int64), sizes.astype(np.int64)
 
 
@@ -179,12 +204,9 @@ def partial_batches(rec: Records) -> Finding:
 def rng_streams(rec: Records) -> Finding:
     """Workers or ranks whose random draws after each sample are the same sequence: they
     apply the same "random" augmentations (FAIL).  Equal across epochs only: WARN."""
-    key = np.stack([rec.rank, rec.epoch, rec.worker], axis=1)
-    if len(key) == 0:
+    if len(rec) == 0:
         return Finding("rng_streams", "RNG streams", "PASS", 0, "no samples")
-    streams, inverse = np.unique(key, axis=0, return_inverse=True)
-    inverse = inverse.reshape(-1)
-    lengths = np.bincount(inverse, minlength=len(streams))
+    streams, inverse, lengths = unique_rows(rec.rank, rec.epoch, rec.worker)
     k = int(min(RNG_PREFIX, lengths.min()))
     first = np.full((len(streams), k, len(GENERATORS)), np.nan)
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])

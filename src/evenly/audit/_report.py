@@ -8,6 +8,8 @@ Plots, one panel per epoch where it applies:
 - ``order.png``: position in the epoch (as DDP steps see it) against id, coloured by
   rank/worker: a diagonal is unshuffled, blocks are shard-local shuffles.
 - ``batches.png``: batch size at each step of each rank, epochs one after the other.
+- ``resume.png`` (after ``--resume``): per stop, what each rank delivered before and after
+  each interruption (``_resumereport``).
 
 Every PNG has a fixed pixel size (``image_size``), so pages and tests can rely on it.
 matplotlib comes with ``pip install 'evenly[report]'`` and is imported only here, when a
@@ -20,11 +22,14 @@ from __future__ import annotations
 import html
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ._types import I64, AuditError, Finding, Records, passed
+
+if TYPE_CHECKING:
+    from ._resumeplan import ResumeReport
 
 __all__ = ["DPI", "INSTALL", "MAX_POINTS", "image_size", "require_matplotlib", "write_report"]
 
@@ -43,7 +48,7 @@ def image_size(name: str, epochs: int) -> tuple[int, int]:
     >>> image_size("delivery", 2), image_size("order", 3), image_size("batches", 1)
     ((1100, 500), (1100, 400), (1100, 300))
     """
-    heights = {"delivery": 100 + 200 * epochs, "order": 400, "batches": 300}
+    heights = {"delivery": 100 + 200 * epochs, "order": 400, "batches": 300, "resume": 320}
     return _WIDTH, heights[name]
 
 
@@ -310,13 +315,28 @@ def _mix_section(rec: Records) -> str:
     )
 
 
-def write_report(directory: Path, factory: str, rec: Records, findings: Sequence[Finding]) -> Path:
-    """Write ``index.html`` and the PNGs of ``PLOTS`` into ``directory``; return the page."""
+def write_report(
+    directory: Path,
+    factory: str,
+    rec: Records,
+    findings: Sequence[Finding],
+    resume: ResumeReport | None = None,
+) -> Path:
+    """Write ``index.html`` and the PNGs of ``PLOTS`` into ``directory`` (and, after a
+    resume audit, ``resume.png``); return the page."""
     require_matplotlib()
     directory.mkdir(parents=True, exist_ok=True)
     plot_delivery(rec, directory / "delivery.png")
     plot_order(rec, directory / "order.png")
     plot_batches(rec, directory / "batches.png")
+    section = ""
+    if resume is not None:
+        from ._resumereport import resume_section
+
+        section = resume_section(resume, directory, _figure, _save)
     page = directory / "index.html"
-    page.write_text(_page(factory, rec, findings), encoding="utf-8")
+    text = _page(factory, rec, findings)
+    page.write_text(
+        text.replace("<h2>Warnings raised", section + "<h2>Warnings raised"), encoding="utf-8"
+    )
     return page

@@ -17,9 +17,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._types import Finding, Records, Settings, passed
+
+if TYPE_CHECKING:
+    from ._resumeplan import ResumeReport
 
 __all__ = ["AuditResult"]
 
@@ -35,6 +38,8 @@ class AuditResult:
     settings: Settings
     records: Records
     findings: list[Finding]
+    #: what ``resume=True`` ran (None without it)
+    resume: ResumeReport | None = None
 
     @property
     def ok(self) -> bool:
@@ -74,6 +79,7 @@ class AuditResult:
             ],
             "warnings": rec.warnings,
             "mix": self.mix_dict(),
+            "resume": None if self.resume is None else self.resume.to_dict(),
         }
 
     def mix_dict(self) -> dict[str, Any] | None:
@@ -102,4 +108,4 @@ class AuditResult:
         # Deferred: the report module is only needed here (it imports matplotlib lazily).
         from ._report import write_report
 
-        return write_report(Path(directory), self.factory, self.records, self.findings)
+        return write_report(Path(directory), self.factory, self.records, self.findings, self.resume)

@@ -3,9 +3,12 @@
 user's collate runs, so batches keep the structure the user's code expects.
 
 ``meta`` is ``(worker_id, sample_id, random_draw, numpy_draw, torch_draw, read)``.  The
-three draws are made in the worker right after the sample is produced, from the
-generators the user's augmentations would use, so two workers sharing a stream show the
-same draws.  ``read`` is the global index an ``evenly.Mix`` was asked for to produce the
+three draws are made in the worker right after the sample is produced (for an
+``evenly.Dataset``: after each batch the reader produces, one draw per sample in one call
+per generator), from the generators the user's augmentations would use, so two workers
+sharing a stream show the same draws.  ``SplitCollate`` ships a batch's metas as one
+``MetaBatch`` of numpy columns, so records travel in bulk, not one object per sample.
+``read`` is the global index an ``evenly.Mix`` was asked for to produce the
 sample (the reader's tap sees the indices it reads), ``-1`` for any other source: it
 tells which source a sample came from, whatever the samples look like.
 """
@@ -14,7 +17,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -24,15 +27,18 @@ from torch.utils.data import IterableDataset, default_collate, get_worker_info
 from evenly.dataset import Dataset as EvenlyDataset
 from evenly.mixture import Mix
 
-from ._types import IdFn
+from ._types import F64, I64, IdFn
 
 __all__ = [
     "ID_KEYS",
     "EvenlyTap",
     "IdFn",
+    "MetaBatch",
     "SplitCollate",
+    "TagCollate",
     "TracedIterable",
     "TracedMap",
+    "TracedStateful",
     "default_id",
     "trace_evenly",
 ]
@@ -121,6 +127,17 @@ class TracedIterable(IterableDataset[tuple[Any, Meta]]):
         return len(self.inner)
 
 
+class TracedStateful(TracedIterable):
+    """A ``TracedIterable`` that forwards ``state_dict``/``load_state_dict`` (so torchdata's
+    ``StatefulDataLoader`` saves and loads the wrapped dataset's state)."""
+
+    def state_dict(self) -> Any:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: Any) -> None:
+        self.inner.load_state_dict(state)
+
+
 class TracedMap(MapDataset[tuple[Any, Meta]]):
     """A map-style dataset whose ``__getitem__`` returns ``(dataset[i], meta)``."""
 
@@ -147,11 +164,16 @@ class EvenlyTap:
         self.records_reads = records_reads
 
     def __call__(self, indices: list[int], samples: list[Any]) -> list[Any]:
-        worker, id_fn = _worker_id(), self.id_fn
-        reads = indices if self.records_reads else [UNKNOWN_READ] * len(samples)
+        worker, id_fn, k = _worker_id(), self.id_fn, len(samples)
+        reads = indices if self.records_reads else [UNKNOWN_READ] * k
+        # One call per generator for the whole read batch (a per-sample torch.rand was
+        # the audit's largest cost): the same streams still give the same draws.
+        py = [random.random() for _ in range(k)]
+        npy = np.random.random(k).tolist()
+        tch = torch.rand(k, dtype=torch.float64).tolist()
         return [
-            (sample, _meta(worker, sample, id_fn, int(read)))
-            for sample, read in zip(samples, reads, strict=True)
+            (sample, (worker, id_fn(sample), a, b, c, int(read)))
+            for sample, a, b, c, read in zip(samples, py, npy, tch, reads, strict=True)
         ]
 
 
@@ -162,11 +184,54 @@ def trace_evenly(dataset: EvenlyDataset[Any], id_fn: IdFn) -> EvenlyDataset[Any]
     return dataset
 
 
+class MetaBatch(NamedTuple):
+    """The metas of one batch as columns: ``ids`` is an int64 array when every id is an
+    integer, else a list; ``draws`` is ``(k, 3)`` in ``GENERATORS`` order."""
+
+    worker: I64
+    ids: I64 | list[Any]
+    draws: F64
+    reads: I64
+
+    @classmethod
+    def of(cls, metas: list[Meta]) -> MetaBatch:
+        """Columns from per-sample metas.
+
+        >>> MetaBatch.of([(0, 5, 0.1, 0.2, 0.3, -1), (0, 6, 0.4, 0.5, 0.6, -1)]).ids
+        array([5, 6])
+        """
+        if not metas:
+            empty = np.zeros(0, dtype=np.int64)
+            return cls(empty, empty, np.zeros((0, 3)), empty)
+        workers, ids, r, n, t, reads = zip(*metas, strict=True)
+        ints = all(type(i) is int for i in ids)
+        return cls(
+            np.asarray(workers, dtype=np.int64),
+            np.asarray(ids, dtype=np.int64) if ints else list(ids),
+            np.asarray((r, n, t), dtype=np.float64).T.copy(),
+            np.asarray(reads, dtype=np.int64),
+        )
+
+
 class SplitCollate:
-    """Split ``(sample, meta)`` items into the user's collated batch and the metas."""
+    """Split ``(sample, meta)`` items into the user's collated batch and a ``MetaBatch``."""
 
     def __init__(self, collate: Callable[[list[Any]], Any] | None) -> None:
         self.collate = default_collate if collate is None else collate
 
-    def __call__(self, items: list[tuple[Any, Meta]]) -> tuple[Any, list[Meta]]:
-        return self.collate([s for s, _ in items]), [m for _, m in items]
+    def __call__(self, items: list[tuple[Any, Meta]]) -> tuple[Any, MetaBatch]:
+        return self.collate([s for s, _ in items]), MetaBatch.of([m for _, m in items])
+
+
+class TagCollate:
+    """For a loader the audit cannot give a traced dataset (``LoaderFactory``): the metas
+    are taken in the collate function, in the worker, from the raw samples."""
+
+    def __init__(self, id_fn: IdFn, collate: Callable[[list[Any]], Any] | None = None) -> None:
+        self.id_fn = id_fn
+        self.collate = default_collate if collate is None else collate
+
+    def __call__(self, samples: list[Any]) -> tuple[Any, MetaBatch]:
+        worker = _worker_id()
+        metas = [_meta(worker, s, self.id_fn) for s in samples]
+        return self.collate(samples), MetaBatch.of(metas)

@@ -20,6 +20,7 @@ __all__ = [
     "AuditError",
     "Finding",
     "IdFn",
+    "LoaderFactory",
     "MixInfo",
     "RankEpoch",
     "Records",
@@ -47,6 +48,22 @@ class AuditError(RuntimeError):
 
 
 @dataclass(frozen=True)
+class LoaderFactory:
+    """What a factory returns for a data loader that makes its own loader (litdata's or
+    MosaicML's ``StreamingDataLoader``, a user's own): ``make(batch_size=, num_workers=,
+    collate_fn=)`` builds the rank's loader; ``dataset`` (optional) is asked for
+    ``len()`` and ``set_epoch``.  The audit passes a ``collate_fn`` that records each
+    batch's samples; wrap your own collate with ``functools.partial`` if you need one.
+
+    >>> LoaderFactory(make=dict).make(batch_size=2, num_workers=0, collate_fn=None)
+    {'batch_size': 2, 'num_workers': 0, 'collate_fn': None}
+    """
+
+    make: Callable[..., Any]
+    dataset: Any = None
+
+
+@dataclass(frozen=True)
 class Settings:
     """The topology and loop of an audit."""
 
@@ -55,6 +72,8 @@ class Settings:
     epochs: int
     batch_size: int
     timeout: float = 300.0
+    #: for a resume audit: extra stops, as fractions of the first epoch's batches
+    resume_at: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)

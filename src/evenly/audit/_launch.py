@@ -1,0 +1,203 @@
+"""Start a group of real rank processes, run one task in each, and collect the results.
+
+Each rank is a fresh process (forked from a fork server that imported torch once per
+audit session, or spawned where there is none) with ``RANK``/``WORLD_SIZE``/
+``LOCAL_RANK``/``MASTER_*`` set and a gloo process group on 127.0.0.1, so code that asks
+``torch.distributed`` sees the truth.  ``launch(world_size, timeout, task, payload)``
+calls the module-level ``task(rank, payload)`` in every rank and returns the results in
+rank order; every process it started (DataLoader workers included) is stopped on every
+exit path.  The caller's ``sys.path``, environment and working directory travel with the
+task (a fork server keeps the ones it started with).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import pickle
+import queue as queue_mod
+import random
+import socket
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from ._procs import detach, exit_on_signals, stop
+from ._types import AuditError
+
+__all__ = ["launch", "working_on"]
+
+#: What this rank process is doing, for the message if it fails (see ``working_on``).
+_CURRENT = ["process group setup"]
+
+
+def working_on(what: str) -> None:
+    """Name what this rank does now (a factory), for the message if it fails."""
+    _CURRENT[0] = what
+
+
+#: The queue to the audit process, in a rank (for ``tell``).
+_OUT: list[Any] = [None]
+#: ``ok`` of a message that is progress, not a result.
+_PROGRESS = "progress"
+
+
+def tell(text: str) -> None:
+    """From rank 0: a progress line for the audit process (its status line shows it)."""
+    if _OUT[0] is not None:
+        _OUT[0].put((0, _PROGRESS, text))
+
+
+P = TypeVar("P")
+R = TypeVar("R")
+
+
+def _rank_main(rank: int, world_size: int, port: int, job: bytes, out: Any) -> None:
+    detach()  # its own process group: stopping the audit stops its workers too
+    # The fork server started with an older view of the caller: take the current one
+    # before the task (the user's factory) is unpickled.
+    where: dict[str, Any] = pickle.loads(job[: int.from_bytes(job[:8], "little") + 8][8:])
+    sys.path[:] = where["path"]
+    os.environ.clear()
+    os.environ.update(where["environ"])
+    os.chdir(where["cwd"])
+    # A forked rank would share the server's random streams: seed them from the OS, as
+    # a fresh interpreter does (the audit checks that ranks do not share streams).
+    random.seed()
+    np.random.seed()
+    torch.seed()
+    os.environ.update(
+        {
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world_size),
+        }
+    )
+    # A spawned process inherits "spawn" as its start method; a rank started by torchrun
+    # has the platform's default (fork on Linux), which is what DataLoader workers use.
+    multiprocessing.set_start_method(multiprocessing.get_all_start_methods()[0], force=True)
+    torch.set_num_threads(1)
+    _OUT[0] = out if rank == 0 else None
+    try:
+        task, payload = pickle.loads(job[int.from_bytes(job[:8], "little") + 8 :])
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        try:
+            out.put((rank, True, task(rank, payload)))
+        finally:
+            dist.destroy_process_group()
+    except BaseException:
+        out.put((rank, False, f"while auditing {_CURRENT[0]}:\n{traceback.format_exc()}"))
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _gather(
+    procs: list[Any],
+    out: Any,
+    timeout: float,
+    results: dict[int, Any],
+    progress: Callable[[str], None] | None = None,
+) -> None:
+    """Fill ``results`` (rank -> result) from the ranks; raise ``AuditError`` when a rank
+    fails, dies or the audit runs past ``timeout``."""
+    world_size = len(procs)
+    deadline = time.monotonic() + timeout
+    while len(results) < world_size:
+        try:
+            rank, ok, value = out.get(timeout=min(1.0, max(0.01, deadline - time.monotonic())))
+        except queue_mod.Empty:
+            dead = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in results]
+            if dead:
+                code = procs[dead[0]].exitcode
+                raise AuditError(
+                    f"rank {dead[0]} exited with code {code} before reporting; every rank "
+                    f"process and its DataLoader workers were stopped"
+                ) from None
+            if time.monotonic() > deadline:
+                waiting = [r for r in range(world_size) if r not in results]
+                raise AuditError(
+                    f"the audit did not finish within its timeout of {timeout:g} s "
+                    f"(--timeout / timeout=): rank(s) {waiting} had not reported. A rank is "
+                    f"stuck: a dataset or worker that never ends, or a collective that only "
+                    f"some ranks join? Every rank process and its DataLoader workers were "
+                    f"stopped; raise the timeout if the dataset is only slow"
+                ) from None
+            continue
+        if ok == _PROGRESS:
+            if progress is not None:
+                progress(value)
+            continue
+        if not ok:
+            raise AuditError(f"rank {rank} failed {value}")
+        results[rank] = value
+
+
+def _context() -> Any:
+    """A fork server that imported torch and the audit once (a rank forked from it starts
+    in a fraction of a spawn's time: ``import torch`` is most of a fresh process's start),
+    where the platform has one; else spawn."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "evenly.audit._resume"])
+    return ctx
+
+
+def launch(
+    world_size: int,
+    timeout: float,
+    task: Callable[[int, P], R],
+    payload: P,
+    progress: Callable[[str], None] | None = None,
+) -> list[R]:
+    """``task(rank, payload)`` in ``world_size`` fresh rank processes; results by rank
+    (``progress`` gets rank 0's ``tell`` lines)."""
+    try:
+        body = pickle.dumps((task, payload))
+    except (pickle.PicklingError, AttributeError, TypeError) as exc:
+        raise AuditError(
+            f"the factory and id_fn travel to the rank processes by pickle and must be "
+            f"module-level functions (or functools.partial of one), not lambdas or local "
+            f"functions: {exc}"
+        ) from exc
+    where = pickle.dumps({"path": list(sys.path), "environ": dict(os.environ), "cwd": os.getcwd()})
+    job = len(where).to_bytes(8, "little") + where + body
+    ctx = _context()
+    out = ctx.Queue()
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_rank_main, args=(r, world_size, port, job, out))
+        for r in range(world_size)
+    ]
+    try:
+        for p in procs:
+            p.start()
+    except BaseException:
+        stop(procs, grace=0.0)
+        raise
+    results: dict[int, Any] = {}
+    with exit_on_signals():
+        try:
+            _gather(procs, out, timeout, results, progress)
+        finally:
+            left = stop(procs, grace=10.0 if len(results) == world_size else 0.5)
+            if left:
+                raise AuditError(
+                    f"processes {left} started by the audit still run after SIGKILL "
+                    f"(uninterruptible I/O?); stop them by pid"
+                )
+    return [results[r] for r in range(world_size)]

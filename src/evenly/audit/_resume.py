@@ -1,0 +1,263 @@
+"""The rank side of ``evenly audit --resume``: the uninterrupted reference, the runs that
+stop at a batch and save the loader's state, and the fresh runs that load it and finish.
+
+A run drives the loader as a training loop does.  ``evenly.DataLoader`` knows its epoch
+(``loader.epoch``): the loop runs passes until it reaches the audit's last epoch.  Any
+other loader (torchdata's ``StatefulDataLoader`` over a dataset with ``state_dict``, a
+``LoaderFactory``'s own loader) is told the epoch: ``set_epoch(e)`` before each pass, and
+after a load the loop starts at the stop's epoch (the next one for a state saved after
+the pass ended: an epoch-boundary checkpoint).  A state is pickled where it is saved and
+unpickled where it is loaded, as a checkpoint file would carry it.
+"""
+
+from __future__ import annotations
+
+import gc
+import pickle
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from evenly.dataset import Dataset as EvenlyDataset
+
+from ._collect import (
+    Columns,
+    Job,
+    RankResult,
+    _is_iterable,
+    _WarningLog,
+    build_loader,
+    epoch_objects,
+    is_stateful,
+    run_job,
+    set_epoch,
+)
+from ._factory import describe
+from ._launch import tell, working_on
+from ._types import LoaderFactory, Settings
+
+__all__ = ["Resumed", "Stop", "choose_stops", "reference_task", "resume_task"]
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Where every rank stops: after ``batch`` batches of ``epoch`` (``end_of_pass``: after
+    the pass ended, an epoch-boundary checkpoint).  ``then``: where the resumed run stops
+    again, for a second resume."""
+
+    name: str
+    epoch: int
+    batch: int
+    end_of_pass: bool = False
+    then: Stop | None = None
+
+    def __str__(self) -> str:
+        where = "the end of" if self.end_of_pass else f"batch {self.batch} of"
+        return f"{self.name} ({where} epoch {self.epoch})"
+
+
+def choose_stops(batches: list[int], epochs: int, at: tuple[float, ...] = ()) -> list[Stop]:
+    """The interruption points for epochs of ``batches`` batches per rank (the fewest over
+    ranks): early, middle, the last batch, the epoch boundary, a second resume, and one
+    after each fraction ``at`` of the first epoch's batches.
+
+    >>> [str(s) for s in choose_stops([6, 6], 2)]  # doctest: +NORMALIZE_WHITESPACE
+    ['early (batch 1 of epoch 0)', 'middle (batch 3 of epoch 0)',
+     'last batch (batch 6 of epoch 0)', 'epoch boundary (the end of epoch 0)',
+     'second resume (batch 2 of epoch 0)']
+    """
+    n0 = batches[0] if batches else 0
+    if n0 < 1:
+        return []
+    stops = []
+    if n0 >= 3:
+        stops.append(Stop("early", 0, 1))
+    if n0 >= 2:
+        stops.append(Stop("middle", 0, n0 // 2))
+    stops.append(Stop("last batch", 0, n0))
+    if epochs >= 2:
+        stops.append(Stop("epoch boundary", 0, n0, end_of_pass=True))
+    n1 = batches[1] if len(batches) > 1 else 0
+    first = max(1, n0 // 3)
+    if epochs >= 2 and n1 >= 1:
+        then = Stop("second resume", 1, max(1, n1 // 2))
+    elif n0 - first >= 1:
+        then = Stop("second resume", 0, first + max(1, (n0 - first) // 2))
+    else:
+        then = None
+    if then is not None:
+        stops.append(Stop("second resume", 0, first, then=then))
+    for frac in at:
+        stops.append(Stop(f"at {frac:g}", 0, min(n0, max(1, round(frac * n0)))))
+    return stops
+
+
+@dataclass
+class Resumed:
+    """One rank's run between a load (or the start) and a save (or the end)."""
+
+    result: RankResult
+    #: the pickled state saved at the stop (None: the run went to the end)
+    state: bytes | None = None
+    #: why the state could not be loaded (another topology?) or saved
+    error: str | None = None
+    warnings: list[str] = field(default_factory=list)
+
+
+def _last_line(exc: BaseException) -> str:
+    """The message of ``exc`` (a worker's error: the last line of its traceback)."""
+    lines = [line for line in str(exc).strip().splitlines() if line.strip()]
+    return lines[-1].strip() if lines else type(exc).__name__
+
+
+class _Saved(Exception):
+    """The run reached its stop."""
+
+
+def resumable(dataset: Any, loader: Any, kwargs: dict[str, Any]) -> str | None:
+    """None when the audit can save and load this loader's state; else why not: an
+    ``evenly.Dataset`` (``evenly.DataLoader``), a ``LoaderFactory`` whose loader has a
+    state, a dataset with ``state_dict``/``load_state_dict`` or a map-style dataset whose
+    sampler has one (or none given: StatefulDataLoader's own sampler) resume."""
+    if isinstance(dataset, EvenlyDataset):
+        return None
+    if isinstance(dataset, LoaderFactory):
+        if is_stateful(loader):
+            return None
+        return f"its loader, a {type(loader).__name__}, has no state_dict/load_state_dict"
+    sampler = kwargs.get("batch_sampler") or kwargs.get("sampler")
+    if is_stateful(dataset) or is_stateful(sampler):
+        return None
+    if _is_iterable(dataset) or sampler is not None:
+        what = type(sampler).__name__ if sampler is not None else "dataset"
+        return (
+            f"a {type(dataset).__name__} without state_dict/load_state_dict "
+            f"({'its sampler, a ' + what + ', has none either' if sampler else 'iterable'})"
+        )
+    return None
+
+
+def _run(
+    job: Job,
+    settings: Settings,
+    rank: int,
+    *,
+    state: bytes | None = None,
+    start: Stop | None = None,
+    until: Stop | None = None,
+) -> Resumed:
+    """Build the loader fresh, load ``state`` (saved at ``start``), run to ``until`` (or the
+    last epoch) and save there."""
+    result = RankResult(rank=rank)
+    columns = Columns()
+    log = _WarningLog()
+    out = Resumed(result)
+    first_batch: dict[int, int] = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = log
+        dataset, loader, kwargs, _ = build_loader(job, settings)
+        managed = isinstance(dataset, EvenlyDataset)
+        epoch = 0
+        loaded: int | None = None  # the epoch set (and loaded) before the first pass
+        if start is not None and state is not None:
+            epoch = start.epoch + 1 if start.end_of_pass else start.epoch
+            if not managed:
+                set_epoch(epoch_objects(dataset, kwargs, loader), epoch)
+            try:
+                loader.load_state_dict(pickle.loads(state))
+            except Exception as exc:
+                out.error = f"{type(exc).__name__}: {exc}"
+                return out
+            loaded = epoch
+            if not start.end_of_pass:
+                first_batch[start.epoch] = start.batch
+        try:
+            for _ in range(settings.epochs + 2):  # a loader stuck in one epoch ends too
+                if managed:
+                    epoch = loader.epoch
+                if epoch >= settings.epochs:
+                    break
+                if not managed and epoch != loaded:
+                    set_epoch(epoch_objects(dataset, kwargs, loader), epoch)
+                done = first_batch.get(epoch, 0)
+                for _, metas in loader:
+                    columns.add(epoch, metas)
+                    done += 1
+                    here = (until.epoch, until.batch, until.end_of_pass) if until else None
+                    if here == (epoch, done, False):
+                        out.state = pickle.dumps(loader.state_dict())
+                        raise _Saved
+                if until is not None and until.end_of_pass and until.epoch == epoch:
+                    out.state = pickle.dumps(loader.state_dict())
+                    raise _Saved
+                loaded = None
+                if not managed:
+                    epoch += 1
+        except _Saved:
+            pass
+        except Exception as exc:
+            if loaded is None and start is None:
+                raise  # not a resume: the audit cannot run
+            # a state applied lazily (StatefulDataLoader's workers) fails here
+            out.error = f"{type(exc).__name__} after loading the state: {_last_line(exc)}"
+            return out
+    columns.fill(result, first_batch)
+    out.warnings = log.lines()
+    del loader
+    gc.collect()  # the stopped loader's workers go now, not during the next run
+    return out
+
+
+def _agree(counts: list[int]) -> list[int]:
+    """The fewest batches per epoch over all ranks."""
+    t = torch.tensor(counts, dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return [int(v) for v in t.tolist()]
+
+
+def reference_task(
+    rank: int, payload: tuple[list[Job], Settings]
+) -> list[tuple[RankResult, str | None, list[Stop], list[Resumed]]]:
+    """Per job: the uninterrupted run, why it cannot resume (or None), the stops and the
+    run stopped at each (every rank stops at the same batch)."""
+    jobs, settings = payload
+    out: list[tuple[RankResult, str | None, list[Stop], list[Resumed]]] = []
+    for job in jobs:
+        working_on(describe(job.factory))
+        reference = run_job(job, settings, rank)
+        counts = [r.batches for r in sorted(reference.per_rank, key=lambda r: r.epoch)]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the reference reported them
+            dataset, loader, kwargs, _ = build_loader(job, settings)
+            why = resumable(dataset, loader, kwargs)
+            del loader
+        stops = choose_stops(_agree(counts), settings.epochs, settings.resume_at)
+        if why is not None:
+            out.append((reference, why, [], []))
+            continue
+        runs = []
+        for i, stop in enumerate(stops):
+            tell(f"{describe(job.factory)}: stop {i + 1} of {len(stops)}, {stop}")
+            runs.append(_run(job, settings, rank, until=stop))
+        out.append((reference, None, stops, runs))
+    return out
+
+
+#: One resumed run: the job, its settings, the stop it resumes from, the state of each
+#: rank saved there, whether to load every rank's own state, and where to stop again.
+ResumeItem = tuple[Job, Settings, Stop, list[bytes], bool, "Stop | None"]
+
+
+def resume_task(rank: int, items: list[ResumeItem]) -> list[Resumed]:
+    """Each item in a fresh loader: load the state, finish (or stop at ``then``)."""
+    out = []
+    for i, (job, settings, stop, states, own, then) in enumerate(items):
+        working_on(f"{describe(job.factory)} resumed from {stop}")
+        tell(f"resume {i + 1} of {len(items)}: {stop}")
+        state = states[rank] if own else states[0]
+        out.append(_run(job, settings, rank, state=state, start=stop, until=then))
+    return out

@@ -1,0 +1,252 @@
+"""Pure comparisons of a resumed run with the uninterrupted one (numpy only).
+
+A ``Run`` is every delivered sample of one way through the epochs, as columns: the
+uninterrupted reference, or a run that stopped, saved, and went on in fresh processes
+(``seg`` 0 before the stop, 1 after the load, 2 after a second load).  ``check_stop``
+judges one stop: per epoch, the samples missing and the ones repeated (against the
+reference's own counts: its padding stays allowed; under another world size the padding
+may differ, by less than one global batch), and the order: on the same topology each
+rank's sequence, on another one the global order (epoch, batch, rank, position), where
+a repeat counts at its first delivery (under another world size up to the epoch's last
+global step, which may be dealt otherwise).  An epoch that delivers another epoch's order is
+named as such ("wrong epoch").  When the run before the stop does not match the
+reference, the loader is not reproducible between runs and orders are not compared.
+
+``shape_of`` and ``round_trip`` are shared with the tests' resume harness.
+
+>>> import numpy as np
+>>> ref = Run.of(ids=[0, 1, 2, 3], rank=[0, 0, 0, 0], epoch=[0, 0, 0, 0],
+...              batch=[0, 0, 1, 1], pos=[0, 1, 0, 1], seg=[0, 0, 0, 0], world_size=1)
+>>> got = Run.of(ids=[0, 1, 0, 1], rank=[0, 0, 0, 0], epoch=[0, 0, 0, 0],
+...              batch=[0, 0, 1, 1], pos=[0, 1, 0, 1], seg=[0, 0, 1, 1], world_size=1)
+>>> check_stop(ref, got, batch_size=2).problems
+['epoch 0: 2 missing (e.g. 2, 3)', 'epoch 0: 2 repeated (e.g. 0, 1)']
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ._types import I64
+
+__all__ = [
+    "Run",
+    "StopCheck",
+    "check_stop",
+    "first_occurrences",
+    "prefix_matches",
+    "round_trip",
+    "shape_of",
+]
+
+#: Ids shown per problem.
+SHOWN = 5
+
+
+def shape_of(value: Any) -> Any:
+    """A state's shape: its keys, recursively, and the JSON type of every value (lists
+    by type only: their length may change).
+
+    >>> shape_of({"epoch": 1, "workers": [1, 2], "pad": {"mode": "repeat"}})
+    (('epoch', 'int'), ('pad', (('mode', 'str'),)), ('workers', 'list'))
+    """
+    if isinstance(value, dict):
+        return tuple(sorted((str(k), shape_of(v)) for k, v in value.items()))
+    if isinstance(value, list | tuple):
+        return "list"
+    return type(value).__name__
+
+
+def round_trip(state: dict[str, Any]) -> dict[str, Any]:
+    """The state as a JSON checkpoint file gives it back.
+
+    >>> round_trip({"epoch": (1, 2)})
+    {'epoch': [1, 2]}
+    """
+    restored: dict[str, Any] = json.loads(json.dumps(state))
+    return restored
+
+
+@dataclass(frozen=True)
+class Run:
+    """Delivered samples as columns (ids are integer codes)."""
+
+    ids: I64
+    rank: I64
+    epoch: I64
+    batch: I64
+    pos: I64
+    seg: I64
+    world_size: int
+
+    @classmethod
+    def of(cls, world_size: int, **cols: Sequence[int] | I64) -> Run:
+        arrays = {k: np.asarray(v, dtype=np.int64) for k, v in cols.items()}
+        return cls(world_size=world_size, **arrays)
+
+    @classmethod
+    def concat(cls, runs: Sequence[Run], world_size: int) -> Run:
+        names = ("ids", "rank", "epoch", "batch", "pos", "seg")
+        cols = {n: np.concatenate([getattr(r, n) for r in runs]) for n in names}
+        return cls(world_size=world_size, **cols)
+
+    def epochs(self) -> list[int]:
+        return sorted({int(e) for e in np.unique(self.epoch)})
+
+    def global_order(self, epoch: int) -> I64:
+        """The epoch's ids as a DDP step sees them: (seg, batch, rank, position)."""
+        rows = np.flatnonzero(self.epoch == epoch)
+        key = np.lexsort((self.pos[rows], self.rank[rows], self.batch[rows], self.seg[rows]))
+        out: I64 = self.ids[rows[key]]
+        return out
+
+    def rank_order(self, epoch: int, rank: int) -> I64:
+        """The epoch's ids as ``rank`` received them (rows are in delivery order per seg)."""
+        rows = np.flatnonzero((self.epoch == epoch) & (self.rank == rank))
+        out: I64 = self.ids[rows[np.argsort(self.seg[rows], kind="stable")]]
+        return out
+
+
+def first_occurrences(seq: I64) -> I64:
+    """``seq`` with every repeat after its first delivery removed.
+
+    >>> first_occurrences(np.array([3, 1, 3, 2, 1])).tolist()
+    [3, 1, 2]
+    """
+    _, idx = np.unique(seq, return_index=True)
+    out: I64 = seq[np.sort(idx)]
+    return out
+
+
+@dataclass
+class StopCheck:
+    """What one stop's comparison found: defects, and notes (what could not be compared)."""
+
+    problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def _show(codes: I64, label: Callable[[int], str]) -> str:
+    shown = ", ".join(label(int(c)) for c in codes[:SHOWN])
+    return f"e.g. {shown}" + (", ..." if len(codes) > SHOWN else "")
+
+
+def _counts(ids: I64, values: I64) -> I64:
+    uniq, counts = np.unique(ids, return_counts=True)
+    at = np.searchsorted(uniq, values)
+    hit = (at < len(uniq)) & (uniq[np.minimum(at, len(uniq) - 1)] == values)
+    out: I64 = np.where(hit, counts[np.minimum(at, len(uniq) - 1)], 0).astype(np.int64)
+    return out
+
+
+def prefix_matches(ref: Run, got: Run) -> bool:
+    """Whether each rank's rows before the stop (seg 0) are the reference's first rows.
+
+    >>> r = Run.of(ids=[1, 2], rank=[0, 0], epoch=[0, 0], batch=[0, 1], pos=[0, 0],
+    ...            seg=[0, 0], world_size=1)
+    >>> prefix_matches(r, Run.of(ids=[1], rank=[0], epoch=[0], batch=[0], pos=[0], seg=[0],
+    ...                          world_size=1))
+    True
+    """
+    for r in range(ref.world_size):
+        mine = got.seg == 0
+        a = got.ids[mine & (got.rank == r)]
+        b = ref.ids[ref.rank == r][: len(a)]
+        if not np.array_equal(a, b):
+            return False
+    return True
+
+
+def _first_difference(a: I64, b: I64) -> int:
+    n = min(len(a), len(b))
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if len(diff) else n
+
+
+def check_stop(
+    ref: Run,
+    got: Run,
+    *,
+    batch_size: int,
+    reproducible: bool = True,
+    label: Callable[[int], str] = str,
+) -> StopCheck:
+    """Compare ``got`` (a run that stopped and resumed) with ``ref``, epoch by epoch.
+
+    ``reproducible``: ``got``'s rows before the stop match the reference's, rank by rank
+    (see ``prefix_matches``); orders are compared only then."""
+    out = StopCheck()
+    same = got.world_size == ref.world_size
+    compare_order = reproducible
+    if not compare_order:
+        out.notes.append(
+            "the run before the stop differs from the uninterrupted run (the loader is not "
+            "reproducible between runs): orders not compared, only what was delivered"
+        )
+    ref_orders = {e: first_occurrences(ref.global_order(e)) for e in ref.epochs()}
+    # Under another world size the epoch's last global step may be dealt otherwise (its
+    # partial batches, its padding): the order is compared up to it, the tail by counts.
+    tail = 0 if same else max(ref.world_size, got.world_size) * batch_size
+
+    def agree(a: I64, b: I64) -> bool:
+        if same:
+            return bool(np.array_equal(a, b))
+        n = max(0, len(b) - tail)
+        return bool(len(a) >= n and np.array_equal(a[:n], b[:n]))
+
+    for e in sorted(set(ref.epochs()) | set(got.epochs())):
+        want = ref.ids[ref.epoch == e]
+        have = got.ids[got.epoch == e]
+        if len(have) == 0:
+            out.problems.append(f"epoch {e}: nothing delivered (the epoch was skipped)")
+            continue
+        if len(want) == 0:
+            out.problems.append(f"epoch {e}: {len(have)} samples of an epoch the run never had")
+            continue
+        values = np.unique(np.concatenate([want, have]))
+        w, h = _counts(want, values), _counts(have, values)
+        missing = values[(h == 0) & (w > 0)]
+        if len(missing):
+            out.problems.append(f"epoch {e}: {len(missing)} missing ({_show(missing, label)})")
+        extra = np.maximum(h - w, 0)
+        allowed = 0 if same else got.world_size * batch_size - 1
+        if int(extra.sum()) > allowed:
+            repeated = np.repeat(values, extra)
+            out.problems.append(
+                f"epoch {e}: {int(extra.sum())} repeated ({_show(repeated, label)})"
+                + ("" if same else f", beyond the {allowed} a new padding may need")
+            )
+        if not compare_order or len(missing) or int(extra.sum()) > allowed:
+            continue
+        order, expected = first_occurrences(got.global_order(e)), ref_orders[e]
+        if not agree(order, expected):
+            other = [f for f, o in ref_orders.items() if f != e and agree(order, o)]
+            if other:
+                out.problems.append(f"epoch {e}: wrong epoch, delivered epoch {other[0]}'s order")
+                continue
+            if len(order) and len(expected) and order[0] != expected[0]:
+                out.problems.append(
+                    f"epoch {e}: wrong epoch, its order differs from its first sample on "
+                    f"(an epoch skipped or replayed?)"
+                )
+                continue
+        if same:
+            for r in range(got.world_size):
+                a, b = got.rank_order(e, r), ref.rank_order(e, r)
+                if not np.array_equal(a, b):
+                    i = _first_difference(a, b)
+                    out.problems.append(
+                        f"epoch {e}: rank {r} reordered from its sample {i} "
+                        f"(batch {i // batch_size}: {label(int(a[i])) if i < len(a) else '-'}, "
+                        f"{label(int(b[i])) if i < len(b) else '-'} expected)"
+                    )
+                    break
+        elif not agree(order, expected):
+            i = _first_difference(order, expected)
+            out.problems.append(f"epoch {e}: reordered from global position {i}")
+    return out

@@ -1,0 +1,289 @@
+"""``evenly audit --resume``: the launches, and the findings they lead to.
+
+1. The reference: ``world_size`` fresh ranks run every job uninterrupted (its records
+   are the plain audit's), then, for each stop, a fresh loader that stops every rank at
+   that batch and saves its state.
+2. The resumes: fresh rank processes (``resume_world_size`` x ``resume_workers`` where
+   the state does not depend on the rank: every rank saved the same bytes; otherwise the
+   same world size, and a "cannot resume onto another topology" warning) build the loader
+   fresh, load the state and finish the epochs.  A state that does not load onto the
+   other topology is tried again on the original one (a warning too).
+3. The second resume: the run resumed from the "second resume" stop saves again later
+   on; fresh processes load that and finish.
+
+Every stop is then compared with the reference (``_resumecheck``): one finding per stop,
+FAIL on a defect (missing, repeated, reordered, wrong epoch), and a ``resume`` finding
+that says onto what the loader resumed, WARN where it could not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from ._collect import Job, RankResult
+from ._launch import launch
+from ._resume import Resumed, ResumeItem, Stop, reference_task, resume_task
+from ._resumecheck import Run, check_stop, prefix_matches
+from ._types import Finding, Settings, Status
+
+__all__ = ["ResumeReport", "StopRun", "run_resume"]
+
+
+@dataclass
+class StopRun:
+    """One stop of one job: where it resumed, the per-rank runs (seg 0: before the stop
+    under the audit's topology, 1: after the load, 2: after the second load)."""
+
+    stop: Stop
+    world_size: int
+    num_workers: int
+    segments: list[list[RankResult]] = field(default_factory=list)
+    error: str | None = None
+    notes: list[str] = field(default_factory=list)
+    #: every delivered sample of the run, encoded (set by ``resume_findings``)
+    run: Run | None = None
+
+
+@dataclass
+class ResumeReport:
+    """What the resume audit of one job ran and found."""
+
+    cannot: str | None = None
+    stops: list[StopRun] = field(default_factory=list)
+    findings: list[Finding] = field(default_factory=list)
+    #: the uninterrupted run, encoded (set by ``resume_findings``)
+    reference: Run | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "cannot_resume": self.cannot,
+            "stops": [
+                {
+                    "stop": str(s.stop),
+                    "world_size": s.world_size,
+                    "num_workers": s.num_workers,
+                    "error": s.error,
+                    "notes": s.notes,
+                }
+                for s in self.stops
+            ],
+        }
+
+
+def _states(runs: list[Resumed]) -> tuple[list[bytes] | None, str | None]:
+    errors = [f"rank {r}: {run.error}" for r, run in enumerate(runs) if run.error]
+    if errors:
+        return None, "; ".join(errors)
+    states = [run.state for run in runs]
+    if any(s is None for s in states):
+        return None, "a rank ended before the stop (fewer batches than the others?)"
+    return [s for s in states if s is not None], None
+
+
+def _slug(stop: Stop) -> str:
+    return "resume_" + "".join(c if c.isalnum() else "_" for c in stop.name)
+
+
+class _Plan:
+    """The resumes still to run: items grouped by world size, and where each goes."""
+
+    def __init__(self) -> None:
+        self.items: dict[int, list[tuple[ResumeItem, StopRun]]] = {}
+
+    def add(self, item: ResumeItem, target: StopRun) -> None:
+        self.items.setdefault(target.world_size, []).append((item, target))
+
+    def run(
+        self, timeout: float, say: Callable[[str], None]
+    ) -> list[tuple[ResumeItem, StopRun, list[Resumed]]]:
+        done = []
+        for world_size, pairs in sorted(self.items.items()):
+            items = [item for item, _ in pairs]
+            per_rank = launch(world_size, timeout, resume_task, items, say)
+            for i, (item, target) in enumerate(pairs):
+                done.append((item, target, [per_rank[r][i] for r in range(world_size)]))
+        self.items = {}
+        return done
+
+
+def run_resume(
+    jobs: list[Job],
+    settings: Settings,
+    *,
+    world_size: int | None = None,
+    num_workers: int | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> list[tuple[list[RankResult], ResumeReport]]:
+    """Per job: the reference's rank results and the resume report (findings unset:
+    ``resume_findings`` computes them once the ids are encoded)."""
+    say = progress or (lambda _: None)
+    w2 = settings.world_size if world_size is None else world_size
+    k2 = settings.num_workers if num_workers is None else num_workers
+    say(f"reference and interrupted runs on {settings.world_size} ranks")
+    per_rank = launch(settings.world_size, settings.timeout, reference_task, (jobs, settings), say)
+    out: list[tuple[list[RankResult], ResumeReport]] = []
+    plan = _Plan()
+    for j, job in enumerate(jobs):
+        refs = [per_rank[r][j][0] for r in range(settings.world_size)]
+        report = ResumeReport(cannot=per_rank[0][j][1])
+        out.append((refs, report))
+        for i, stop in enumerate(per_rank[0][j][2]):
+            runs = [per_rank[r][j][3][i] for r in range(settings.world_size)]
+            target = StopRun(stop, w2, k2, segments=[[run.result for run in runs]])
+            report.stops.append(target)
+            states, error = _states(runs)
+            if states is None:
+                target.error = f"the state saved at {stop} is unusable: {error}"
+                continue
+            own = any(s != states[0] for s in states)
+            if own and w2 != settings.world_size:
+                target.notes.append(
+                    f"cannot resume onto another topology: the state differs per rank, so "
+                    f"it resumed on {settings.world_size} ranks, not {w2}"
+                )
+                target.world_size = settings.world_size
+            item: ResumeItem = (
+                job,
+                replace(settings, num_workers=target.num_workers, world_size=target.world_size),
+                stop,
+                states,
+                own,
+                stop.then,
+            )
+            plan.add(item, target)
+    say(f"resumed runs on {w2} ranks x {k2} workers")
+    retry: list[tuple[ResumeItem, StopRun]] = []
+    for item, target, runs in plan.run(settings.timeout, say):
+        if any(run.error for run in runs) and (target.world_size, target.num_workers) != (
+            settings.world_size,
+            settings.num_workers,
+        ):
+            errors = "; ".join(f"rank {r}: {x.error}" for r, x in enumerate(runs) if x.error)
+            target.notes.append(
+                f"cannot resume onto {target.world_size} ranks x {target.num_workers} workers "
+                f"({errors}): resumed on {settings.world_size} x {settings.num_workers}"
+            )
+            target.world_size, target.num_workers = settings.world_size, settings.num_workers
+            job, _, stop, states, own, then = item
+            retry.append(((job, settings, stop, states, own, then), target))
+            continue
+        _finish(item, target, runs, plan)
+    for item, target in retry:
+        plan.add(item, target)
+    for item, target, runs in plan.run(settings.timeout, say):
+        _finish(item, target, runs, plan)
+    say("second resume")
+    for item, target, runs in plan.run(settings.timeout, say):
+        _finish(item, target, runs, plan)
+    return out
+
+
+def _finish(item: ResumeItem, target: StopRun, runs: list[Resumed], plan: _Plan) -> None:
+    """Record a resumed run; queue the second resume from where it saved again."""
+    errors = [f"rank {r}: {x.error}" for r, x in enumerate(runs) if x.error]
+    if errors:
+        target.error = "cannot resume: load_state_dict raised: " + "; ".join(errors)
+        return
+    target.segments.append([run.result for run in runs])
+    job, settings, _, _, _, then = item
+    if then is None:
+        return
+    states, error = _states(runs)
+    if states is None:
+        target.error = f"the state saved again at {then} is unusable: {error}"
+        return
+    own = any(s != states[0] for s in states)
+    plan.add((job, settings, then, states, own, None), target)
+
+
+def _run_of(results: list[RankResult], codes: list[np.ndarray], seg: int, world: int) -> Run:
+    cols = {
+        "ids": np.concatenate(codes) if codes else np.zeros(0, dtype=np.int64),
+        "rank": np.concatenate(
+            [np.full(len(c), r.rank) for r, c in zip(results, codes, strict=True)]
+        ),
+        "epoch": np.concatenate([r.epoch for r in results]),
+        "batch": np.concatenate([r.batch for r in results]),
+        "pos": np.concatenate([r.pos for r in results]),
+    }
+    n = len(cols["ids"])
+    return Run(world_size=world, seg=np.full(n, seg, dtype=np.int64), **cols)
+
+
+def resume_findings(
+    report: ResumeReport,
+    refs: list[RankResult],
+    codes: dict[int, np.ndarray],
+    settings: Settings,
+    label: Callable[[int], str],
+) -> list[Finding]:
+    """The ``resume`` finding and one per stop (``codes``: ``id(result)`` -> its ids'
+    integer codes, one code space for every run; ``label`` names a code)."""
+
+    def encode(result: RankResult) -> np.ndarray:
+        return codes[id(result)]
+
+    if report.cannot is not None:
+        return [Finding("resume", "Resume", "WARN", 0, f"cannot resume: {report.cannot}")]
+    ref = _run_of(refs, [encode(r) for r in refs], 0, settings.world_size)
+    report.reference = ref
+    findings: list[Finding] = []
+    notes: list[str] = []
+    for s in report.stops:
+        status: Status = "PASS"
+        if s.error is not None:
+            status, detail = "WARN", s.error
+        else:
+            segs = [
+                _run_of(
+                    rs, [encode(r) for r in rs], k, settings.world_size if k == 0 else s.world_size
+                )
+                for k, rs in enumerate(s.segments)
+            ]
+            got = Run.concat(segs, s.world_size)
+            s.run = got
+            check = check_stop(
+                ref,
+                got,
+                batch_size=settings.batch_size,
+                reproducible=prefix_matches(ref, segs[0]),
+                label=label,
+            )
+            if check.problems:
+                status = "FAIL"
+            elif check.notes:
+                status = "WARN"
+            where = f"onto {s.world_size} ranks x {s.num_workers} workers"
+            detail = "; ".join(check.problems + check.notes) or f"exact after resuming {where}"
+        notes.extend(s.notes)
+        findings.append(Finding(_slug(s.stop), f"Resume: {s.stop}", status, 0, detail))
+    errors = [s.error for s in report.stops if s.error is not None]
+    if not report.stops:
+        head = Finding("resume", "Resume", "WARN", 0, "no batch to stop at")
+    elif len(errors) == len(report.stops):
+        head = Finding("resume", "Resume", "WARN", len(errors), f"at no stop: {errors[0]}")
+    elif errors:
+        head = Finding(
+            "resume",
+            "Resume",
+            "WARN",
+            len(errors),
+            f"cannot resume at {len(errors)} of {len(report.stops)} stops: {errors[0]}",
+        )
+    elif notes:
+        head = Finding("resume", "Resume", "WARN", len(notes), "; ".join(sorted(set(notes))))
+    else:
+        s0 = report.stops[0]
+        head = Finding(
+            "resume",
+            "Resume",
+            "PASS",
+            0,
+            f"{len(report.stops)} stops resumed onto {s0.world_size} ranks x "
+            f"{s0.num_workers} workers",
+        )
+    return [head, *findings]

@@ -24,13 +24,26 @@ seq_lens = st.integers(1, 17)
 
 def _concat(lengths: np.ndarray, seq_len: int, stride: int) -> ConcatRows:
     at = lambda p: lengths[p]  # noqa: E731
-    return ConcatRows(concat_checkpoints(at, lengths.size, stride=stride, chunk=stride * 2),
-                      at, lengths.size, seq_len=seq_len, stride=stride)
+    return ConcatRows(
+        concat_checkpoints(at, lengths.size, stride=stride, chunk=stride * 2),
+        at,
+        lengths.size,
+        seq_len=seq_len,
+        stride=stride,
+    )
 
 
 def _fitted(lengths: np.ndarray, seq_len: int, window: int, open_rows: int, group: int):
-    chunks = list(best_fit_chunks(lambda p: lengths[p], lengths.size, seq_len=seq_len,
-                                  window=window, open_rows=open_rows, group=group))
+    chunks = list(
+        best_fit_chunks(
+            lambda p: lengths[p],
+            lengths.size,
+            seq_len=seq_len,
+            window=window,
+            open_rows=open_rows,
+            group=group,
+        )
+    )
     pieces = np.concatenate(chunks) if chunks else np.empty(0, dtype=chunks_dtype())
     num_rows = int(pieces["row"][-1]) + 1 if pieces.size else 0
     return FittedRows(pieces, row_index(pieces["row"], num_rows, stride=3), num_rows, stride=3)
@@ -49,8 +62,9 @@ def _check_exactly_once(lengths: np.ndarray, table, seq_len: int) -> np.ndarray:
     per_row = np.bincount(pieces["row"], weights=pieces["len"], minlength=table.num_rows)
     assert (per_row <= seq_len).all() and (per_row > 0).all()
     seen = [np.zeros(n, dtype=np.int64) for n in lengths.tolist()]
-    for pos, start, n in zip(pieces["pos"].tolist(), pieces["start"].tolist(),
-                             pieces["len"].tolist(), strict=True):
+    for pos, start, n in zip(
+        pieces["pos"].tolist(), pieces["start"].tolist(), pieces["len"].tolist(), strict=True
+    ):
         seen[pos][start : start + n] += 1
     assert all((s == 1).all() for s in seen)
     return pieces
@@ -68,9 +82,13 @@ def test_concat_reads_every_token_once_and_locates_rows_as_a_replay(lengths, seq
     replay = [stream[r * seq_len : (r + 1) * seq_len] for r in range(table.num_rows)]
     for r in np.random.default_rng(0).permutation(table.num_rows).tolist():
         fresh = _concat(arr, seq_len, stride).pieces(np.array([r]))  # located directly
-        got = [(p, s + i) for p, s, n in zip(fresh["pos"].tolist(), fresh["start"].tolist(),
-                                             fresh["len"].tolist(), strict=True)
-               for i in range(n)]
+        got = [
+            (p, s + i)
+            for p, s, n in zip(
+                fresh["pos"].tolist(), fresh["start"].tolist(), fresh["len"].tolist(), strict=True
+            )
+            for i in range(n)
+        ]
         assert got == replay[r]
     # only the last row is short
     per_row = np.bincount(pieces["row"], weights=pieces["len"], minlength=table.num_rows)
@@ -88,8 +106,10 @@ def _reference_best_fit(lengths: list[int], seq_len: int, window: int, open_rows
                 out.append((row, p, k * seq_len, seq_len))
                 row += 1
         run = 4 * open_rows
-        items = sorted(((lengths[p] % seq_len, p) for p in docs if lengths[p] % seq_len),
-                       key=lambda x: ((x[1] - w0) // run, -x[0], x[1]))
+        items = sorted(
+            ((lengths[p] % seq_len, p) for p in docs if lengths[p] % seq_len),
+            key=lambda x: ((x[1] - w0) // run, -x[0], x[1]),
+        )
         slots: list[list | None] = [None] * open_rows  # [room, row id, pieces]
         rows: list[list] = []
         for n, p in items:
@@ -141,8 +161,9 @@ def test_best_fit_padding_within_20_percent_of_ideal_on_documents_that_fit(seed,
 def test_assemble_marks_pads_and_document_starts():
     tokens = {0: np.array([5, 6, 7]), 1: np.array([8, 9])}
     pieces = np.array([(0, 0, 0, 3), (1, 1, 0, 2)], dtype=chunks_dtype())
-    out = assemble(np.array([0, 1, 2]), pieces, tokens, seq_len=4, pad_id=0,
-                   doc_index={0: 10, 1: 20})
+    out = assemble(
+        np.array([0, 1, 2]), pieces, tokens, seq_len=4, pad_id=0, doc_index={0: 10, 1: 20}
+    )
     assert out["input_ids"].tolist() == [[5, 6, 7, 0], [8, 9, 0, 0], [0, 0, 0, 0]]
     assert out["labels"].tolist() == [[-100, 6, 7, -100], [-100, 9, -100, -100], [-100] * 4]
     assert out["document_ids"].tolist() == [[11, 11, 11, 0], [21, 21, 0, 0], [0] * 4]

@@ -24,7 +24,7 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["PIECE", "IGNORE", "Lengths", "RowTable", "assemble", "pieces_of"]
+__all__ = ["IGNORE", "PIECE", "Lengths", "RowTable", "assemble", "pieces_of"]
 
 I64 = npt.NDArray[np.int64]
 #: One piece of a document in a row (24 bytes, the layout of the plan files too).

@@ -61,7 +61,7 @@ def _child(lengths_path: str, n: int, strategy: str, seq_len: int) -> None:
     thread.start()
     t0 = time.perf_counter()
     files = PlanFiles(Packing(seq_len, strategy=strategy), lengths, "bench")
-    table = files.table((0, 0, "global", 8), FeistelPermutation(n, seed=0, epoch=0))
+    table = files.table(0, (0, "global", 8), FeistelPermutation(n, seed=0, epoch=0))
     rows = table.num_rows
     elapsed = time.perf_counter() - t0
     done.set()

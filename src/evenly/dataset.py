@@ -1,10 +1,9 @@
 """``evenly.Dataset``: an IterableDataset over any sized, indexable source that reads each
 sample exactly once per epoch across DDP ranks and DataLoader workers.
 
-The user's view: settings, topology, ``set_epoch``, ``len``, checkpoints of its own
-passes.  Under ``evenly.DataLoader`` the loader owns the pass and talks to its
-:class:`~evenly.runtime.planner.Planner`; under any other loader the dataset owns its
-passes (:mod:`evenly.runtime.own_passes`), its topology fixed in the main process.
+The user's view: settings, topology, ``set_epoch``, ``len``, and its own passes under any
+loader but ``evenly.DataLoader`` (which uses the :class:`~evenly.runtime.planner.Planner`):
+:mod:`evenly.runtime.own_passes`; ``set_epoch`` marks a pass start, later passes follow.
 """
 
 from __future__ import annotations
@@ -16,6 +15,7 @@ from typing import Any, Generic, TypeVar
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from evenly.core.packing.settings import Packing
 from evenly.core.plan import EpochPlan
 from evenly.core.source import Source
 from evenly.core.spec import PassSpec
@@ -95,6 +95,7 @@ class Dataset(IterableDataset[Any], Generic[T_co]):
             ``"mask"``: as ``"repeat"``, and the transform (required) is told which
             samples are the repeats (:func:`evenly.is_padding`) to mark them, e.g. a
             label of -100 or a weight of 0.
+        pack: an :class:`evenly.Packing`: documents packed into rows (``docs/packing.md``).
     """
 
     def __init__(
@@ -112,6 +113,7 @@ class Dataset(IterableDataset[Any], Generic[T_co]):
         block_shards: int = 8,
         on_error: str = "raise",
         pad: str = "repeat",
+        pack: Packing | None = None,
     ) -> None:
         self._planner = Planner(  # plans, reads and checkpoints passes: what loaders use
             source,
@@ -123,6 +125,7 @@ class Dataset(IterableDataset[Any], Generic[T_co]):
             block_shards=block_shards,
             on_error=on_error,
             pad=pad,
+            pack=pack,
         )
         self._rank = None if rank is None else check_int("rank", rank, minimum=0)
         self._world_size = (
@@ -266,7 +269,7 @@ class Dataset(IterableDataset[Any], Generic[T_co]):
         n = self._planner.num_samples()
         return PassSpec(
             epoch=state.epoch,
-            start=min(state.position, n),
+            start=min(state.position, self._planner.units(state.epoch)),
             num_samples=n,
             batch_size=batch,
             drop_last=self.drop_last,

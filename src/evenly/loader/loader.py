@@ -216,9 +216,10 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
     def _spec(self, start: PassState, infinite: bool = False) -> PassSpec:
         topo = self.dataset.topology()
         n = self.dataset._planner.num_samples()  # a pass is planned over the length it has
+        u = self.dataset._planner.units(0 if infinite else start.epoch)  # rows under packing
         return PassSpec(
             epoch=start.epoch,
-            start=start.epoch * n + min(start.position, n) if infinite else min(start.position, n),
+            start=start.epoch * u + min(start.position, u) if infinite else min(start.position, u),
             num_samples=n,
             batch_size=self._plan_batch,
             drop_last=self._drop and not infinite,
@@ -359,7 +360,7 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
     def _iter_stream(self) -> PassIterator:
         """One endless pass over consecutive epochs (``infinite=True``), continuing from
         what the loop received so far, or from a loaded state / ``set_epoch``."""
-        n = self.dataset._planner.num_samples()
+        n = self.dataset._planner.units(0)
         if n == 0:
             raise ValueError("evenly.DataLoader(infinite=True): the source is empty")
         refuse_planned_source(self.dataset)

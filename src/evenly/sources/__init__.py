@@ -1,5 +1,6 @@
 """File-format sources for ``evenly.Dataset``: Arrow IPC (and HF ``datasets`` on disk),
-Parquet, WebDataset tar and JSON Lines shards, local or remote (fsspec), and ``write``
+Parquet, WebDataset tar and JSON Lines shards, local or remote (fsspec), Megatron-LM
+indexed datasets (``.bin`` + ``.idx``, local), and ``write``
 to pack any dataset into shards.
 
 >>> import evenly.sources as es
@@ -9,6 +10,7 @@ to pack any dataset into shards.
 
 from ._arrow import ArrowSource, from_arrow
 from ._jsonl import JsonlSource, from_jsonl
+from ._megatron import MegatronSource, from_megatron
 from ._parquet import ParquetSource, from_parquet
 from ._webdataset import WebDatasetSource, from_webdataset
 from ._write import write
@@ -16,10 +18,12 @@ from ._write import write
 __all__ = [
     "ArrowSource",
     "JsonlSource",
+    "MegatronSource",
     "ParquetSource",
     "WebDatasetSource",
     "from_arrow",
     "from_jsonl",
+    "from_megatron",
     "from_parquet",
     "from_webdataset",
     "write",

@@ -37,6 +37,7 @@ if TYPE_CHECKING:
         from_megatron,
         from_parquet,
         from_webdataset,
+        tokenizer,
         write,
     )
 
@@ -62,6 +63,7 @@ __all__ = [
     "from_webdataset",
     "is_padding",
     "sample_seed",
+    "tokenizer",
     "write",
 ]
 
@@ -81,6 +83,7 @@ _LAZY = {
     "from_megatron": ("evenly.sources", "from_megatron"),
     "from_parquet": ("evenly.sources", "from_parquet"),
     "from_webdataset": ("evenly.sources", "from_webdataset"),
+    "tokenizer": ("evenly.sources", "tokenizer"),
     "write": ("evenly.sources", "write"),
 }
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 # the function shadows its (light) package's module attribute, so it is bound eagerly
 from evenly.audit import audit
+from evenly.core.packing.settings import Packing
 from evenly.core.permutation import FeistelPermutation
 from evenly.core.plan import EpochPlan
 from evenly.core.source import Source
@@ -49,6 +50,7 @@ __all__ = [
     "EvenlyWarning",
     "FeistelPermutation",
     "Mix",
+    "Packing",
     "PlanMismatchError",
     "Source",
     "StateError",

@@ -1,13 +1,9 @@
 """``evenly.Dataset``: an IterableDataset over any sized, indexable source that reads each
 sample exactly once per epoch across DDP ranks and DataLoader workers.
 
-This is the user's view: settings, topology, ``set_epoch``, ``len``, checkpoints of its
-own passes.  Under ``evenly.DataLoader`` the loader owns the pass (and its batch size)
-and talks to the dataset through its :class:`~evenly.runtime.planner.Planner`; under any
-other loader (a plain torch DataLoader, one that Accelerate or Lightning rebuilt,
-StatefulDataLoader) the dataset owns its passes (:mod:`evenly.runtime.own_passes`): its
-topology is fixed in the main process (at the latest when it is pickled for the
-workers), ``set_epoch`` marks a pass start, and every further pass is the next epoch.
+The user's view: settings, topology, ``set_epoch``, ``len``, and its own passes under any
+loader but ``evenly.DataLoader`` (which uses the :class:`~evenly.runtime.planner.Planner`):
+:mod:`evenly.runtime.own_passes`; ``set_epoch`` marks a pass start, later passes follow.
 """
 
 from __future__ import annotations
@@ -18,6 +14,7 @@ from typing import Any, Generic, TypeVar
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from evenly.core.packing.settings import Packing
 from evenly.core.plan import EpochPlan
 from evenly.core.source import Source
 from evenly.core.spec import PassSpec
@@ -97,6 +94,7 @@ class Dataset(IterableDataset[Any], Generic[T_co]):
             ``"mask"``: as ``"repeat"``, and the transform (required) is told which
             samples are the repeats (:func:`evenly.is_padding`) to mark them, e.g. a
             label of -100 or a weight of 0.
+        pack: an :class:`evenly.Packing`: documents packed into rows (``docs/packing.md``).
     """
 
     def __init__(
@@ -114,6 +112,7 @@ class Dataset(IterableDataset[Any], Generic[T_co]):
         block_shards: int = 8,
         on_error: str = "raise",
         pad: str = "repeat",
+        pack: Packing | None = None,
     ) -> None:
         self._planner = Planner(  # plans, reads and checkpoints passes: what loaders use
             source,
@@ -125,6 +124,7 @@ class Dataset(IterableDataset[Any], Generic[T_co]):
             block_shards=block_shards,
             on_error=on_error,
             pad=pad,
+            pack=pack,
         )
         self._rank = None if rank is None else check_int("rank", rank, minimum=0)
         self._world_size = (
@@ -269,7 +269,7 @@ class Dataset(IterableDataset[Any], Generic[T_co]):
         n = self._planner.num_samples()
         return PassSpec(
             epoch=state.epoch,
-            start=min(state.position, n),
+            start=min(state.position, self._planner.units(state.epoch)),
             num_samples=n,
             batch_size=batch,
             drop_last=self.drop_last,

@@ -38,7 +38,7 @@ from evenly.core.permutation import as_int64 as as_positions
 from evenly.core.permutation import sample_seeds
 from evenly.errors import check_int
 
-__all__ = ["PAD_MODES", "EpochPlan", "Order", "as_positions"]
+__all__ = ["PAD_MODES", "PLAN_PAD_MODES", "EpochPlan", "Order", "as_positions"]
 
 I64 = npt.NDArray[np.int64]
 
@@ -51,6 +51,9 @@ class Order(Protocol):
 
 #: How the short last step of an epoch is shared (see the module docstring).
 PAD_MODES = ("repeat", "none", "mask")
+#: What a plan also takes: ``"full"`` pads the short last step up to a full global step
+#: (every rank a full batch; packing's pad rows, at virtual positions ``>= N``).
+PLAN_PAD_MODES = (*PAD_MODES, "full")
 
 #: Positions computed per numpy call when walking a worker's share.
 CHUNK = 8192
@@ -88,8 +91,8 @@ class EpochPlan:
     pad: str = "repeat"
 
     def __post_init__(self) -> None:
-        if self.pad not in PAD_MODES:
-            raise ValueError(f"pad must be one of {list(PAD_MODES)}, got {self.pad!r}")
+        if self.pad not in PLAN_PAD_MODES:
+            raise ValueError(f"pad must be one of {list(PLAN_PAD_MODES)}, got {self.pad!r}")
         check_int("num_samples", self.num_samples, minimum=0)
         check_int("world_size", self.world_size, minimum=1)
         check_int("batch_size", self.batch_size, minimum=1)
@@ -113,12 +116,18 @@ class EpochPlan:
         return self.world_size * self.batch_size
 
     @property
+    def _fills_last_step(self) -> bool:
+        return self.pad == "full" and not self.drop_last
+
+    @property
     def num_full_steps(self) -> int:
+        if self._fills_last_step:  # the short last step is padded into a full one
+            return -(-self.remaining // self._step_size)
         return self.remaining // self._step_size
 
     @property
     def _tail(self) -> int:
-        return self.remaining - self.num_full_steps * self._step_size
+        return max(0, self.remaining - self.num_full_steps * self._step_size)
 
     @property
     def tail_per_rank(self) -> int:
@@ -160,6 +169,8 @@ class EpochPlan:
         0 under ``pad="none"``)."""
         if self.pad == "none":
             return 0
+        if self._fills_last_step:
+            return self.num_full_steps * self._step_size - self.remaining
         return self.tail_per_rank * self.world_size - (0 if self.drop_last else self._tail)
 
     @property
@@ -284,6 +295,11 @@ class EpochPlan:
             return (
                 f"pad='none': the {self.world_size} ranks get {low} or "
                 f"{self.samples_per_rank} samples (nothing repeated, nothing dropped)"
+            )
+        if self.num_padded and self._fills_last_step:
+            return (
+                f"{self.num_padded} pad row(s) added so that each of the {self.world_size} "
+                f"rank(s) gets {self.num_batches} full batch(es) of {self.batch_size}"
             )
         if self.num_padded:
             return (

@@ -28,6 +28,7 @@ __all__ = [
     "ShardedSource",
     "Source",
     "SourceView",
+    "TokenLengthsSource",
 ]
 
 T_co = TypeVar("T_co", covariant=True)
@@ -88,6 +89,17 @@ class CheckedSource(Protocol):
 
 
 @runtime_checkable
+class TokenLengthsSource(Protocol):
+    """Knows how many tokens each document holds (packing's lengths, with no read of the
+    tokens): one non-negative int32 per sample, in index order, for the token-id list
+    ``field`` (``evenly.Packing(field=...)``).  Arrow, Parquet and HF ``datasets``
+    sources answer from the list offsets; a source that cannot answer for ``field``
+    raises (a ``ValueError`` or ``TypeError`` naming it)."""
+
+    def token_lengths(self, field: str) -> Any: ...
+
+
+@runtime_checkable
 class IdentifiedSource(Protocol):
     """Has an identity that changes when its data does (checked on resume)."""
 
@@ -141,6 +153,8 @@ class SourceView:
     preferred_shuffle: str
     #: mode -> a warning about that shuffle for this source, or None
     shuffle_advice: Callable[[str], str | None] | None
+    #: field -> tokens per document (packing's lengths), or None
+    token_lengths: Callable[[str], Any] | None = None
 
     @classmethod
     def of(cls, source: Any) -> SourceView:
@@ -169,4 +183,5 @@ class SourceView:
             planned=planned,
             preferred_shuffle=str(getattr(source, "preferred_shuffle", "global")),
             shuffle_advice=getattr(source, "shuffle_advice", None),
+            token_lengths=source.token_lengths if isinstance(source, TokenLengthsSource) else None,
         )

@@ -38,6 +38,8 @@ __all__ = ["DataLoader"]
 def _refuse_planned_source(dataset: Dataset[Any]) -> None:
     """A source that plans its own epochs (an ``evenly.Mix``) lays its steps out from each
     epoch's start, which a stream of epochs does not keep: refused until it can."""
+    if dataset._planner.packer is not None:
+        dataset._planner.packer.check_stream()
     if dataset._planner.view.planned is not None:
         raise ValueError(
             f"evenly.DataLoader(infinite=True) does not support a "
@@ -210,9 +212,10 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
     def _spec(self, start: PassState, infinite: bool = False) -> PassSpec:
         topo = self.dataset.topology()
         n = self.dataset._planner.num_samples()  # a pass is planned over the length it has
+        u = self.dataset._planner.units(0 if infinite else start.epoch)  # rows under packing
         return PassSpec(
             epoch=start.epoch,
-            start=start.epoch * n + min(start.position, n) if infinite else min(start.position, n),
+            start=start.epoch * u + min(start.position, u) if infinite else min(start.position, u),
             num_samples=n,
             batch_size=self._plan_batch,
             drop_last=self._drop and not infinite,
@@ -358,7 +361,7 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
     def _iter_stream(self) -> PassIterator:
         """One endless pass over consecutive epochs (``infinite=True``), continuing from
         what the loop received so far, or from a loaded state / ``set_epoch``."""
-        n = self.dataset._planner.num_samples()
+        n = self.dataset._planner.units(0)
         if n == 0:
             raise ValueError("evenly.DataLoader(infinite=True): the source is empty")
         _refuse_planned_source(self.dataset)

@@ -16,18 +16,22 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import get_worker_info
+from torch.utils.data import default_collate, get_worker_info
 
 from evenly.core.order import SHUFFLE_MODES, make_order
+from evenly.core.packing.pieces import RowTable
+from evenly.core.packing.settings import Packing
 from evenly.core.plan import PAD_MODES, EpochPlan, Order
 from evenly.core.source import SourceView
 from evenly.core.spec import PassSpec
 from evenly.core.state import PassState
 from evenly.core.stream import StreamPlan
-from evenly.errors import check_int
+from evenly.errors import StateError, check_int
 from evenly.runtime.checks import check_current
+from evenly.runtime.packer import Packer, collate_rows, read_packed
 from evenly.runtime.reader import ReadContext, read_batches
 from evenly.runtime.seeds import check_generators
+from evenly.transport.slots import plain_collate
 
 __all__ = ["Planner", "ReadTap"]
 
@@ -77,6 +81,7 @@ class Planner:
         block_shards: int,
         on_error: str,
         pad: str = "repeat",
+        pack: Packing | None = None,
     ) -> None:
         self.view = SourceView.of(source)
         self.generation = 0
@@ -92,6 +97,8 @@ class Planner:
         if pad not in PAD_MODES:
             raise ValueError(f"pad must be one of {list(PAD_MODES)}, got {pad!r}")
         self.pad = pad
+        #: packing (``pack=``): rows of tokens are the plan's unit
+        self.packer = Packer.build(pack, self.view, on_error, pad)
         self._check_mask()
         #: the audit's tap on every read (None: no one is watching)
         self.tap: ReadTap | None = None
@@ -105,6 +112,9 @@ class Planner:
         """Replace the source or the transform: a new generation."""
         if which == "source":
             self.view = SourceView.of(source)
+            if self.packer is not None:
+                Packer.build(self.packer.packing, self.view, self.on_error, self.pad)
+                self.packer.reset()
         else:
             self.transform = transform
             self._check_mask()
@@ -126,6 +136,25 @@ class Planner:
     def num_samples(self) -> int:
         return len(self.view.source)
 
+    # ---- packing -----------------------------------------------------------------
+    def units(self, epoch: int) -> int:
+        """The plan's units in epoch ``epoch``: samples, or under packing that epoch's
+        rows (the same every epoch under ``concat``; under ``best_fit`` it may differ)."""
+        if self.packer is None:
+            return self.num_samples()
+        files = self.packer.files(self.view)
+        if self.packer.packing.strategy == "concat":
+            return files.concat_rows()
+        return self.epoch_rows(epoch)[0].num_rows
+
+    def epoch_rows(self, epoch: int) -> tuple[RowTable, Order | None]:
+        """Epoch ``epoch``'s packed rows and its document order."""
+        assert self.packer is not None
+        n = self.num_samples()
+        order = self.order_for(epoch, n, 1, 0)
+        key = (self.seed, epoch, self.shuffle_mode, self.block_shards)
+        return self.packer.files(self.view).table(key, order), order
+
     def source_fingerprint(self) -> int:
         """A 63-bit digest of ``source.fingerprint`` (0 if the source has none)."""
         fp = self.view.fingerprint
@@ -143,6 +172,17 @@ class Planner:
         ``stream_plan_for`` for an infinite pass)."""
         if spec.infinite:
             raise ValueError("an infinite pass has a stream plan: use stream_plan_for")
+        if self.packer is not None:  # rows are the unit; the tail is pad rows
+            return EpochPlan(
+                num_samples=self.units(spec.epoch),
+                world_size=spec.world_size,
+                batch_size=spec.batch_size,
+                drop_last=spec.drop_last,
+                seed=self.seed,
+                epoch=spec.epoch,
+                start=spec.start,
+                pad="full" if self.pad == "repeat" else self.pad,
+            )
         return EpochPlan(
             num_samples=spec.num_samples,
             world_size=spec.world_size,
@@ -164,6 +204,14 @@ class Planner:
     def stream_plan_for(self, spec: PassSpec) -> StreamPlan:
         """The endless plan over consecutive epochs of an infinite pass."""
         step = spec.world_size * spec.batch_size
+        if self.packer is not None:  # the stream of every epoch's rows
+            return StreamPlan(
+                num_samples=self.units(0),
+                world_size=spec.world_size,
+                batch_size=spec.batch_size,
+                seed=self.seed,
+                start=spec.start,
+            )
         return StreamPlan(
             num_samples=spec.num_samples,
             world_size=spec.world_size,
@@ -212,6 +260,8 @@ class Planner:
         }
         if self.shuffle_mode == "block":
             fp["block_shards"] = self.block_shards
+        if self.packer is not None:
+            fp.update(self.packer.packing.fingerprint())
         if self.view.fingerprint is not None:
             fp["source"] = self.view.fingerprint
         if self.view.planned is not None:
@@ -245,6 +295,11 @@ class Planner:
             fingerprint["num_samples"] = self.num_samples()
             state = {**state, "num_samples": self.num_samples()}
         loaded = PassState.from_dict(state, fingerprint)
+        if self.packer is not None and loaded.position > self.units(loaded.epoch):
+            raise StateError(
+                f"state['position']={loaded.position} is past the end of epoch "
+                f"{loaded.epoch} ({self.units(loaded.epoch)} packed rows)"
+            )
         if planned is None:
             return PassState(loaded.epoch, loaded.position, loaded.batches)
         part = planned.load_source_state(state.get("source_state"), loaded.epoch, loaded.position)
@@ -288,6 +343,16 @@ class Planner:
         )
         if progress is not None:
             progress[0] = skip
+        if self.packer is not None:
+            packed = read_packed(ctx, self.packer, self.epoch_rows, skip)
+            if collate in (default_collate, plain_collate):
+                collate = collate_rows(self.packer.packing)
+            for rows in packed:
+                if collate is None:
+                    yield from rows
+                else:
+                    yield collate(rows)
+            return
         batches = read_batches(ctx, skip)
         if ctx.columnar:
             yield from batches

@@ -226,6 +226,13 @@ class ArrowBatchSource(ShardedSource):
         base = super().fingerprint
         return base if self._mapping is None else f"{base}:indices:{len(self)}:{self._mapping_id}"
 
+    def token_lengths(self, field: str) -> npt.NDArray[np.int32]:
+        """Tokens per sample of the list column ``field`` (packing's lengths), read from
+        the list offsets."""
+        from evenly.sources._lengths import list_lengths
+
+        return list_lengths(self, field)
+
     def _rows(self, idx: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
         return idx if self._mapping is None else self._mapping[idx]
 

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Install the peer libraries that bench/bench_formats.py compares evenly with, into the
+# Install the peer libraries that bench/bench_formats.py and bench/bench_packing.py compare
+# evenly with, into the
 # active venv (default: ./.venv), never touching torch: every install is constrained by
 # constraints.txt.  litdata and mosaicml-streaming are installed --no-deps (their full
 # requirement lists pull in cloud SDKs and, for streaming, torchvision, which has no wheel
@@ -25,6 +26,10 @@ PIP=(python -m pip install --quiet -c constraints.txt)
 "${PIP[@]}" Brotli python-snappy zstd zstandard pillow xxhash catalogue transformers
 "${PIP[@]}" --no-deps "mosaicml-streaming==0.13.0"
 
+# Grain (bench_packing.py's best-fit padding comparison only; never a test dependency):
+# its requirements are small (absl-py, array_record, cloudpickle, etils, protobuf)
+"${PIP[@]}" "grain==0.2.18"
+
 python - <<'PY'
 import importlib
 import sys
@@ -33,7 +38,7 @@ import types
 # bench_formats.py imports mosaicml-streaming the same way: its streaming.vision
 # subpackage imports torchvision (not installed here, and not needed by the bench)
 sys.modules.setdefault("streaming.vision", types.ModuleType("streaming.vision"))
-for name in ("datasets", "webdataset", "litdata", "streaming", "psutil"):
+for name in ("datasets", "webdataset", "litdata", "streaming", "psutil", "grain"):
     try:
         mod = importlib.import_module(name)
         print(f"ok   {name} {getattr(mod, '__version__', '?')}")

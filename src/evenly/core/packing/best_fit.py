@@ -41,7 +41,7 @@ I64 = npt.NDArray[np.int64]
 #: Rows between two resume points of a plan.
 ROW_STRIDE = 1024
 #: Document positions packed together (in lockstep) per group.
-GROUP = 1 << 19
+GROUP = 1 << 18
 #: Documents sorted longest first together: runs of ``SORT_RUN * open_rows`` positions.
 SORT_RUN = 4
 
@@ -103,42 +103,47 @@ def _pack_group(
     src = w_idx * window + order[w_idx, j_idx]
     packed_rows = window_base[w_idx] + full_per_window[w_idx] + item_row[w_idx, j_idx]
     rows = np.concatenate([full_rows, packed_rows])
-    step = np.concatenate([np.zeros(doc.size, dtype=np.int64), j_idx])
     pos = np.concatenate([doc, src]) + base
     start = np.concatenate([k * seq_len, full[src] * seq_len])
     length = np.concatenate([np.full(doc.size, seq_len, dtype=np.int64), rem[src]])
-    by = np.lexsort((step, rows))
+    by = np.argsort(rows, kind="stable")  # packed pieces come in (window, step) order
     return pieces_of(rows[by], pos[by], start[by], length[by])
 
 
 def _lockstep(items: I64, seq_len: int, open_rows: int) -> I64:
     """Row (in opening order) of each item of each window; -1 for empty items.  ``items``
-    is ``(windows, window)``, each window in packing order."""
+    is ``(windows, window)``, each window in packing order.
+
+    The slots are ``(open_rows, windows)`` (one window per column, so every reduction runs
+    across contiguous rows), and a slot's room and number are one key,
+    ``room * open_rows + slot``: its minimum is the best fit, lowest slot first."""
     windows, width = items.shape
+    k = np.int64(open_rows)
     item_row = np.full((windows, width), -1, dtype=np.int64)
-    room = np.full((windows, open_rows), -1, dtype=np.int64)  # -1: a free slot
-    slot_row = np.zeros((windows, open_rows), dtype=np.int64)
+    room = np.full((open_rows, windows), -1, dtype=np.int64)  # -1: a free slot
+    slot_row = np.zeros((open_rows, windows), dtype=np.int64)
     opened = np.zeros(windows, dtype=np.int64)
-    big = np.int64(seq_len + 1)
+    slots = np.arange(open_rows, dtype=np.int64)[:, None]
+    columns = np.arange(windows, dtype=np.int64)
+    never = np.int64(seq_len + 1) * k
     for j in range(width):
-        length = items[:, j]
-        live = np.flatnonzero(length > 0)
-        if live.size == 0:
+        n = items[:, j]
+        live = n > 0
+        if not live.any():
             continue
-        n = length[live]
-        r = room[live]
-        fitting = np.where(r >= n[:, None], r, big)
-        best = fitting.argmin(axis=1)
-        fits = fitting[np.arange(live.size), best] < big
-        free = r < 0
-        fresh = np.where(free.any(axis=1), free.argmax(axis=1), r.argmin(axis=1))
-        slot = np.where(fits, best, fresh)
-        new = live[~fits]
-        slot_row[new, slot[~fits]] = opened[new]
+        key = room * k + slots
+        best = np.where(room >= n, key, never).min(axis=0)
+        fits = (best < never) | ~live
+        # no fit: the lowest free slot, else the fullest open row's (closed)
+        fresh = np.where(room < 0, slots - k, key).min(axis=0)
+        fresh = np.where(fresh < 0, fresh + k, fresh % k)
+        slot = np.where(fits, best % k, fresh)
+        new = np.flatnonzero(~fits)
+        slot_row[slot[new], new] = opened[new]
         opened[new] += 1
-        room[new, slot[~fits]] = seq_len
-        room[live, slot] -= n
-        item_row[live, j] = slot_row[live, slot]
+        room[slot[new], new] = seq_len
+        room[slot, columns] -= n
+        item_row[:, j] = np.where(live, slot_row[slot, columns], -1)
     return item_row
 
 

@@ -31,7 +31,7 @@ I64 = npt.NDArray[np.int64]
 #: Document positions between two resume points.
 STRIDE = 1024
 #: Document positions whose lengths are gathered per numpy call while planning.
-CHUNK = 1 << 20
+CHUNK = 1 << 18
 
 
 def concat_checkpoints(

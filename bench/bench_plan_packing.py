@@ -1,0 +1,149 @@
+"""Planning an epoch of packed rows at LLM scale: time and peak private memory.
+
+Document lengths (log-normal, median ~500 tokens, one int32 each) are written once to a
+memory-mapped file, as evenly's lengths cache holds them; each round plans one epoch in
+a fresh subprocess, ``concat`` and ``best_fit`` interleaved, globally shuffled (the
+Feistel order, the costliest), into a fresh ``cache_dir``.  Memory is the child's peak
+private anonymous memory (``RssAnon``: what the process itself allocated, sampled every
+20 ms) above its value just before planning, and its peak PSS beside it (which also
+counts the memory-mapped lengths and plan file: file-backed page cache, shared by every
+process of the node and reclaimable).
+
+    python bench/bench_plan_packing.py --docs 100000000 --rounds 3
+
+Pass ``--child`` only internally.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import numpy as np
+
+
+def _anon() -> int:
+    """This process's resident anonymous memory (bytes), from /proc/self/status."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no RssAnon in /proc/self/status (Linux only)")
+
+
+def _child(lengths_path: str, n: int, strategy: str, seq_len: int) -> None:
+    import psutil
+
+    from evenly.core.packing.settings import Packing
+    from evenly.core.permutation import FeistelPermutation
+    from evenly.runtime.packed_plans import PlanFiles
+
+    proc = psutil.Process()
+    lengths = np.memmap(lengths_path, dtype=np.int32, mode="r", shape=(n,))
+    base = _anon()
+    peak = {"anon": base, "pss": proc.memory_full_info().pss}
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            peak["anon"] = max(peak["anon"], _anon())
+            peak["pss"] = max(peak["pss"], proc.memory_full_info().pss)
+            time.sleep(0.02)
+
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    t0 = time.perf_counter()
+    files = PlanFiles(Packing(seq_len, strategy=strategy), lengths, "bench")
+    table = files.table((0, 0, "global", 8), FeistelPermutation(n, seed=0, epoch=0))
+    rows = table.num_rows
+    elapsed = time.perf_counter() - t0
+    done.set()
+    thread.join()
+    tokens = int(np.sum(lengths, dtype=np.int64))
+    print(
+        json.dumps(
+            {
+                "seconds": elapsed,
+                "extra_anon_mb": (peak["anon"] - base) / 2**20,
+                "peak_pss_mb": peak["pss"] / 2**20,
+                "rows": rows,
+                "padding": 1 - tokens / (rows * seq_len),
+            }
+        )
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--docs", type=int, default=10**8)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--child", nargs=3)
+    args = parser.parse_args()
+    if args.child:
+        path, n, strategy = args.child
+        _child(path, int(n), strategy, args.seq_len)
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "lengths.i32")
+        rng = np.random.default_rng(0)
+        out = np.memmap(path, dtype=np.int32, mode="w+", shape=(args.docs,))
+        for lo in range(0, args.docs, 1 << 22):
+            hi = min(lo + (1 << 22), args.docs)
+            out[lo:hi] = np.clip(rng.lognormal(np.log(500), 1.0, hi - lo), 1, 2**31 - 1)
+        out.flush()
+        del out
+        results: dict[str, list[dict[str, float]]] = {"concat": [], "best_fit": []}
+        for r in range(args.rounds):
+            for strategy in results:
+                env = {**os.environ, "EVENLY_CACHE_DIR": os.path.join(tmp, f"cache-{r}-{strategy}")}
+                line = (
+                    subprocess.run(
+                        [
+                            sys.executable,
+                            __file__,
+                            "--seq-len",
+                            str(args.seq_len),
+                            "--child",
+                            path,
+                            str(args.docs),
+                            strategy,
+                        ],
+                        check=True,
+                        capture_output=True,
+                        text=True,
+                        env=env,
+                    )
+                    .stdout.strip()
+                    .splitlines()[-1]
+                )
+                results[strategy].append(json.loads(line))
+    print(
+        f"planning one epoch of {args.docs:,} documents (seq_len {args.seq_len}, global "
+        f"shuffle), {args.rounds} interleaved rounds: median [min, max]"
+    )
+    for strategy, runs in results.items():
+        cells = []
+        for key in ("seconds", "extra_anon_mb", "peak_pss_mb"):
+            values = [run[key] for run in runs]
+            cells.append(
+                f"{key} {statistics.median(values):.1f} [{min(values):.1f}, {max(values):.1f}]"
+            )
+        per_doc = statistics.median(run["seconds"] for run in runs) / args.docs * 1e9
+        print(
+            f"  {strategy:9s} "
+            + "  ".join(cells)
+            + f"  ({per_doc:.0f} ns/document, rows {runs[0]['rows']:,}, "
+            f"padding {100 * runs[0]['padding']:.2f}%)"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -246,6 +246,45 @@ def _grain(pieces: np.ndarray, seq_len: int, bins: int) -> tuple[float, int]:
     return 1 - used / (rows * seq_len), rows
 
 
+def first_pass(tmp: str, docs: int, seq_len: int) -> dict[str, float]:
+    """Seconds per document of packing's first lengths pass: text tokenized on the fly (a
+    BPE tokenizer of 2,000 tokens trained here, batched calls) vs pre-tokenized shards
+    (lengths from the list offsets); and of ``evenly.write(tokenize=...)``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    import evenly
+
+    rng = np.random.default_rng(3)
+    words = np.array([f"w{i}" + "x" * (i % 5) for i in range(5000)])
+    counts = np.maximum(rng.lognormal(np.log(300), 1.0, docs), 1).astype(int)
+    texts = [" ".join(rng.choice(words, int(c))) for c in counts]
+    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    trainer = trainers.BpeTrainer(vocab_size=2000, special_tokens=["[PAD]", "[UNK]"])
+    tok.train_from_iterator(texts[:500], trainer)
+    tk = evenly.tokenizer(tok)
+    os.environ["EVENLY_CACHE_DIR"] = os.path.join(tmp, "fp-cache")
+    evenly.write(({"text": t} for t in texts), os.path.join(tmp, "text"), "jsonl", progress=False)
+    out: dict[str, float] = {"docs": docs}
+    t0 = time.perf_counter()
+    pack = evenly.Packing(seq_len, tokenize=tk, tokenizer_id=tk.tokenizer_id)
+    len(evenly.Dataset(evenly.from_jsonl(os.path.join(tmp, "text")), pack=pack))
+    out["on_the_fly"] = (time.perf_counter() - t0) / docs
+    t0 = time.perf_counter()
+    evenly.write(
+        evenly.from_jsonl(os.path.join(tmp, "text")),
+        os.path.join(tmp, "tok"),
+        "arrow",
+        tokenize=tk,
+        progress=False,
+    )
+    out["write"] = (time.perf_counter() - t0) / docs
+    t0 = time.perf_counter()
+    len(evenly.Dataset(evenly.from_arrow(os.path.join(tmp, "tok")), pack=evenly.Packing(seq_len)))
+    out["pre_tokenized"] = (time.perf_counter() - t0) / docs
+    return out
+
+
 def plan_memory(docs: int, seq_len: int, tmp: str) -> list[dict[str, Any]]:
     """bench_plan_packing.py's child, once per strategy: seconds, extra private memory."""
     here = os.path.dirname(os.path.abspath(__file__))
@@ -283,6 +322,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--padding-docs", type=int, default=100_000)
+    p.add_argument("--text-docs", type=int, default=5_000, help="first lengths pass")
     p.add_argument("--plan-docs", type=int, default=10**8, help="0: skip the planning row")
     p.add_argument("--only", nargs="*", default=list(CONTENDERS))
     p.add_argument("--child", nargs=2, metavar=("NAME", "DATA"))
@@ -315,8 +355,9 @@ def main() -> None:
                 ]
                 runs[name].append(run_child(cmd, env, timeout=900))
         pad = padding(make_lengths(a.padding_docs, seed=2), a.seq_len, os.path.join(tmp, "pc"))
+        first = first_pass(tmp, a.text_docs, a.seq_len)
         plans = plan_memory(a.plan_docs, a.seq_len, tmp) if a.plan_docs else []
-    report(a, corpus, runs, pad, plans)
+    report(a, corpus, runs, pad, plans, first)
 
 
 def report(
@@ -325,6 +366,7 @@ def report(
     runs: dict[str, list[dict[str, Any]]],
     pad: dict[str, Any],
     plans: list[dict[str, Any]],
+    first: dict[str, float],
 ) -> None:
     print(
         f"{a.docs:,} documents, {corpus['tokens']:,} tokens (log-normal, median 500); "
@@ -364,6 +406,13 @@ def report(
             f"planning {a.plan_docs:,} documents, {r['strategy']}: {r['seconds']:.1f} s, "
             f"extra private {r['extra_anon_mb']:.1f} MB, peak PSS {r['peak_pss_mb']:.0f} MB"
         )
+
+    print(
+        f"first lengths pass over {first['docs']:,} text documents (median 300 words): "
+        f"tokenized on the fly {first['on_the_fly'] * 1e6:.0f} us/document, pre-tokenized "
+        f"Arrow {first['pre_tokenized'] * 1e6:.1f} us/document; evenly.write(tokenize=...) "
+        f"{first['write'] * 1e6:.0f} us/document"
+    )
 
     def ratio(x: str, y: str) -> float | None:
         return rates[x] / rates[y] if x in rates and y in rates else None

@@ -181,3 +181,42 @@ def test_parquet_written_by_ray_data_is_read_as_it_is(tok: Any, tmp_path: Path) 
     rows = src.__getitems__(range(len(src)))
     got = {int(r["id"]): np.asarray(r["input_ids"]).tolist() for r in rows}
     assert got == dict(enumerate(tk(TEXTS)))
+
+
+# ---- read_tokens: packing's reads from token columns ---------------------------------
+def test_read_tokens_equals_the_rows_for_arrow_parquet_and_hf_datasets(tmp_path: Path) -> None:
+    """One numpy slice per document, in the order asked, through every chunk layout and
+    an HF ``datasets`` indices mapping (``shuffle``)."""
+    datasets = pytest.importorskip("datasets")
+    datasets.disable_progress_bars()
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(1, 1000, int(n)).astype(np.int32) for n in rng.integers(0, 30, 90)]
+    rows = [{"id": i, "input_ids": d} for i, d in enumerate(docs)]
+    es.write(rows, tmp_path / "a", "arrow", 40, row_group_size=7, progress=False)
+    es.write(rows, tmp_path / "p", "parquet", 40, row_group_size=7, progress=False)
+    hf = datasets.Dataset.from_dict(
+        {"id": list(range(90)), "input_ids": [d.tolist() for d in docs]}
+    )
+    hf.shuffle(seed=1).flatten_indices(keep_in_memory=True)
+    hf.shuffle(seed=1).save_to_disk(str(tmp_path / "hf"))
+    order = rng.permutation(90).tolist()
+    for src in (es.from_arrow(tmp_path / "a"), es.from_parquet(tmp_path / "p")):
+        got = src.read_tokens(order, "input_ids")
+        assert [g.tolist() for g in got] == [docs[i].tolist() for i in order], src
+    shuffled = es.from_arrow(tmp_path / "hf")
+    ids = [r["id"] for r in shuffled.__getitems__(order)]
+    got = shuffled.read_tokens(order, "input_ids")
+    assert [g.tolist() for g in got] == [docs[i].tolist() for i in ids]
+    assert ids != order  # the mapping is in use
+
+
+def test_read_tokens_names_a_null_document_and_a_missing_column(tmp_path: Path) -> None:
+    table = pa.table({"input_ids": pa.array([[1, 2], None, [3]], pa.list_(pa.int32()))})
+    (tmp_path / "n").mkdir()
+    pq.write_table(table, tmp_path / "n" / "x.parquet")
+    src = es.from_parquet(tmp_path / "n")
+    assert src.read_tokens([0], "input_ids")[0].tolist() == [1, 2]
+    with pytest.raises(ValueError, match=r"sample 1 .*x\.parquet row 1.*holds a null"):
+        src.read_tokens([0, 1], "input_ids")
+    with pytest.raises(ValueError, match=r"column 'tokens', which is not in the schema"):
+        src.read_tokens([0], "tokens")

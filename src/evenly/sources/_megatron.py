@@ -228,6 +228,11 @@ class MegatronSource:
         self.check_unchanged()
         return [self[int(i)] for i in indices]
 
+    def read_tokens(self, indices: Sequence[int], field: str = "input_ids") -> list[Any]:
+        """The sequences at ``indices`` (packing's reads; ``field`` ignored, as for
+        :meth:`token_lengths`)."""
+        return self.__getitems__(indices)
+
     def token_lengths(self, field: str = "input_ids") -> npt.NDArray[np.int32]:
         """Tokens per sample (``int32``): the index's sizes array, memory-mapped (shared by
         every process of the node, no copy).  ``field`` is accepted for the packing

@@ -165,6 +165,18 @@ def test_resume_mid_epoch_in_a_fresh_process_onto_another_topology():
         assert real(interleave(per_rank, 2)) == refs[strategy][12:]  # none lost or repeated
 
 
+def test_a_late_resume_counts_rows_not_documents():
+    ref = reference("concat")
+    assert len(ref) > len(LENGTHS)  # more rows than documents
+    loader = evenly.DataLoader(dataset("concat"), batch_size=2)
+    it = iter(loader)
+    head = rows_of([next(it) for _ in range(len(LENGTHS) // 2 + 3)])
+    fresh = evenly.DataLoader(dataset("concat"), batch_size=5)
+    fresh.load_state_dict(json.loads(json.dumps(loader.state_dict())))
+    assert fresh.state_dict()["position"] == len(head) > len(LENGTHS)
+    assert real(head + rows_of(list(fresh))) == ref
+
+
 def _packed_stream(strategy: str, world: int, batch: int, steps: int, state=None):
     per_rank, states = [], []
     for rank in range(world):
@@ -299,9 +311,13 @@ def test_refusals_name_the_setting_and_the_document():
     grow = evenly.Dataset(docs(), transform=lambda d: [*d, 7], pack=evenly.Packing(SEQ))
     with pytest.raises(ValueError, match=r"document 0 .* token count"):
         list(evenly.DataLoader(grow, batch_size=2))
+    packed_state = evenly.DataLoader(dataset("concat")).state_dict()
     with pytest.raises(evenly.StateError, match="seq_len"):
         other = evenly.DataLoader(evenly.Dataset(docs(), pack=evenly.Packing(8)))
-        other.load_state_dict(evenly.DataLoader(dataset("concat")).state_dict())
+        other.load_state_dict(packed_state)
+    with pytest.raises(evenly.StateError, match="unit: saved 'rows', dataset has None"):
+        plain = evenly.DataLoader(evenly.Dataset(docs(), shuffle=True, seed=3))
+        plain.load_state_dict(packed_state)
 
 
 def _ddp_rows(rank: int, world_size: int) -> dict[str, list[list[int]]]:
@@ -323,3 +339,23 @@ def test_real_gloo_ranks_read_the_one_process_rows(tmp_path):
         rows = [r[strategy] for r in per_rank]
         assert len({len(r) for r in rows}) == 1
         assert real(interleave(rows, 2)) == reference(strategy)
+
+
+def test_hf_datasets_lengths_honour_the_indices_mapping(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    hf = datasets.Dataset.from_dict({"input_ids": docs()})
+    hf.save_to_disk(str(tmp_path / "hf"))
+    picked = datasets.load_from_disk(str(tmp_path / "hf")).select(range(60, -1, -2))
+    source = evenly.from_arrow(picked)
+    assert source.token_lengths("input_ids").tolist() == LENGTHS[60::-2]
+    ds = evenly.Dataset(source, pack=evenly.Packing(SEQ))
+    stream = [t for row in rows_of(list(evenly.DataLoader(ds, batch_size=4))) for t in row]
+    assert [t for t in stream if t] == [t for d in docs()[60::-2] for t in d]
+
+
+def test_a_plain_torch_dataloader_reads_packed_rows_once():
+    ds = dataset("best_fit")
+    loader = torch.utils.data.DataLoader(ds, batch_size=4, num_workers=2)
+    batches = list(loader)
+    rows = rows_of(batches)
+    assert len(ds) == len(rows) and sorted(real(rows)) == sorted(reference("best_fit"))

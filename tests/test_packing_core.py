@@ -182,3 +182,21 @@ def test_assemble_marks_pads_and_document_starts():
 def test_packing_settings_are_validated(kwargs, error):
     with pytest.raises(error, match="Packing"):
         Packing(**kwargs)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 60), st.integers(1, 4), st.integers(1, 5), st.integers(0, 60))
+def test_a_full_pad_plan_gives_every_rank_full_batches_and_each_position_once(
+    n, world, batch, start
+):
+    from evenly.core.plan import EpochPlan
+
+    start = min(start, n)
+    plan = EpochPlan(num_samples=n, world_size=world, batch_size=batch, start=start, pad="full")
+    per_rank = [plan.rank_positions(r) for r in range(world)]
+    assert {p.size for p in per_rank} == {plan.num_batches * batch}  # full batches only
+    every = np.concatenate(per_rank)
+    real = np.sort(every[every < n])
+    assert real.tolist() == list(range(start, n))  # the rest of the epoch, once
+    assert plan.num_padded == every.size - (n - start) < world * batch
+    assert plan.consumed_after(plan.num_batches) == n

@@ -18,7 +18,9 @@ StatefulDataLoader expect).  Version 1 states (evenly 0.1: no ``batches``) are m
 with ``batches = 0``; they resume the same samples, but per-sample random draws changed
 in version 2 (full-width NumPy seeding), so a resumed epoch's augmentations differ from
 those the interrupted run would have drawn.  Version 2 states (no ``pad``) load as
-``pad="repeat"``, the only mode there was.  Fields that later releases add to version 3
+``pad="repeat"``, the only mode there was.  Under packing (``evenly.Packing``) a state
+also records ``seq_len``, ``strategy``, ``pad_id`` and ``unit: "rows"``, and ``position``
+counts the epoch's packed rows.  Fields that later releases add to version 3
 are optional, with the value that keeps a saved state's meaning.  A state stays
 loadable by every evenly release that reads its version; an unknown version is refused
 with an error, never guessed at.
@@ -34,11 +36,14 @@ from evenly.errors import StateError, check_int
 __all__ = ["FORMAT", "VERSION", "PassState", "check_state"]
 
 FORMAT = "evenly.state"
+#: What a state records under packing (``position`` then counts rows).
+PACKING = ("seq_len", "strategy", "pad_id", "unit")
 VERSION = 3
 #: Older versions this release migrates.
 MIGRATED = (1, 2)
-#: The plan fields a state must agree on with the dataset it is loaded into.
-FINGERPRINT = ("num_samples", "seed", "shuffle", "drop_last", "pad")
+#: The plan fields a state must agree on with the dataset it is loaded into (the packing
+#: fields are absent, so compared as ``None``, for a dataset that does not pack).
+FINGERPRINT = ("num_samples", "seed", "shuffle", "drop_last", "pad", *PACKING)
 
 
 @dataclass(frozen=True)
@@ -132,7 +137,7 @@ def check_state(state: object, fingerprint: dict[str, Any]) -> tuple[int, int, i
     epoch = check_int("state['epoch']", state.get("epoch"), minimum=0)
     position = check_int("state['position']", state.get("position"), minimum=0)
     batches = check_int("state['batches']", state.get("batches", 0), minimum=0)
-    if position > fingerprint["num_samples"]:
+    if fingerprint.get("unit") != "rows" and position > fingerprint["num_samples"]:
         raise StateError(
             f"state['position']={position} is past the end of the epoch "
             f"({fingerprint['num_samples']} samples)"

@@ -172,27 +172,19 @@ class Planner:
         ``stream_plan_for`` for an infinite pass)."""
         if spec.infinite:
             raise ValueError("an infinite pass has a stream plan: use stream_plan_for")
-        if self.packer is not None:  # rows are the unit; the tail is pad rows
-            return EpochPlan(
-                num_samples=self.units(spec.epoch),
-                world_size=spec.world_size,
-                batch_size=spec.batch_size,
-                drop_last=spec.drop_last,
-                seed=self.seed,
-                epoch=spec.epoch,
-                start=spec.start,
-                pad="full" if self.pad == "repeat" else self.pad,
-            )
+        packed = self.packer is not None  # rows are the unit; the tail is pad rows
         return EpochPlan(
-            num_samples=spec.num_samples,
+            num_samples=self.units(spec.epoch) if packed else spec.num_samples,
             world_size=spec.world_size,
             batch_size=spec.batch_size,
             drop_last=spec.drop_last,
             seed=self.seed,
             epoch=spec.epoch,
             start=spec.start,
-            pad=self.pad,
-            order=self.order_for(
+            pad="full" if packed and self.pad == "repeat" else self.pad,
+            order=None
+            if packed  # the rows are packed from the document order already
+            else self.order_for(
                 spec.epoch,
                 spec.num_samples,
                 spec.world_size * spec.batch_size,
@@ -202,23 +194,19 @@ class Planner:
         )
 
     def stream_plan_for(self, spec: PassSpec) -> StreamPlan:
-        """The endless plan over consecutive epochs of an infinite pass."""
+        """The endless plan over consecutive epochs of an infinite pass (under packing:
+        of every epoch's rows, packed from the document order already)."""
         step = spec.world_size * spec.batch_size
-        if self.packer is not None:  # the stream of every epoch's rows
-            return StreamPlan(
-                num_samples=self.units(0),
-                world_size=spec.world_size,
-                batch_size=spec.batch_size,
-                seed=self.seed,
-                start=spec.start,
-            )
+        packed = self.packer is not None
         return StreamPlan(
-            num_samples=spec.num_samples,
+            num_samples=self.units(0) if packed else spec.num_samples,
             world_size=spec.world_size,
             batch_size=spec.batch_size,
             seed=self.seed,
             start=spec.start,
-            orders=lambda epoch: self.order_for(epoch, spec.num_samples, step, 0),
+            orders=(lambda epoch: None)
+            if packed
+            else (lambda epoch: self.order_for(epoch, spec.num_samples, step, 0)),
         )
 
     def order_for(

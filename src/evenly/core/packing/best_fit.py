@@ -41,7 +41,7 @@ I64 = npt.NDArray[np.int64]
 #: Rows between two resume points of a plan.
 ROW_STRIDE = 1024
 #: Document positions packed together (in lockstep) per group.
-GROUP = 1 << 18
+GROUP = 1 << 17
 #: Documents sorted longest first together: runs of ``SORT_RUN * open_rows`` positions.
 SORT_RUN = 4
 

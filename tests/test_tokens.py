@@ -85,6 +85,8 @@ def test_append_eos_without_an_eos_token_names_the_fix() -> None:
         evenly.tokenizer(bare, append_eos=True)
     with pytest.raises(TypeError, match=r"expected a tokenizers\.Tokenizer"):
         evenly.tokenizer(42)
+    with pytest.raises(TypeError, match=r"a plain function goes straight to Packing"):
+        evenly.tokenizer(lambda texts: [[1] for _ in texts])
 
 
 # ---- evenly.write(tokenize=...) ----------------------------------------------------

@@ -126,10 +126,11 @@ def tokenizer(tok: Any, *, add_special_tokens: bool = True, append_eos: bool = F
     """
     if isinstance(tok, str | os.PathLike):
         tok = _load(os.fspath(tok))
-    if not (_is_tokenizers(tok) or callable(tok)):
+    if not (_is_tokenizers(tok) or (callable(tok) and hasattr(tok, "get_vocab"))):
         raise TypeError(
             f"evenly.tokenizer: expected a tokenizers.Tokenizer or a transformers "
-            f"tokenizer, got {type(tok).__name__}"
+            f"tokenizer, got {type(tok).__name__}; a plain function goes straight to "
+            f"Packing(tokenize=fn, tokenizer_id=...)"
         )
     return Tokenizer(tok, add_special_tokens=add_special_tokens, append_eos=append_eos)
 

@@ -134,6 +134,9 @@ def test_a_transformers_tokenizer_packs_on_the_fly(tmp_path: Path) -> None:
     )
     seen = documents_seen(loader_of(texts, pack, num_workers=2))
     assert seen == dict(enumerate(fast(texts)["input_ids"]))
+    # evenly.tokenizer(tok) carries its id: one line, and an explicit id still wins
+    assert evenly.Packing(40, tokenize=tk).tokenizer_id == tk.tokenizer_id
+    assert evenly.Packing(40, tokenize=tk, tokenizer_id="mine").tokenizer_id == "mine"
 
 
 def test_shards_from_evenly_write_tokenize_pack_with_lengths_from_the_column(

@@ -114,7 +114,7 @@ def tokenizer(tok: Any, *, add_special_tokens: bool = True, append_eos: bool = F
     One line for packing text on the fly::
 
         tk = evenly.tokenizer(AutoTokenizer.from_pretrained("gpt2"), append_eos=True)
-        pack = evenly.Packing(2048, tokenize=tk, tokenizer_id=tk.tokenizer_id)
+        pack = evenly.Packing(2048, tokenize=tk)  # tk.tokenizer_id keys the lengths
 
     Args:
         tok: a ``tokenizers.Tokenizer``; a ``transformers`` tokenizer (its ``__call__``

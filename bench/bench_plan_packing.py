@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -61,7 +62,7 @@ def _child(lengths_path: str, n: int, strategy: str, seq_len: int) -> None:
     thread.start()
     t0 = time.perf_counter()
     files = PlanFiles(Packing(seq_len, strategy=strategy), lengths, "bench")
-    table = files.table((0, 0, "global", 8), FeistelPermutation(n, seed=0, epoch=0))
+    table = files.table(0, (0, "global", 8), FeistelPermutation(n, seed=0, epoch=0))
     rows = table.num_rows
     elapsed = time.perf_counter() - t0
     done.set()
@@ -125,6 +126,7 @@ def main() -> None:
                     .splitlines()[-1]
                 )
                 results[strategy].append(json.loads(line))
+                shutil.rmtree(env["EVENLY_CACHE_DIR"])  # a best_fit plan of 10^8 is ~2.4 GB
     print(
         f"planning one epoch of {args.docs:,} documents (seq_len {args.seq_len}, global "
         f"shuffle), {args.rounds} interleaved rounds: median [min, max]"

@@ -359,3 +359,14 @@ def test_a_plain_torch_dataloader_reads_packed_rows_once():
     batches = list(loader)
     rows = rows_of(batches)
     assert len(ds) == len(rows) and sorted(real(rows)) == sorted(reference("best_fit"))
+
+
+def test_old_epochs_plans_are_pruned_and_planned_again_when_replayed(tmp_path):
+    first = reference("best_fit", epoch=0)
+    loader = evenly.DataLoader(dataset("best_fit"), batch_size=8)
+    for _ in range(4):
+        list(loader)
+    plans = sorted(p.name for p in (tmp_path / "cache" / "packing").glob("*.best_fit"))
+    assert [name.rsplit("-", 1)[1] for name in plans] == ["e2.best_fit", "e3.best_fit"]
+    loader.set_epoch(0)
+    assert real(rows_of(list(loader))) == first

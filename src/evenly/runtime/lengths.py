@@ -73,6 +73,15 @@ def tokenized(packing: Packing, texts: list[str], first: int) -> list[list[int]]
     return out
 
 
+def _count(sample: Any, packing: Packing, index: int) -> int:
+    """A document's token count: ``len`` of an in-memory list or 1-D array (its tokens
+    are checked when it is read), else its tokens converted."""
+    value = sample.get(packing.field) if isinstance(sample, dict) else sample
+    if isinstance(value, (list, tuple)) or (isinstance(value, np.ndarray) and value.ndim == 1):
+        return len(value)
+    return int(document_tokens(sample, packing, index).size)
+
+
 def _read_lengths(view: SourceView, packing: Packing) -> I32:
     n = len(view.source)
     if packing.tokenize is None and view.token_lengths is not None:
@@ -95,7 +104,7 @@ def _read_lengths(view: SourceView, packing: Packing) -> I32:
             out[lo : lo + len(indices)] = [len(t) for t in tokenized(packing, texts, lo)]
         else:
             out[lo : lo + len(indices)] = [
-                document_tokens(s, packing, i).size for s, i in zip(samples, indices, strict=True)
+                _count(s, packing, i) for s, i in zip(samples, indices, strict=True)
             ]
     return out
 

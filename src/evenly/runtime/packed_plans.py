@@ -5,13 +5,17 @@ depends on (the documents' lengths, their order: seed, epoch, shuffle; the packi
 settings), written once by whichever process of the node comes first
 (:func:`~evenly.sources._cachedir.publish`):
 
-- ``concat``: the resume points, ``N / 1024`` int64 (``<key>.concat``);
+- ``concat``: the resume points, ``N / 1024`` int64 (``<key>-e<epoch>.concat``);
 - ``best_fit``: a header, the pieces (24 bytes each, sorted by row) and a resume point
-  every 1024 rows (``<key>.best_fit``).
+  every 1024 rows (``<key>-e<epoch>.best_fit``).
+
+Planning epoch ``e`` removes the dataset's plans of epochs before ``e - 1``, so the
+folder holds about two epochs' plans per dataset.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import struct
@@ -105,28 +109,51 @@ class PlanFiles:
 
         return at
 
-    def table(self, order_key: tuple[Any, ...], order: Order | None) -> RowTable:
-        """Epoch's rows for the order keyed ``order_key`` (seed, epoch, shuffle ...)."""
-        found = self._open.get(order_key)
+    def table(self, epoch: int, order_key: tuple[Any, ...], order: Order | None) -> RowTable:
+        """Epoch ``epoch``'s rows for the document order ``order`` (keyed, besides the
+        epoch, by ``order_key``: seed, shuffle mode ...)."""
+        found = self._open.get((epoch, order_key))
         if found is not None:
             return found
         packing, n = self.packing, self.num_docs
         text = f"{self.lengths_key}/{n}/{order_key}/{packing.plan_key()}"
         key = hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
-        path = os.path.join(cache_subdir("packing"), f"{key}.{packing.strategy}")
+        folder = cache_subdir("packing")
+        path = os.path.join(folder, f"{key}-e{epoch}.{packing.strategy}")
         at = self.lengths_at(order)
-        table: RowTable
+        for attempt in (1, 2):  # a file removed by a later epoch's pruning is planned again
+            try:
+                table = self._publish(path, at)
+                break
+            except FileNotFoundError:
+                if attempt == 2:
+                    raise
+        _prune(folder, key, epoch, packing.strategy)
+        if len(self._open) >= 3:
+            self._open.pop(next(iter(self._open)))
+        self._open[(epoch, order_key)] = table
+        return table
+
+    def _publish(self, path: str, at: Lengths) -> RowTable:
+        packing, n = self.packing, self.num_docs
         if packing.strategy == "concat":
             publish(path, lambda tmp: concat_checkpoints(at, n, stride=STRIDE).tofile(tmp))
             blocks = -(-n // STRIDE) + 1
             if os.path.getsize(path) != 8 * blocks:
                 raise ValueError(f"evenly: {path} is not a complete packing plan; remove it")
             cum = np.memmap(path, dtype=np.int64, mode="r", shape=(blocks,))
-            table = ConcatRows(np.asarray(cum), at, n, seq_len=packing.seq_len, stride=STRIDE)
-        else:
-            publish(path, lambda tmp: _write_best_fit(tmp, at, n, packing))
-            table = _open_best_fit(path)
-        if len(self._open) >= 3:
-            self._open.pop(next(iter(self._open)))
-        self._open[order_key] = table
-        return table
+            return ConcatRows(np.asarray(cum), at, n, seq_len=packing.seq_len, stride=STRIDE)
+        publish(path, lambda tmp: _write_best_fit(tmp, at, n, packing))
+        return _open_best_fit(path)
+
+
+def _prune(folder: str, key: str, epoch: int, strategy: str) -> None:
+    """Remove this dataset's plans of epochs before ``epoch - 1`` (a process still reading
+    one keeps its memory map; one that needs it again plans it again)."""
+    prefix, suffix = f"{key}-e", f".{strategy}"
+    for name in os.listdir(folder):
+        if name.startswith(prefix) and name.endswith(suffix):
+            old = name[len(prefix) : -len(suffix)]
+            if old.isdigit() and int(old) < epoch - 1:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(folder, name))

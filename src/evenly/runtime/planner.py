@@ -152,8 +152,8 @@ class Planner:
         assert self.packer is not None
         n = self.num_samples()
         order = self.order_for(epoch, n, 1, 0)
-        key = (self.seed, epoch, self.shuffle_mode, self.block_shards)
-        return self.packer.files(self.view).table(key, order), order
+        key = (self.seed, self.shuffle_mode, self.block_shards)
+        return self.packer.files(self.view).table(epoch, key, order), order
 
     def source_fingerprint(self) -> int:
         """A 63-bit digest of ``source.fingerprint`` (0 if the source has none)."""

@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -309,6 +310,7 @@ def plan_memory(docs: int, seq_len: int, tmp: str) -> list[dict[str, Any]]:
         ]
         line = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
         results.append({"strategy": strategy, **json.loads(line.stdout.strip().splitlines()[-1])})
+        shutil.rmtree(env["EVENLY_CACHE_DIR"], ignore_errors=True)  # a 10^8 best_fit plan: ~2.4 GB
     os.unlink(path)
     return results
 

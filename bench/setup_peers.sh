@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Install the peer libraries that bench/bench_formats.py compares evenly with, into the
+# Install the peer libraries that bench/bench_formats.py and bench/bench_packing.py compare
+# evenly with, into the
 # active venv (default: ./.venv), never touching torch: every install is constrained by
 # constraints.txt.  litdata and mosaicml-streaming are installed --no-deps (their full
 # requirement lists pull in cloud SDKs and, for streaming, torchvision, which has no wheel
@@ -25,9 +26,10 @@ PIP=(python -m pip install --quiet -c constraints.txt)
 "${PIP[@]}" Brotli python-snappy zstd zstandard pillow xxhash catalogue transformers
 "${PIP[@]}" --no-deps "mosaicml-streaming==0.13.0"
 
-# Grain (its own DataLoader; evenly.audit.peers adapts it for `evenly audit --peer grain`):
-# its wheel's requirements are light (absl-py, array-record, cloudpickle, etils, numpy,
-# portpicker, protobuf) and leave torch alone
+# Grain (its own DataLoader, adapted by evenly.audit.peers for `evenly audit --peer grain`,
+# and bench_packing.py's best-fit padding comparison; never a test dependency): its wheel's
+# requirements are light (absl-py, array-record, cloudpickle, etils, numpy, portpicker,
+# protobuf) and leave torch alone
 "${PIP[@]}" "grain==0.2.18"
 
 python - <<'PY'

@@ -32,7 +32,15 @@ if TYPE_CHECKING:
     from evenly.loader.sampler import BatchSampler
     from evenly.runtime.detect import detect_topology
     from evenly.runtime.seeds import is_padding, sample_seed
-    from evenly.sources import from_arrow, from_jsonl, from_parquet, from_webdataset, write
+    from evenly.sources import (
+        from_arrow,
+        from_jsonl,
+        from_megatron,
+        from_parquet,
+        from_webdataset,
+        tokenizer,
+        write,
+    )
 
 __all__ = [
     "BatchSampler",
@@ -52,10 +60,12 @@ __all__ = [
     "detect_topology",
     "from_arrow",
     "from_jsonl",
+    "from_megatron",
     "from_parquet",
     "from_webdataset",
     "is_padding",
     "sample_seed",
+    "tokenizer",
     "write",
 ]
 
@@ -72,8 +82,10 @@ _LAZY = {
     "is_padding": ("evenly.runtime.seeds", "is_padding"),
     "from_arrow": ("evenly.sources", "from_arrow"),
     "from_jsonl": ("evenly.sources", "from_jsonl"),
+    "from_megatron": ("evenly.sources", "from_megatron"),
     "from_parquet": ("evenly.sources", "from_parquet"),
     "from_webdataset": ("evenly.sources", "from_webdataset"),
+    "tokenizer": ("evenly.sources", "tokenizer"),
     "write": ("evenly.sources", "write"),
 }
 

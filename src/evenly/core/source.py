@@ -29,6 +29,7 @@ __all__ = [
     "Source",
     "SourceView",
     "TokenLengthsSource",
+    "TokenReadingSource",
 ]
 
 T_co = TypeVar("T_co", covariant=True)
@@ -100,6 +101,16 @@ class TokenLengthsSource(Protocol):
 
 
 @runtime_checkable
+class TokenReadingSource(Protocol):
+    """Reads documents' token ids directly: for ``indices``, one 1-D integer array per
+    document (the list ``field``), in the order asked, with no row dicts (packing's reads
+    when there is no transform and no tokenizer).  Arrow, Parquet and HF ``datasets``
+    sources slice the column's values; Megatron files return views of the memory map."""
+
+    def read_tokens(self, indices: Sequence[int], field: str) -> list[Any]: ...
+
+
+@runtime_checkable
 class IdentifiedSource(Protocol):
     """Has an identity that changes when its data does (checked on resume)."""
 
@@ -157,6 +168,8 @@ class SourceView:
     shuffle_advice: Callable[[str], str | None] | None
     #: field -> tokens per document (packing's lengths), or None
     token_lengths: Callable[[str], Any] | None = None
+    #: (indices, field) -> each document's token ids, or None
+    read_tokens: Callable[[Sequence[int], str], list[Any]] | None = None
 
     @classmethod
     def of(cls, source: Any) -> SourceView:
@@ -186,4 +199,5 @@ class SourceView:
             preferred_shuffle=str(getattr(source, "preferred_shuffle", "global")),
             shuffle_advice=getattr(source, "shuffle_advice", None),
             token_lengths=source.token_lengths if isinstance(source, TokenLengthsSource) else None,
+            read_tokens=source.read_tokens if isinstance(source, TokenReadingSource) else None,
         )

@@ -91,7 +91,7 @@ def _read_lengths(view: SourceView, packing: Packing) -> I32:
                 f"evenly: {type(view.source).__name__}.token_lengths({packing.field!r}) gave "
                 f"shape {given.shape}, expected ({n},) non-negative counts"
             )
-        return given.astype(np.int32)
+        return given.astype(np.int32, copy=False)  # no private copy of a mapped int32 array
     out = np.empty(n, dtype=np.int32)
     for lo in range(0, n, BATCH):
         indices = list(range(lo, min(lo + BATCH, n)))

@@ -188,12 +188,16 @@ def _documents(
     """The tokens of the documents at ``positions`` (source ``index``) of ``epoch``."""
     view = ctx.view
     wanted = index.tolist()
+    # a source that reads token ids directly (no transform, no tokenizer): no row dicts
+    direct = view.read_tokens is not None and spreader is None and packing.tokenize is None
     try:
-        samples = (
-            list(view.getitems(wanted))
-            if view.getitems is not None
-            else [view.read_one(i) for i in wanted]
-        )
+        if direct:
+            assert view.read_tokens is not None
+            samples = list(view.read_tokens(wanted, packing.field))
+        elif view.getitems is not None:
+            samples = list(view.getitems(wanted))
+        else:
+            samples = [view.read_one(i) for i in wanted]
     except Exception as exc:
         ctx.note(exc, f"documents {wanted[:8]}{'...' if len(wanted) > 8 else ''}")
         raise

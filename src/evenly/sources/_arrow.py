@@ -57,6 +57,8 @@ class _Mapped:
         #: per record batch, made on first use: row accessors and column views
         self.access: dict[int, RowAccess | None] = {}
         self.views: dict[int, list[npt.NDArray[Any]] | None] = {}
+        #: per (record batch, list column): token values and offsets (packing's reads)
+        self.tokens: dict[tuple[int, str], Any] = {}
 
     def check(self) -> None:
         """Raise if the mapped file was rewritten or truncated in place since it was
@@ -69,7 +71,7 @@ class _Mapped:
             )
 
     def close(self) -> None:
-        self.batches, self.access, self.views = [], {}, {}
+        self.batches, self.access, self.views, self.tokens = [], {}, {}, {}
         self.map.close()
 
 
@@ -173,6 +175,13 @@ class ArrowSource(ArrowBatchSource):
             handle.views[g] = chunk_views(handle.batches[g])
         found: list[npt.NDArray[Any]] | None = handle.views[g]
         return found
+
+    def _token_views(self, k: int, g: int, handle: Any, field: str) -> Any:
+        """Kept on the open file (views of its memory map, closed with it)."""
+        key = (g, field)
+        if key not in handle.tokens:
+            handle.tokens[key] = super()._token_views(k, g, handle, field)
+        return handle.tokens[key]
 
     def _gather(self, samples: npt.NDArray[np.int64]) -> dict[str, npt.NDArray[Any]] | None:
         """Local files that all fit among the open files: one window over every record

@@ -233,6 +233,19 @@ class ArrowBatchSource(ShardedSource):
 
         return list_lengths(self, field)
 
+    def read_tokens(self, indices: Sequence[int], field: str) -> list[npt.NDArray[Any]]:
+        """The token ids of the list column ``field`` for each of ``indices``: one numpy
+        slice per document (packing's reads; no row dicts)."""
+        from evenly.sources._tokens import list_tokens
+
+        return list_tokens(self, indices, field)
+
+    def _token_views(self, k: int, g: int, handle: Any, field: str) -> Any:
+        """Chunk ``g`` of shard ``k``'s list column ``field`` as (values, offsets)."""
+        from evenly.sources._tokens import token_views
+
+        return token_views(self._chunk(k, g, handle), field)
+
     def _rows(self, idx: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
         return idx if self._mapping is None else self._mapping[idx]
 

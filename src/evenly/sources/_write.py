@@ -27,7 +27,7 @@ import json
 import os
 import tarfile
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -35,10 +35,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from tqdm.auto import tqdm
 
+from evenly.errors import check_int
+
 from ._arrow import ArrowSource
 from ._jsonl import JsonlSource
 from ._manifest import save_manifest
 from ._parquet import ParquetSource
+from ._tokenize import tokenized_rows
 from ._webdataset import WebDatasetSource, check_member_name
 
 __all__ = ["FORMATS", "write"]
@@ -51,6 +54,11 @@ def _samples(data: Any) -> tuple[Iterator[Any], int | None]:
     """Iterate ``data``: by index if it is map-style (``__len__`` + ``__getitem__``)."""
     if hasattr(data, "__len__") and hasattr(data, "__getitem__") and not isinstance(data, dict):
         n = len(data)
+        if hasattr(data, "__getitems__"):  # an evenly source: read 1024 samples a call
+            chunks = (
+                data.__getitems__(list(range(i, min(i + 1024, n)))) for i in range(0, n, 1024)
+            )
+            return (s for chunk in chunks for s in chunk), n
         return (data[i] for i in range(n)), n
     total = len(data) if hasattr(data, "__len__") else None
     return iter(data), total
@@ -258,6 +266,10 @@ def write(
     schema: pa.Schema | None = None,
     prefix: str = "shard",
     progress: bool = True,
+    tokenize: Callable[[list[str]], list[list[int]]] | None = None,
+    text_field: str = "text",
+    keep_fields: Sequence[str] = (),
+    tokenize_batch: int = 1000,
 ) -> list[str]:
     """Write ``samples`` (an iterable, or a map-style dataset) as shards in ``out_dir``.
 
@@ -282,6 +294,12 @@ def write(
             ``read_columns`` stacks as ``[B, 1024]``.
         prefix: shard file names are ``{prefix}-{n:05d}{ext}``.
         progress: show a tqdm progress bar.
+        tokenize: tokenize-and-shard mode: samples are texts (``text_field`` of a dict,
+            or the string itself), tokenized ``tokenize_batch`` at a time by
+            ``tokenize(texts) -> token ids`` (e.g. :func:`evenly.tokenizer`), and each
+            row is ``{"input_ids": list<int32>}`` plus the fields in ``keep_fields``;
+            ``"parquet"`` or ``"arrow"`` only.  The shards are the fast path for
+            ``evenly.Packing`` (lengths read from the column, no tokenizer pass).
     """
     if format not in FORMATS:
         raise ValueError(f"evenly.write: format must be one of {sorted(FORMATS)}, got {format!r}")
@@ -295,6 +313,22 @@ def write(
         )
     if schema is not None and format not in ("parquet", "arrow"):
         raise ValueError(f"evenly.write: schema= applies to 'parquet' and 'arrow', not {format!r}")
+    if tokenize is not None:
+        if format not in ("parquet", "arrow"):
+            raise ValueError(
+                f"evenly.write(tokenize=...) writes 'parquet' or 'arrow' shards, not {format!r}"
+            )
+        it, n = _samples(samples)
+        samples = tokenized_rows(
+            it,
+            n,
+            tokenize,
+            text_field=text_field,
+            keep_fields=keep_fields,
+            batch_size=check_int("tokenize_batch", tokenize_batch, minimum=1),
+        )
+        if schema is None and not keep_fields:
+            schema = pa.schema([("input_ids", pa.list_(pa.int32()))])
     groups = row_group_size or min(rows_per_shard, 1024)
     out = os.path.abspath(os.fspath(out_dir))
     os.makedirs(out, exist_ok=True)

@@ -65,7 +65,8 @@ class Packing:
             ``tokenizer_id``); pre-tokenized sources are the fast path.
         tokenizer_id: a name that changes whenever ``tokenize``'s output would (the
             tokenizer and its version): it keys the cached lengths.  Required with
-            ``tokenize``.
+            ``tokenize``, unless ``tokenize`` carries one (``evenly.tokenizer(tok)`` does:
+            ``Packing(2048, tokenize=evenly.tokenizer(tok))``).
         text_field: the key of a document's text under ``tokenize``.
         window: ``best_fit``: documents (consecutive in the epoch's order) packed together.
         open_rows: ``best_fit``: rows open at once in a window (the fullest is closed
@@ -100,6 +101,9 @@ class Packing:
         if self.tokenize is not None:
             if not callable(self.tokenize):
                 raise TypeError(f"Packing(tokenize=...) must be callable, got {self.tokenize!r}")
+            given = getattr(self.tokenize, "tokenizer_id", None)  # evenly.tokenizer(tok)
+            if self.tokenizer_id is None and isinstance(given, str):
+                object.__setattr__(self, "tokenizer_id", given)
             if not isinstance(self.tokenizer_id, str) or not self.tokenizer_id:
                 raise ValueError(
                     "Packing(tokenize=...) needs tokenizer_id='<name and version of the "

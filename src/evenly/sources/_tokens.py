@@ -1,0 +1,84 @@
+"""Token ids of a list column, read as numpy views (no row dicts, no per-token Python): the
+``read_tokens(indices, field)`` capability of the Arrow-backed sources, which packing
+uses to read its documents.
+
+For each chunk (record batch, row group) a batch touches, the column's values and list
+offsets are taken once as zero-copy numpy arrays (for Arrow IPC files, views of the
+memory map); each document is then one slice.  This is what makes a packed row cost a
+few microseconds per document instead of building a dict and a copy per row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import pyarrow as pa
+
+__all__ = ["TokenViews", "list_tokens", "token_views"]
+
+#: a chunk's list column as (values, offsets, valid) numpy arrays (``valid``: None when
+#: no document is null or holds a null token)
+TokenViews = tuple[npt.NDArray[Any], npt.NDArray[np.int64], npt.NDArray[np.bool_] | None]
+
+
+def token_views(chunk: pa.RecordBatch | pa.Table, field: str) -> TokenViews:
+    """The ``field`` list column of one chunk as ``(values, offsets, valid)``: document
+    ``j`` is ``values[offsets[j]:offsets[j + 1]]`` where ``valid`` (None: all) holds."""
+    column: Any = chunk.column(field)
+    if isinstance(column, pa.ChunkedArray):
+        column = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
+    kind = column.type
+    if pa.types.is_fixed_size_list(kind):
+        values = column.flatten()
+        size = kind.list_size
+        offsets = np.arange(0, (len(column) + 1) * size, size, dtype=np.int64)
+    elif pa.types.is_list(kind) or pa.types.is_large_list(kind):
+        values = column.values
+        offsets = np.asarray(column.offsets, dtype=np.int64)
+    else:
+        raise TypeError(f"column {field!r} is {kind}, not a list of token ids")
+    valid = None
+    if column.null_count or values.null_count:
+        valid = np.asarray(column.is_valid(), dtype=np.bool_)
+        if values.null_count:  # a document holding a null token is no list of ids either
+            nulls = np.concatenate([[0], np.cumsum(np.asarray(values.is_null()))])
+            valid &= nulls[offsets[1:]] == nulls[offsets[:-1]]
+        values = values.fill_null(0)
+    return np.asarray(values.to_numpy(zero_copy_only=False)), offsets, valid
+
+
+def list_tokens(source: Any, indices: Sequence[int], field: str) -> list[npt.NDArray[Any]]:
+    """The token ids of ``field`` for each sample of ``indices`` (an ``ArrowBatchSource``),
+    in the order asked: one numpy slice per document, read-only views where the format
+    allows (Arrow IPC: the memory map)."""
+    if field not in source.schema.names:
+        raise ValueError(
+            f"{source._what}: packing reads the token ids from column {field!r}, which is "
+            f"not in the schema {source.schema.names}; pass Packing(field=...)"
+        )
+    samples = source._check_indices(indices)
+    rows = source._rows(samples)
+    chunk = np.searchsorted(source._cstarts, rows, side="right") - 1
+    local = (rows - source._cstarts[chunk]).tolist()
+    views: dict[int, TokenViews] = {}
+    out: list[npt.NDArray[Any]] = []
+    for j, (c, i) in enumerate(zip(chunk.tolist(), local, strict=True)):
+        found = views.get(c)
+        if found is None:
+            k, g = int(source._cshard[c]), int(source._clocal[c])
+            try:
+                found = source._token_views(k, g, source._handle(k), field)
+            except Exception as exc:
+                raise source._error(exc, int(samples[j])) from exc
+            views[c] = found
+        values, offsets, valid = found
+        if valid is not None and not valid[i]:
+            raise ValueError(
+                f"{source._what}: sample {int(samples[j])} ({source.locate(int(samples[j]))}): "
+                f"column {field!r} holds a null there: a document needs a list of token ids"
+            )
+        out.append(values[offsets[i] : offsets[i + 1]])
+    return out

@@ -89,8 +89,8 @@ def test_row_group_cache_holds_arrow_tables_budgeted_by_their_memory(tmp_path: P
     out = tmp_path / "big"
     rows = [{"id": i, "text": f"sample number {i}", "x": i / 7} for i in range(6000)]
     es.write(rows, out, rows_per_shard=3000, row_group_size=500, progress=False)
-    budget = 200_000
-    src = es.from_parquet(str(out), row_group_cache_bytes=budget)
+    budget = 200_000  # the per-process LRU, with the node's decoded-row cache off
+    src = es.from_parquet(str(out), row_group_cache_bytes=budget, decoded_cache_bytes=0)
     allocated = pa.total_allocated_bytes()
     for lo in range(0, 6000, 250):
         src.__getitems__(list(range(lo, lo + 250)))
@@ -280,13 +280,20 @@ def test_cli_write(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert bad.handler(bad) == 2
 
 
+@pytest.mark.parametrize("cache", ["process", "node"])
 def test_a_global_shuffle_beyond_the_row_group_cache_is_called_slow(
-    parquet_dir: str, caplog: pytest.LogCaptureFixture
+    parquet_dir: str, caplog: pytest.LogCaptureFixture, tmp_path: Path, cache: str
 ) -> None:
-    small = es.from_parquet(parquet_dir, row_group_cache_bytes=1024)
+    settings = (
+        {"row_group_cache_bytes": 1024, "decoded_cache_bytes": 0}
+        if cache == "process"
+        else {"decoded_cache_bytes": 1024, "cache_dir": str(tmp_path / "c")}
+    )
+    small = es.from_parquet(parquet_dir, **settings)
     with caplog.at_level("WARNING", logger="evenly"):
         evenly.Dataset(small, shuffle=True)
     assert "decodes a row group for almost every sample" in caplog.text
+    assert ("decoded_cache_bytes" in caplog.text) == (cache == "node")
     caplog.clear()
     with caplog.at_level("WARNING", logger="evenly"):
         evenly.Dataset(small, shuffle="block")

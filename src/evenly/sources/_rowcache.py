@@ -103,9 +103,11 @@ class RowCache:
         self.max_bytes = int(max_bytes)
         self.hits = self.misses = self.decodes = 0
         self._touched: dict[str, float] = {}
+        self._paths: dict[tuple[str, str, int, tuple[str, ...] | None], str] = {}
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "hits": 0, "misses": 0, "decodes": 0, "_touched": {}}
+        fresh = {"hits": 0, "misses": 0, "decodes": 0, "_touched": {}, "_paths": {}}
+        return {**self.__dict__, **fresh}
 
     def stats(self) -> dict[str, int]:
         """This process's counters (``hits``, ``misses``, ``decodes``)."""
@@ -113,7 +115,12 @@ class RowCache:
 
     def path_for(self, key: Key) -> str:
         """The entry's file (it may not exist)."""
-        return os.path.join(self.dir, _digest(key) + _SUFFIX)
+        url, fingerprint, chunk, columns = key
+        memo = (url, fingerprint, chunk, None if columns is None else tuple(columns))
+        path = self._paths.get(memo)
+        if path is None:
+            path = self._paths[memo] = os.path.join(self.dir, _digest(key) + _SUFFIX)
+        return path
 
     # ---- reading -------------------------------------------------------------------
     def get(self, key: Key, rows: int, decode: Callable[[], pa.Table]) -> pa.Table:
@@ -151,6 +158,8 @@ class RowCache:
                 raise _DecodeError(exc) from exc
             self.decodes += 1
             _write(tmp, decoded, key)
+            del decoded
+            pa.default_memory_pool().release_unused()  # the decode's memory, to the OS
             made.append(_map(tmp))  # the same inode once renamed (or evicted)
 
         publish(path, write)

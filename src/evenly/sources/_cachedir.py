@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 from filelock import FileLock
 
-__all__ = ["NETWORK_FS", "PART", "cache_subdir", "default_cache_dir", "network_fs", "publish"]
+__all__ = ["MOUNTS", "NETWORK_FS", "PART", "cache_subdir", "default_cache_dir", "network_fs", "publish"]
 
 #: the infix of a file being written (``<target>.part-<pid>-<random>``)
 PART = ".part-"
@@ -29,6 +29,10 @@ NETWORK_FS = frozenset(
      "fuse.glusterfs", "ceph", "fuse.ceph", "fuse.sshfs", "sshfs", "beegfs", "9p",
      "fuse.s3fs", "fuse.gcsfuse", "fuse.goofys", "fuse.rclone", "fuse.juicefs", "wekafs"}
 )  # fmt: skip
+
+
+#: where :func:`network_fs` reads the mounted file systems
+MOUNTS = "/proc/mounts"
 
 
 def default_cache_dir() -> str:
@@ -55,7 +59,7 @@ def cache_subdir(kind: str, cache_dir: str | None = None) -> str:
 def network_fs(path: str, mounts: str | None = None) -> str | None:
     """The type of the network file system holding ``path`` (``"nfs4"``...), or None
     for a local one (or where it cannot be told).  ``mounts`` is ``/proc/mounts``-style
-    text (read from ``/proc/mounts`` when not given).
+    text (read from :data:`MOUNTS` when not given).
 
     >>> text = "/dev/sda1 / ext4 rw 0 0\\nsrv:/home /home nfs4 rw 0 0\\n"
     >>> network_fs("/home/me/.cache/evenly", text), network_fs("/tmp/x", text)
@@ -63,7 +67,7 @@ def network_fs(path: str, mounts: str | None = None) -> str | None:
     """
     if mounts is None:
         try:
-            with open("/proc/mounts", encoding="utf-8", errors="replace") as f:
+            with open(MOUNTS, encoding="utf-8", errors="replace") as f:
                 mounts = f.read()
         except OSError:
             return None

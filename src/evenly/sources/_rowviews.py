@@ -23,6 +23,8 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from ._gather import numbers
+
 __all__ = ["RowAccess"]
 
 
@@ -52,10 +54,12 @@ def _accessor(arr: pa.Array) -> tuple[Callable[[int], Any], int] | None:
     t = arr.type
     if arr.null_count:
         return None
-    if pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t):
+    if pa.types.is_integer(t) or pa.types.is_floating(t):
+        return numbers(arr).item, 0
+    if pa.types.is_boolean(t):
         values = np.asarray(arr.to_numpy(zero_copy_only=False))
         get: Callable[[int], Any] = values.item
-        return get, len(arr) if pa.types.is_boolean(t) else 0
+        return get, len(arr)
     if pa.types.is_binary(t) or pa.types.is_large_binary(t):
         return _binary(arr, text=False), 40 * (len(arr) + 1)
     if pa.types.is_string(t) or pa.types.is_large_string(t):

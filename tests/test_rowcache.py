@@ -176,9 +176,7 @@ def test_a_writer_killed_mid_write_leaves_nothing_a_reader_uses(tmp_path: Path) 
     assert RowCache(cache, 1 << 20).get(KEY, 3, pa.table).num_rows == 3  # served now
 
 
-def test_a_damaged_entry_is_decoded_again(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_a_damaged_entry_is_decoded_again(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     cache = RowCache(str(tmp_path / "c"), 1 << 20)
     cache.get(KEY, 3, lambda: pa.table({"x": [1, 2, 3]}))
     path = cache.path_for(KEY)

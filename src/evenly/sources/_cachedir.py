@@ -17,7 +17,15 @@ from collections.abc import Callable
 
 from filelock import FileLock
 
-__all__ = ["MOUNTS", "NETWORK_FS", "PART", "cache_subdir", "default_cache_dir", "network_fs", "publish"]
+__all__ = [
+    "MOUNTS",
+    "NETWORK_FS",
+    "PART",
+    "cache_subdir",
+    "default_cache_dir",
+    "network_fs",
+    "publish",
+]
 
 #: the infix of a file being written (``<target>.part-<pid>-<random>``)
 PART = ".part-"

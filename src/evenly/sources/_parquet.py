@@ -132,6 +132,13 @@ class ParquetSource(ArrowBatchSource):
     def _open(self, k: int, path: str) -> Any:
         return pq.ParquetFile(path)
 
+    def _handle(self, k: int) -> Any:
+        """With the decoded-row cache, shard ``k`` is opened only when one of its row
+        groups must be decoded (a process reading a warm cache never opens it)."""
+        if self.decoded_cache is None:
+            return super()._handle(k)
+        return _Deferred(self, k)
+
     def _chunk(self, k: int, g: int, handle: Any) -> pa.Table:
         """Row group ``g`` of shard ``k`` as an Arrow table: from the process's LRU, else
         mapped from the node's decoded-row cache (decoded into it first if no process
@@ -165,7 +172,9 @@ class ParquetSource(ArrowBatchSource):
         """Decode row group ``g`` of shard ``k``, checking it is the one the manifest
         describes (and, before it goes into the node's cache under the shard's
         fingerprint, that the local file is still the one opened)."""
-        table: pa.Table = handle.read_row_group(g, columns=self.columns)
+        # one thread: the workers (and ranks) are the parallelism, and Arrow's pool
+        # threads would each keep an arena of freed memory
+        table: pa.Table = handle.read_row_group(g, columns=self.columns, use_threads=False)
         expected = self._chunk_rows[k][g]
         changed = table.num_rows != expected
         if not changed and self.decoded_cache is not None and self.cache is None:
@@ -215,6 +224,20 @@ class ParquetSource(ArrowBatchSource):
         state = super().__getstate__()
         state.update(_groups=OrderedDict(), _group_bytes=0, _group_access={}, _group_views={})
         return state
+
+
+class _Deferred:
+    """A shard to be opened (through the source's file LRU) on its first decode."""
+
+    __slots__ = ("k", "src")
+
+    def __init__(self, src: ParquetSource, k: int) -> None:
+        self.src, self.k = src, k
+
+    def read_row_group(self, g: int, **kwargs: Any) -> pa.Table:
+        handle = super(ParquetSource, self.src)._handle(self.k)
+        table: pa.Table = handle.read_row_group(g, **kwargs)
+        return table
 
 
 def _node_cache(cache_dir: str | None, value: int | None) -> RowCache | None:

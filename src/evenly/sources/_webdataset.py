@@ -91,41 +91,44 @@ class WebDatasetSource(ShardedSource):
         return open(path, "rb")
 
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
-        """Read a batch: every member of every sample located in one go, then the spans
-        sorted by shard and offset, and spans at most 4 KiB apart read with one ``pread``
-        (up to 16 MiB each; a sample's members are consecutive in the tar, from its first
-        member's header to its last member's end); samples returned in the order asked."""
+        """Read a batch: every member of every sample located in one go, then the
+        samples' spans (a sample's members are consecutive in the tar, from its first
+        member's header to its last member's end) sorted by shard and offset, and spans
+        at most 4 KiB apart read with one ``pread`` (up to 16 MiB each); every member's
+        header is checked against the manifest.  Samples come back in the order asked."""
         idx = self._check_indices(indices)
         self.prefetch(idx.tolist())
         t = self._members
         first = t.first[idx]
         counts = t.first[idx + 1] - first
-        last = np.minimum(first + counts - 1, max(t.offset.size - 1, 0))
-        has = counts > 0
-        offset, size = t.offset, t.size
-        lo = np.where(has, offset[np.minimum(first, max(offset.size - 1, 0))] - 512, 0)
-        hi = np.where(has, offset[last] + size[last], 0)
-        shards = self.shard_of(idx)
-        order = np.lexsort((lo, shards)).tolist()  # shard by shard, in file order
         out: list[Any] = [None] * idx.size
-        ctx = _Batch(self, idx, first, counts, shards)
-        lo_l, hi_l = lo.tolist(), hi.tolist()
-        run: list[int] = []
-        run_lo = run_hi = run_k = -1
-        for pos in order:
-            k, a, b = ctx.shards[pos], lo_l[pos], hi_l[pos]
-            if not ctx.counts[pos]:
-                out[pos] = {"__key__": self._members.keys[ctx.idx[pos]], "__url__": self.urls[k]}
-                continue
-            if run and (k != run_k or a > run_hi + _GAP or max(b, run_hi) - run_lo > _MAX_RUN):
-                ctx.read(run, run_k, run_lo, run_hi, lo_l, out)
-                run = []
-            if not run:
-                run_k, run_lo, run_hi = k, a, b
-            run.append(pos)
-            run_hi = max(run_hi, b)
-        if run:
-            ctx.read(run, run_k, run_lo, run_hi, lo_l, out)
+        shards = self.shard_of(idx)
+        for pos in np.flatnonzero(counts == 0).tolist():  # a key with no field
+            k = int(shards[pos])
+            out[pos] = {"__key__": t.keys[int(idx[pos])], "__url__": self.urls[k]}
+        full = np.flatnonzero(counts > 0)
+        if not full.size:
+            return out
+        last = first[full] + counts[full] - 1
+        # spans as positions on one line, shard after shard (2**42 bytes apart)
+        base = shards[full] << 42
+        lo = base + t.offset[first[full]] - 512
+        hi = base + t.offset[last] + t.size[last]
+        order = np.argsort(lo, kind="stable")
+        lo, hi = lo[order], hi[order]
+        reach = np.maximum.accumulate(hi)
+        starts = np.flatnonzero(np.concatenate([[True], lo[1:] > reach[:-1] + _GAP]))
+        ends = np.append(starts[1:], lo.size)
+        runs = _split_long(starts.tolist(), ends.tolist(), lo, reach)
+        # every member of the batch, sample by sample: sample p is members[at[p]:][:n]
+        at = np.cumsum(counts) - counts
+        members = np.repeat(first - at, counts) + np.arange(int(counts.sum()))
+        batch = _Batch(self, idx.tolist(), shards.tolist(), counts.tolist(), at.tolist(), members)
+        sorted_pos = full[order].tolist()
+        mask = (1 << 42) - 1
+        lo_l, reach_l = (lo & mask).tolist(), (reach & mask).tolist()
+        for a, b in runs:
+            batch.read(sorted_pos[a:b], lo_l[a], reach_l[b - 1], out)
         return out
 
 
@@ -135,32 +138,45 @@ _GAP = 4096
 _MAX_RUN = 16 << 20
 
 
+def _split_long(
+    starts: list[int], ends: list[int], lo: npt.NDArray[np.int64], reach: npt.NDArray[np.int64]
+) -> list[tuple[int, int]]:
+    """The runs ``starts[i]:ends[i]`` (of spans sorted by ``lo``), those longer than
+    ``_MAX_RUN`` bytes split where a read would pass it."""
+    runs = []
+    for a, b in zip(starts, ends, strict=True):
+        if int(reach[b - 1] - lo[a]) <= _MAX_RUN:
+            runs.append((a, b))
+            continue
+        cut = a
+        for j in range(a + 1, b):
+            if int(reach[j] - lo[cut]) > _MAX_RUN:
+                runs.append((cut, j))
+                cut = j
+        runs.append((cut, b))
+    return runs
+
+
 class _Batch:
     """One batch's samples being read (the member tables' rows they need, as lists)."""
 
     def __init__(
-        self, src: WebDatasetSource, idx: npt.NDArray[np.int64], first: npt.NDArray[np.int64],
-        counts: npt.NDArray[np.int64], shards: npt.NDArray[np.int64],
+        self, src: WebDatasetSource, idx: list[int], shards: list[int], counts: list[int],
+        at: list[int], members: npt.NDArray[np.int64],
     ) -> None:  # fmt: skip
-        self.src = src
-        self.idx, self.counts, self.shards = idx.tolist(), counts.tolist(), shards.tolist()
         t = src._members
-        # every member of the batch, sample by sample: sample j is members[base[j]:][:n]
-        base = np.cumsum(counts) - counts
-        members = np.repeat(first - base, counts) + np.arange(int(counts.sum()))
-        self.base = base.tolist()
+        self.src, self.idx, self.shards, self.counts, self.at = src, idx, shards, counts, at
         self.ext, self.offset = t.ext[members].tolist(), t.offset[members].tolist()
         self.size = t.size[members].tolist()
         self.fields = list(t.names)
         self.dotted = [b"." + name.encode("utf-8", "surrogateescape") for name in t.names]
         self.fds: dict[int, int] = {}
 
-    def read(
-        self, run: list[int], k: int, lo: int, hi: int, starts: list[int], out: list[Any]
-    ) -> None:
-        """Read the samples ``run`` (batch positions, all in shard ``k``, their spans
+    def read(self, run: list[int], lo: int, hi: int, out: list[Any]) -> None:
+        """Read the samples at batch positions ``run`` (all in one shard, their spans
         within bytes ``lo..hi``) with one ``pread``, checking every member's header."""
         src = self.src
+        k = self.shards[run[0]]
         try:
             fd = self.fds.get(k)
             if fd is None:
@@ -168,50 +184,51 @@ class _Batch:
             buf = os.pread(fd, hi - lo, lo)
         except Exception as exc:
             raise src._error(exc, self.idx[run[0]]) from exc
-        keys, url = src._members.keys, src.urls[k]
-        ext, offset, size = self.ext, self.offset, self.size
+        keys, url, stop = src._members.keys, src.urls[k], lo + len(buf)
+        ext, offset, size, at, counts = self.ext, self.offset, self.size, self.at, self.counts
         fields, dotted = self.fields, self.dotted
         for pos in run:
             index = self.idx[pos]
             key = keys[index]
-            m = self.base[pos]
-            members = range(m, m + self.counts[pos])
-            end = offset[members[-1]] + size[members[-1]]
-            if end > lo + len(buf):
-                row = index - int(src._starts[k])
-                exc = RowError(
-                    row,
-                    f"the tar is truncated: sample {key!r} needs bytes {starts[pos]}..{end}, "
-                    f"the file ends at byte {lo + len(buf)}",
-                )
-                raise src._error(exc, index) from exc
+            m = at[pos]
+            z = m + counts[pos] - 1
+            if offset[z] + size[z] > stop:
+                raise src._error(self._cut(k, index, m, z, stop), index)
             sample: dict[str, Any] = {"__key__": key, "__url__": url}
             prefix = key.encode("utf-8", "surrogateescape")
-            for j in members:
-                e, off, n_bytes = ext[j], offset[j], size[j]
-                at = off - lo
-                h = at - 512
+            for j in range(m, z + 1):
+                e, n_bytes = ext[j], size[j]
+                a = offset[j] - lo
+                h = a - 512
                 raw = prefix + dotted[e]
                 # the usual header first (the name, a NUL, the size as tarfile and GNU tar
                 # write it); anything else gets the full check
-                usual = (
+                if not (
                     len(raw) < 100
                     and buf[h + len(raw)] == 0
                     and buf.startswith(raw, h)
                     and buf[h + 124 : h + 136] == b"%011o\x00" % n_bytes
-                )
-                if not usual and not _header_matches(buf[h:at], key, fields[e], n_bytes):
-                    row = index - int(src._starts[k])
-                    exc = RowError(
-                        row,
-                        f"the file changed since its manifest was written: sample {key!r} "
-                        f"should have member {key + '.' + fields[e]!r} with data at byte "
-                        f"{off}, but the tar header there does not match; open the dataset "
-                        f"again (a changed file is scanned again)",
-                    )
-                    raise src._error(exc, index) from exc
-                sample[fields[e]] = buf[at : at + n_bytes]
+                ) and not _header_matches(buf[h:a], key, fields[e], n_bytes):
+                    raise src._error(self._changed(k, index, key, fields[e], offset[j]), index)
+                sample[fields[e]] = buf[a : a + n_bytes]
             out[pos] = sample
+
+    def _cut(self, k: int, index: int, m: int, z: int, stop: int) -> RowError:
+        row = index - int(self.src._starts[k])
+        key = self.src._members.keys[index]
+        return RowError(
+            row,
+            f"the tar is truncated: sample {key!r} needs bytes {self.offset[m] - 512}.."
+            f"{self.offset[z] + self.size[z]}, the file ends at byte {stop}",
+        )
+
+    def _changed(self, k: int, index: int, key: str, field: str, offset: int) -> RowError:
+        return RowError(
+            index - int(self.src._starts[k]),
+            f"the file changed since its manifest was written: sample {key!r} should have "
+            f"member {key + '.' + field!r} with data at byte {offset}, but the tar header "
+            f"there does not match; open the dataset again (a changed file is scanned again)",
+        )
 
 
 def _scan_tar(f: Any) -> tuple[int, dict[str, Any]]:

@@ -193,7 +193,7 @@ def test_manifest_cache_rescans_only_changed_files(
 
 
 def test_pickle_drops_open_files(parquet_dir: str) -> None:
-    src = es.from_parquet(parquet_dir)
+    src = es.from_parquet(parquet_dir, decoded_cache_bytes=0)  # files kept open
     src.__getitems__([1, 30])
     assert src._handles and src._groups
     copy = pickle.loads(pickle.dumps(src))

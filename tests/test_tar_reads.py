@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import evenly.sources as es
-import evenly.sources._webdataset as wds_module
+import evenly.sources._tarread as tarread
 
 FIELDS = ("txt", "cls", "seg.png", "json")
 SIZES = st.one_of(st.sampled_from([0, 1, 511, 512, 513, 4096, 5000]), st.integers(0, 9000))
@@ -95,16 +95,16 @@ def test_coalesced_reads_return_every_members_bytes(
         assert len(src) == len(want)
         batch = [p % len(want) for p in picks]
         reads = []
-        real = os.pread
+        real = os.preadv
 
-        def counted(fd: int, n: int, at: int) -> bytes:
-            reads.append((fd, at, n))
-            return real(fd, n, at)
+        def counted(fd: int, buffers: list[memoryview], at: int) -> int:
+            reads.append((fd, at))
+            return real(fd, buffers, at)
 
         with (
-            mock.patch.object(wds_module, "_GAP", gap),
-            mock.patch.object(wds_module, "_MAX_RUN", max_run),
-            mock.patch.object(wds_module.os, "pread", counted),
+            mock.patch.object(tarread, "GAP", gap),
+            mock.patch.object(tarread, "MAX_RUN", max_run),
+            mock.patch.object(tarread.os, "preadv", counted),
         ):
             got = src.__getitems__(batch)
         assert got == [want[i] for i in batch]

@@ -19,7 +19,6 @@ field's bytes lie, so a sample is a few seeks and reads.
 
 from __future__ import annotations
 
-import os
 import re
 import tarfile
 from collections.abc import Sequence
@@ -30,19 +29,11 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ._base import Paths, RowError, ShardedSource
+from ._base import Paths, ShardedSource
 from ._manifest import FileEntry, pack_array, unpack_array
+from ._tarread import read_batch, split_name
 
-__all__ = ["WebDatasetSource", "from_webdataset"]
-
-_USTAR_MAX_SIZE = 0o77777777777
-_KEY_EXT = re.compile(r"^((?:.*/|)[^./]+)[.]([^/]*)$")
-
-
-def split_name(name: str) -> tuple[str, str] | None:
-    """``"dir/abc.seg.png"`` -> ``("dir/abc", "seg.png")``; None for a name without a field."""
-    match = _KEY_EXT.match(name)
-    return None if match is None else (match.group(1), match.group(2).lower())
+__all__ = ["WebDatasetSource", "from_webdataset", "split_name"]
 
 
 def check_member_name(name: str) -> None:
@@ -91,144 +82,13 @@ class WebDatasetSource(ShardedSource):
         return open(path, "rb")
 
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
-        """Read a batch: every member of every sample located in one go, then the
-        samples' spans (a sample's members are consecutive in the tar, from its first
-        member's header to its last member's end) sorted by shard and offset, and spans
-        at most 4 KiB apart read with one ``pread`` (up to 16 MiB each); every member's
-        header is checked against the manifest.  Samples come back in the order asked."""
+        """Read a batch: every member of every sample located in one go, read with
+        sorted, coalesced ``pread``s per shard in use, every member's tar header checked
+        against the manifest (see :mod:`evenly.sources._tarread`); samples in the order
+        asked."""
         idx = self._check_indices(indices)
         self.prefetch(idx.tolist())
-        t = self._members
-        first = t.first[idx]
-        counts = t.first[idx + 1] - first
-        out: list[Any] = [None] * idx.size
-        shards = self.shard_of(idx)
-        for pos in np.flatnonzero(counts == 0).tolist():  # a key with no field
-            k = int(shards[pos])
-            out[pos] = {"__key__": t.keys[int(idx[pos])], "__url__": self.urls[k]}
-        full = np.flatnonzero(counts > 0)
-        if not full.size:
-            return out
-        last = first[full] + counts[full] - 1
-        # spans as positions on one line, shard after shard (2**42 bytes apart)
-        base = shards[full] << 42
-        lo = base + t.offset[first[full]] - 512
-        hi = base + t.offset[last] + t.size[last]
-        order = np.argsort(lo, kind="stable")
-        lo, hi = lo[order], hi[order]
-        reach = np.maximum.accumulate(hi)
-        starts = np.flatnonzero(np.concatenate([[True], lo[1:] > reach[:-1] + _GAP]))
-        ends = np.append(starts[1:], lo.size)
-        runs = _split_long(starts.tolist(), ends.tolist(), lo, reach)
-        # every member of the batch, sample by sample: sample p is members[at[p]:][:n]
-        at = np.cumsum(counts) - counts
-        members = np.repeat(first - at, counts) + np.arange(int(counts.sum()))
-        batch = _Batch(self, idx.tolist(), shards.tolist(), counts.tolist(), at.tolist(), members)
-        sorted_pos = full[order].tolist()
-        mask = (1 << 42) - 1
-        lo_l, reach_l = (lo & mask).tolist(), (reach & mask).tolist()
-        for a, b in runs:
-            batch.read(sorted_pos[a:b], lo_l[a], reach_l[b - 1], out)
-        return out
-
-
-#: spans of one shard at most this far apart are read with one ``pread``
-_GAP = 4096
-#: the most one ``pread`` reads (unless one sample alone is larger)
-_MAX_RUN = 16 << 20
-
-
-def _split_long(
-    starts: list[int], ends: list[int], lo: npt.NDArray[np.int64], reach: npt.NDArray[np.int64]
-) -> list[tuple[int, int]]:
-    """The runs ``starts[i]:ends[i]`` (of spans sorted by ``lo``), those longer than
-    ``_MAX_RUN`` bytes split where a read would pass it."""
-    runs = []
-    for a, b in zip(starts, ends, strict=True):
-        if int(reach[b - 1] - lo[a]) <= _MAX_RUN:
-            runs.append((a, b))
-            continue
-        cut = a
-        for j in range(a + 1, b):
-            if int(reach[j] - lo[cut]) > _MAX_RUN:
-                runs.append((cut, j))
-                cut = j
-        runs.append((cut, b))
-    return runs
-
-
-class _Batch:
-    """One batch's samples being read (the member tables' rows they need, as lists)."""
-
-    def __init__(
-        self, src: WebDatasetSource, idx: list[int], shards: list[int], counts: list[int],
-        at: list[int], members: npt.NDArray[np.int64],
-    ) -> None:  # fmt: skip
-        t = src._members
-        self.src, self.idx, self.shards, self.counts, self.at = src, idx, shards, counts, at
-        self.ext, self.offset = t.ext[members].tolist(), t.offset[members].tolist()
-        self.size = t.size[members].tolist()
-        self.fields = list(t.names)
-        self.dotted = [b"." + name.encode("utf-8", "surrogateescape") for name in t.names]
-        self.fds: dict[int, int] = {}
-
-    def read(self, run: list[int], lo: int, hi: int, out: list[Any]) -> None:
-        """Read the samples at batch positions ``run`` (all in one shard, their spans
-        within bytes ``lo..hi``) with one ``pread``, checking every member's header."""
-        src = self.src
-        k = self.shards[run[0]]
-        try:
-            fd = self.fds.get(k)
-            if fd is None:
-                fd = self.fds[k] = src._handle(k).fileno()
-            buf = os.pread(fd, hi - lo, lo)
-        except Exception as exc:
-            raise src._error(exc, self.idx[run[0]]) from exc
-        keys, url, stop = src._members.keys, src.urls[k], lo + len(buf)
-        ext, offset, size, at, counts = self.ext, self.offset, self.size, self.at, self.counts
-        fields, dotted = self.fields, self.dotted
-        for pos in run:
-            index = self.idx[pos]
-            key = keys[index]
-            m = at[pos]
-            z = m + counts[pos] - 1
-            if offset[z] + size[z] > stop:
-                raise src._error(self._cut(k, index, m, z, stop), index)
-            sample: dict[str, Any] = {"__key__": key, "__url__": url}
-            prefix = key.encode("utf-8", "surrogateescape")
-            for j in range(m, z + 1):
-                e, n_bytes = ext[j], size[j]
-                a = offset[j] - lo
-                h = a - 512
-                raw = prefix + dotted[e]
-                # the usual header first (the name, a NUL, the size as tarfile and GNU tar
-                # write it); anything else gets the full check
-                if not (
-                    len(raw) < 100
-                    and buf[h + len(raw)] == 0
-                    and buf.startswith(raw, h)
-                    and buf[h + 124 : h + 136] == b"%011o\x00" % n_bytes
-                ) and not _header_matches(buf[h:a], key, fields[e], n_bytes):
-                    raise src._error(self._changed(k, index, key, fields[e], offset[j]), index)
-                sample[fields[e]] = buf[a : a + n_bytes]
-            out[pos] = sample
-
-    def _cut(self, k: int, index: int, m: int, z: int, stop: int) -> RowError:
-        row = index - int(self.src._starts[k])
-        key = self.src._members.keys[index]
-        return RowError(
-            row,
-            f"the tar is truncated: sample {key!r} needs bytes {self.offset[m] - 512}.."
-            f"{self.offset[z] + self.size[z]}, the file ends at byte {stop}",
-        )
-
-    def _changed(self, k: int, index: int, key: str, field: str, offset: int) -> RowError:
-        return RowError(
-            index - int(self.src._starts[k]),
-            f"the file changed since its manifest was written: sample {key!r} should have "
-            f"member {key + '.' + field!r} with data at byte {offset}, but the tar header "
-            f"there does not match; open the dataset again (a changed file is scanned again)",
-        )
+        return read_batch(self, idx)
 
 
 def _scan_tar(f: Any) -> tuple[int, dict[str, Any]]:
@@ -280,34 +140,6 @@ def _scan_tar(f: Any) -> tuple[int, dict[str, Any]]:
             f"(the file has {size} bytes)"
         )
     return len(samples), _Members.build(samples).to_meta()
-
-
-def _header_matches(header: bytes, key: str, ext: str, size: int) -> bool:
-    """Whether ``header`` (the 512 bytes before a member's data) is the header of the
-    member ``key.ext`` of ``size`` bytes that the manifest recorded.
-
-    A name that a header cannot hold whole (over 100 bytes, or not ASCII, written in a
-    GNU long-name or pax record before it) is checked by size and header checksum only.
-    """
-    name = f"{key}.{ext}"
-    raw = name.encode("utf-8", "surrogateescape")
-    n = len(raw)
-    if n < 100 and header[n] == 0 and header.startswith(raw) and not header[124] & 0x80:
-        try:  # the usual case: the whole name, and the size in octal
-            if int(header[124:136].split(b"\0", 1)[0].strip() or b"0", 8) == size:
-                return True
-        except ValueError:
-            pass
-    try:
-        info = tarfile.TarInfo.frombuf(header, tarfile.ENCODING, "surrogateescape")
-    except tarfile.HeaderError:
-        return False
-    # a size over 8 GiB may live only in a pax record
-    if not info.isfile() or (info.size != size and size <= _USTAR_MAX_SIZE):
-        return False
-    if split_name(info.name) == (key, ext):
-        return True
-    return len(raw) > 100 or not name.isascii()
 
 
 @dataclass(frozen=True)

@@ -95,16 +95,16 @@ def test_coalesced_reads_return_every_members_bytes(
         assert len(src) == len(want)
         batch = [p % len(want) for p in picks]
         reads = []
-        real = os.preadv
+        real = os.pread
 
-        def counted(fd: int, buffers: list[memoryview], at: int) -> int:
+        def counted(fd: int, n: int, at: int) -> bytes:
             reads.append((fd, at))
-            return real(fd, buffers, at)
+            return real(fd, n, at)
 
         with (
             mock.patch.object(tarread, "GAP", gap),
             mock.patch.object(tarread, "MAX_RUN", max_run),
-            mock.patch.object(tarread.os, "preadv", counted),
+            mock.patch.object(tarread.os, "pread", counted),
         ):
             got = src.__getitems__(batch)
         assert got == [want[i] for i in batch]

@@ -4,8 +4,9 @@ the whole batch (not a dozen Python operations per member).
 
 A sample's members are consecutive in its tar, so its bytes are one span, from its first
 member's header to its last member's end.  The batch's spans are sorted by shard and
-offset; spans at most ``GAP`` bytes apart are read with one ``preadv`` into one buffer
-for the batch (a read at most ``MAX_RUN`` bytes, unless one sample alone is larger).
+offset; spans at most ``GAP`` bytes apart are read with one ``pread`` (at most
+``MAX_RUN`` bytes, unless one sample alone is larger), joined into one buffer for the
+batch's checks.
 The usual header (the name whole, then a NUL; the size in octal as tarfile and GNU tar
 write it) is checked in bulk; any other (a long name in a pax or GNU record, a size in
 base-256) gets the full check of :func:`header_matches`.
@@ -28,7 +29,7 @@ if TYPE_CHECKING:
 
 __all__ = ["GAP", "MAX_RUN", "header_matches", "read_batch", "split_name"]
 
-#: spans of one shard at most this far apart are read with one ``preadv``
+#: spans of one shard at most this far apart are read with one ``pread``
 GAP = 4096
 #: the most one read reads (unless one sample alone is larger)
 MAX_RUN = 16 << 20
@@ -78,24 +79,23 @@ def _ragged(lengths: npt.NDArray[np.int64]) -> tuple[npt.NDArray[np.int64], npt.
     return piece, np.arange(int(lengths.sum()), dtype=np.int64) - starts[piece]
 
 
-def _runs(lo: npt.NDArray[np.int64], reach: npt.NDArray[np.int64]) -> list[tuple[int, int]]:
-    """Runs ``a:b`` of spans sorted by ``lo`` (``reach``: the running maximum of their
-    ends): a new run where a span starts more than ``GAP`` past the run, or where the run
+def _runs(lo: npt.NDArray[np.int64], reach: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+    """Where runs start among spans sorted by ``lo`` (``reach``: the running maximum of
+    their ends): where a span starts more than ``GAP`` past the run, or where the run
     would pass ``MAX_RUN`` bytes."""
-    starts = np.flatnonzero(np.concatenate([[True], lo[1:] > reach[:-1] + GAP])).tolist()
-    ends = [*starts[1:], int(lo.size)]
-    runs = []
-    for a, b in zip(starts, ends, strict=True):
-        if int(reach[b - 1] - lo[a]) <= MAX_RUN:
-            runs.append((a, b))
-            continue
-        cut = a
-        for j in range(a + 1, b):
-            if int(reach[j] - lo[cut]) > MAX_RUN:
-                runs.append((cut, j))
-                cut = j
-        runs.append((cut, b))
-    return runs
+    starts = np.flatnonzero(np.concatenate([[True], lo[1:] > reach[:-1] + GAP]))
+    ends = np.append(starts[1:], lo.size)
+    long = np.flatnonzero(reach[ends - 1] - lo[starts] > MAX_RUN)
+    if not long.size:
+        return starts
+    cuts = []
+    for a, b in zip(starts[long].tolist(), ends[long].tolist(), strict=True):
+        low = int(lo[a])
+        for j, end in enumerate(reach[a + 1 : b].tolist(), a + 1):
+            if end - low > MAX_RUN:
+                cuts.append(j)
+                low = int(lo[j])
+    return np.union1d(starts, np.asarray(cuts, dtype=np.int64))
 
 
 def read_batch(src: WebDatasetSource, idx: npt.NDArray[np.int64]) -> list[Any]:
@@ -105,8 +105,10 @@ def read_batch(src: WebDatasetSource, idx: npt.NDArray[np.int64]) -> list[Any]:
     counts = t.first[idx + 1] - first
     shards = src.shard_of(idx)
     keys = [t.keys[i] for i in idx.tolist()]
-    urls = [src.urls[k] for k in shards.tolist()]
-    out: list[Any] = [{"__key__": key, "__url__": url} for key, url in zip(keys, urls, strict=True)]
+    urls = src.urls
+    out: list[Any] = [
+        {"__key__": key, "__url__": urls[k]} for key, k in zip(keys, shards.tolist(), strict=True)
+    ]
     full = np.flatnonzero(counts > 0)
     if not full.size:
         return out
@@ -122,48 +124,47 @@ def read_batch(src: WebDatasetSource, idx: npt.NDArray[np.int64]) -> list[Any]:
     order = np.argsort(lo, kind="stable")
     lo = lo[order]
     reach = np.maximum.accumulate((base + offset[last] + size[last])[order])
-    runs = _runs(lo, reach)
-    # one buffer for the batch: run r at buffer[into[r]:], file bytes lo[a]..reach[b-1]
-    mask = (1 << 42) - 1
-    run_lo = np.array([int(lo[a]) & mask for a, _ in runs], dtype=np.int64)
-    run_len = np.array([int(reach[b - 1] - lo[a]) for a, b in runs], dtype=np.int64)
+    starts = _runs(lo, reach)
+    ends = np.append(starts[1:], lo.size)
+    # one buffer for the batch: run r at buffer[into[r]:], file bytes run_lo[r]..+run_len[r]
+    run_lo = lo[starts] & ((1 << 42) - 1)
+    run_len = reach[ends - 1] - lo[starts]
     into = np.cumsum(run_len) - run_len
-    buffer = bytearray(int(run_len.sum()))
-    view = memoryview(buffer)
     sample_run = np.empty(idx.size, dtype=np.int64)
-    for r, (a, b) in enumerate(runs):
-        sample_run[full[order[a:b]]] = r
+    sample_run[full[order]] = np.repeat(np.arange(starts.size, dtype=np.int64), ends - starts)
     fds: dict[int, int] = {}
     sorted_pos = full[order].tolist()
-    for r, (a, _) in enumerate(runs):
-        pos = sorted_pos[a]
-        k = int(shards[pos])
-        start, n = int(into[r]), int(run_len[r])
+    run_k = shards[full[order][starts]].tolist()
+    pieces = []
+    for r, (a, k, n, at_byte) in enumerate(
+        zip(starts.tolist(), run_k, run_len.tolist(), run_lo.tolist(), strict=True)
+    ):
         try:
             fd = fds.get(k)
             if fd is None:
                 fd = fds[k] = src._handle(k).fileno()
-            got = os.preadv(fd, [view[start : start + n]], int(run_lo[r]))
+            piece = os.pread(fd, n, at_byte)  # (cheaper from Python than preadv into one)
         except Exception as exc:
-            raise src._error(exc, int(idx[pos])) from exc
-        if got < n:
-            stop = int(run_lo[r]) + got
-            _truncated(src, idx, shards, runs[r], sorted_pos, offset, size, at, counts, stop)
+            raise src._error(exc, int(idx[sorted_pos[a]])) from exc
+        if len(piece) < n:
+            run = (a, int(ends[r]))
+            stop = at_byte + len(piece)
+            _truncated(src, idx, shards, run, sorted_pos, offset, size, at, counts, stop)
+        pieces.append(piece)
+    buffer = b"".join(pieces)
     # where each member's data and header lie in the buffer
-    run = sample_run[owner]
-    data = into[run] + offset - run_lo[run]
+    run_of = sample_run[owner]
+    data = into[run_of] + offset - run_lo[run_of]
     _check_headers(src, buffer, data - 512, idx, keys, owner, ext, size, offset)
-    data_l, size_l, names = data.tolist(), size.tolist(), [t.names[e] for e in ext.tolist()]
-    for p in full.tolist():
-        sample = out[p]
-        for j in range(int(at[p]), int(at[p] + counts[p])):
-            d = data_l[j]
-            sample[names[j]] = view[d : d + size_l[j]].tobytes()
+    names = t.names
+    where = zip(owner.tolist(), ext.tolist(), data.tolist(), size.tolist(), strict=True)
+    for p, e, d, n in where:
+        out[p][names[e]] = buffer[d : d + n]
     return out
 
 
 def _check_headers(
-    src: WebDatasetSource, buffer: bytearray, header: npt.NDArray[np.int64],
+    src: WebDatasetSource, buffer: bytes, header: npt.NDArray[np.int64],
     idx: npt.NDArray[np.int64], keys: list[str], owner: npt.NDArray[np.int64],
     ext: npt.NDArray[np.int64], size: npt.NDArray[np.int64], offset: npt.NDArray[np.int64],
 ) -> None:  # fmt: skip

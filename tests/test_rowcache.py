@@ -23,7 +23,12 @@ import evenly.sources._rowcache as rowcache
 from evenly.errors import EvenlyWarning
 from evenly.sources._cachedir import PART
 from evenly.sources._rowcache import RowCache
+from tests import s3server
 from tests.distributed import run_ranks
+from tests.s3server import S3Endpoint
+
+s3 = s3server.s3  # a real moto server and a fresh key prefix per test
+s3_prefix = s3server.s3_prefix
 
 N, SHARDS, GROUP = 800, 8, 25  # 32 row groups
 BATCH = 8
@@ -138,6 +143,24 @@ def test_a_source_opened_before_a_change_never_caches_the_new_bytes(tmp_path: Pa
     with pytest.raises(ValueError, match="changed since it was opened"):
         src.__getitems__([0])
     assert entries(tmp_path / "c") == []
+
+
+def test_remote_shards_are_decoded_once_per_node_on_top_of_the_shard_cache(
+    s3: S3Endpoint, s3_prefix: str, tmp_path: Path
+) -> None:
+    write_shards(tmp_path / "local", n=100)
+    url = s3.upload(str(tmp_path / "local"), f"{s3_prefix}/pq")
+    cache = str(tmp_path / "c")
+    first = evenly.from_parquet(url, storage_options=s3.storage_options, cache_dir=cache)
+    check_rows(first.__getitems__(list(range(100))))
+    assert first.cache is not None and first.cache.downloads == 1  # one shard, 4 row groups
+    assert first.decoded_cache is not None and first.decoded_cache.decodes == 4
+    # another process on the node: every row group is decoded already, so no shard is
+    # downloaded (nor opened) at all
+    again = evenly.from_parquet(url, storage_options=s3.storage_options, cache_dir=cache)
+    check_rows(again.__getitems__(list(range(100))))
+    assert again.cache is not None and again.cache.downloads == 0
+    assert again.decoded_cache is not None and again.decoded_cache.stats()["hits"] == 4
 
 
 # ---- killed writers, damaged entries ----------------------------------------------------

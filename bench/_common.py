@@ -2,11 +2,14 @@
 while sampling the memory of its process tree, the child's end-of-epoch report, and the
 table (median [min, max] over interleaved rounds).
 
-Memory is PSS summed over the process tree (psutil ``memory_full_info().pss``): RSS
-counts a page shared by forked workers or memory-mapped from the page cache once per
-process, PSS splits it between them.  Bytes read are the ``read(2)`` bytes
-(``/proc/<pid>/io`` ``rchar``) of the loader's worker processes during the timed epoch:
-reads through a memory map (Arrow IPC, numpy memmap) do not count there.
+Memory is PSS summed over the process tree (``/proc/<pid>/smaps_rollup``): RSS counts a
+page shared by forked workers or memory-mapped from the page cache once per process, PSS
+splits it between them.  It is reported split in two, each part's peak over the run:
+non-reclaimable (``Pss_Anon + Pss_Shmem``: heap, private copies, shared memory) and
+file-backed (``Pss_File``: clean page cache the kernel can drop and read again).
+Bytes read are the ``read(2)`` bytes (``/proc/<pid>/io`` ``rchar``) of the loader's
+worker processes during the timed epoch: reads through a memory map (Arrow IPC, numpy
+memmap) do not count there.
 
 >>> summary([3.0, 1.0, 2.0])
 (2.0, 1.0, 3.0)
@@ -112,35 +115,56 @@ def import_streaming() -> Any:
     return streaming
 
 
-def _tree_pss(root: Any) -> int:
+PSS_FIELDS = ("Pss_Anon", "Pss_Shmem", "Pss_File")
+
+
+def smaps_pss(pid: int) -> dict[str, int]:
+    """``Pss``, ``Pss_Anon``, ``Pss_Shmem`` and ``Pss_File`` of one process, in bytes."""
+    out = dict.fromkeys(("Pss", *PSS_FIELDS), 0)
+    with open(f"/proc/{pid}/smaps_rollup", encoding="ascii") as f:
+        for line in f:
+            name, _, rest = line.partition(":")
+            if name in out:
+                out[name] = int(rest.split()[0]) * 1024
+    return out
+
+
+def _tree_pss(root: Any) -> tuple[int, int]:
+    """(non-reclaimable, file-backed) PSS summed over the process tree."""
     import psutil
 
-    total = 0
+    anon = file = 0
     for p in [root, *root.children(recursive=True)]:
-        with contextlib.suppress(psutil.Error):
-            total += int(p.memory_full_info().pss)
-    return total
+        with contextlib.suppress(psutil.Error, OSError):
+            m = smaps_pss(p.pid)
+            anon += m["Pss_Anon"] + m["Pss_Shmem"]
+            file += m["Pss_File"]
+    return anon, file
 
 
 def run_child(cmd: list[str], env: dict[str, str], timeout: float) -> dict[str, Any]:
-    """Run one contender; its JSON result plus ``peak_pss`` (bytes), or ``{"error"}``."""
+    """Run one contender; its JSON result plus the peaks of the tree's PSS (bytes):
+    ``peak_pss`` (total), ``peak_anon`` (anonymous + shared memory), ``peak_file``
+    (file-backed); or ``{"error"}``."""
     import psutil
 
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    peak = 0
+    peak = peak_anon = peak_file = 0
     done = threading.Event()
 
     def sample() -> None:
-        nonlocal peak
+        nonlocal peak, peak_anon, peak_file
         try:
             root = psutil.Process(proc.pid)
         except psutil.Error:
             return
         while not done.is_set():
             try:
-                peak = max(peak, _tree_pss(root))
+                anon, file = _tree_pss(root)
             except psutil.Error:
                 break
+            peak, peak_anon = max(peak, anon + file), max(peak_anon, anon)
+            peak_file = max(peak_file, file)
             done.wait(0.1)
 
     watcher = threading.Thread(target=sample, daemon=True)
@@ -158,7 +182,7 @@ def run_child(cmd: list[str], env: dict[str, str], timeout: float) -> dict[str, 
         lines = [x for x in err.strip().splitlines() if x.strip()]
         return {"error": lines[-1][:160] if lines else f"exit {proc.returncode}"}
     result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
-    result["peak_pss"] = peak
+    result.update(peak_pss=peak, peak_anon=peak_anon, peak_file=peak_file)
     return result
 
 
@@ -193,12 +217,14 @@ def fmt_ratio(a: float | None, b: float | None) -> str:
 
 
 def print_table(title: str, rows: Iterable[Row], by_name: dict[str, Row]) -> None:
-    """One workload's table: samples/s median [min-max], ratios, peak PSS, MB read,
-    missing/repeated ids and the same-shard neighbour rate."""
+    """One workload's table: samples/s median [min-max], ratios, peak PSS (total, and
+    its non-reclaimable and file-backed parts), MB read, missing/repeated ids and the
+    same-shard neighbour rate."""
     print(f"\n## {title}")
     head = (
         f"{'contender':<26} {'samples/s median [min-max]':>31} {'ratios':<41} "
-        f"{'PSS MiB':>8} {'MB read':>8} {'miss/rep':>9} {'same-shard':>10}"
+        f"{'PSS MiB':>8} {'anon+shm':>8} {'file':>6} {'MB read':>8} {'miss/rep':>9} "
+        f"{'same-shard':>10}"
     )
     print(head)
     print("-" * len(head))
@@ -216,11 +242,12 @@ def print_table(title: str, rows: Iterable[Row], by_name: dict[str, Row]) -> Non
         read = row.worst("read_bytes")
         mb = "-" if read is None else f"{read / 1e6:,.0f}"
         pss = row.worst("peak_pss") / 2**20
+        anon, file = row.worst("peak_anon") / 2**20, row.worst("peak_file") / 2**20
         miss = f"{row.worst('missing')}/{row.worst('repeated')}"
         same = statistics.median(r["same_shard"] for r in row.runs)
         print(
-            f"{row.name:<26} {rate:>31} {ratios:<41} {pss:>8,.0f} {mb:>8} {miss:>9} "
-            f"{same:>10.4f}{'  ' + row.note if row.note else ''}"
+            f"{row.name:<26} {rate:>31} {ratios:<41} {pss:>8,.0f} {anon:>8,.0f} {file:>6,.0f} "
+            f"{mb:>8} {miss:>9} {same:>10.4f}{'  ' + row.note if row.note else ''}"
         )
 
 

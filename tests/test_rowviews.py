@@ -139,7 +139,9 @@ def test_columns_gathered_from_cached_chunks_equal_default_collate(
     evenly.write(iter(rows), tmp_path / "d", format=kind, rows_per_shard=50, schema=schema,
                  row_group_size=16, progress=False)  # fmt: skip
     if fmt == "parquet":  # a cache too small for all row groups: some are evicted mid-batch
-        src: Any = evenly.from_parquet(tmp_path / "d", row_group_cache_bytes=2000)
+        src: Any = evenly.from_parquet(
+            tmp_path / "d", row_group_cache_bytes=2000, decoded_cache_bytes=0
+        )
     else:
         src = evenly.from_arrow(tmp_path / "d")
         if fmt == "arrow-per-batch":

@@ -17,10 +17,30 @@ from collections.abc import Callable
 
 from filelock import FileLock
 
-__all__ = ["PART", "cache_subdir", "default_cache_dir", "publish"]
+__all__ = [
+    "MOUNTS",
+    "NETWORK_FS",
+    "PART",
+    "cache_subdir",
+    "default_cache_dir",
+    "network_fs",
+    "publish",
+]
 
 #: the infix of a file being written (``<target>.part-<pid>-<random>``)
 PART = ".part-"
+
+#: file system types (as ``/proc/mounts`` names them) served over a network: memory maps
+#: of them are slow, their locks unreliable
+NETWORK_FS = frozenset(
+    {"nfs", "nfs4", "cifs", "smb3", "smbfs", "afs", "lustre", "gpfs", "glusterfs",
+     "fuse.glusterfs", "ceph", "fuse.ceph", "fuse.sshfs", "sshfs", "beegfs", "9p",
+     "fuse.s3fs", "fuse.gcsfuse", "fuse.goofys", "fuse.rclone", "fuse.juicefs", "wekafs"}
+)  # fmt: skip
+
+
+#: where :func:`network_fs` reads the mounted file systems
+MOUNTS = "/proc/mounts"
 
 
 def default_cache_dir() -> str:
@@ -42,6 +62,34 @@ def cache_subdir(kind: str, cache_dir: str | None = None) -> str:
     path = os.path.abspath(os.path.join(cache_dir or default_cache_dir(), kind))
     os.makedirs(path, exist_ok=True)
     return path
+
+
+def network_fs(path: str, mounts: str | None = None) -> str | None:
+    """The type of the network file system holding ``path`` (``"nfs4"``...), or None
+    for a local one (or where it cannot be told).  ``mounts`` is ``/proc/mounts``-style
+    text (read from :data:`MOUNTS` when not given).
+
+    >>> text = "/dev/sda1 / ext4 rw 0 0\\nsrv:/home /home nfs4 rw 0 0\\n"
+    >>> network_fs("/home/me/.cache/evenly", text), network_fs("/tmp/x", text)
+    ('nfs4', None)
+    """
+    if mounts is None:
+        try:
+            with open(MOUNTS, encoding="utf-8", errors="replace") as f:
+                mounts = f.read()
+        except OSError:
+            return None
+    target = os.path.realpath(path)
+    best, kind = "", ""
+    for line in mounts.splitlines():
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        point = fields[1].replace("\\040", " ")
+        inside = target == point or target.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best):
+            best, kind = point, fields[2]
+    return kind if kind in NETWORK_FS else None
 
 
 def publish(target: str, write: Callable[[str], None]) -> str:

@@ -17,7 +17,18 @@ import numpy as np
 import numpy.typing as npt
 import pyarrow as pa
 
-__all__ = ["LIST_VALUES", "ColumnViews", "chunk_views", "gatherable"]
+__all__ = ["LIST_VALUES", "ColumnViews", "chunk_views", "gatherable", "numbers"]
+
+
+def numbers(arr: pa.Array) -> npt.NDArray[Any]:
+    """A zero-copy numpy view of an integer or float column chunk with no nulls (what
+    ``arr.to_numpy(zero_copy_only=True)`` gives, without the ~100 KiB of heap that call
+    leaves behind per chunk)."""
+    dtype = np.dtype(arr.type.to_pandas_dtype())
+    data = arr.buffers()[1]
+    if data is None or not len(arr):
+        return np.zeros(0, dtype=dtype)
+    return np.frombuffer(data, dtype=dtype, count=len(arr), offset=arr.offset * dtype.itemsize)
 
 
 def _view(arr: pa.Array) -> npt.NDArray[Any] | None:
@@ -32,12 +43,12 @@ def _view(arr: pa.Array) -> npt.NDArray[Any] | None:
             pa.types.is_integer(values.type) or pa.types.is_floating(values.type)
         ):
             return None
-        flat = values.to_numpy(zero_copy_only=True)
+        flat = numbers(values)
         size = t.list_size
         start = arr.offset * size
         return np.asarray(flat[start : start + len(arr) * size]).reshape(len(arr), size)
     if pa.types.is_integer(t) or pa.types.is_floating(t):
-        return np.asarray(arr.to_numpy(zero_copy_only=True))
+        return numbers(arr)
     return None
 
 

@@ -1,7 +1,10 @@
 """``evenly.from_parquet``: random access over Parquet shards, row group by row group.
 
-Decoded row groups stay Arrow tables in a per-process LRU budgeted by their real buffer
-size; a batch is one lookup for the whole batch and one ``take`` per row group present.
+A row group is decoded once per node into the decoded-row cache (Arrow IPC files in
+``<cache_dir>/rows``, see :mod:`evenly.sources._rowcache`) and memory-mapped by every
+worker of every rank; with that cache off (``decoded_cache_bytes=0``), decoded row groups
+stay Arrow tables in a per-process LRU budgeted by their real buffer size.  A batch is one
+lookup for the whole batch and one ``take`` (or per-row accessor) per row group present.
 
 >>> import os, tempfile, pyarrow as pa, pyarrow.parquet as pq
 >>> d = tempfile.mkdtemp()
@@ -18,6 +21,8 @@ True
 
 from __future__ import annotations
 
+import os
+import warnings
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -27,16 +32,23 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from fsspec.core import url_to_fs
 
+from evenly.errors import EvenlyWarning
+
 from ._base import Paths
+from ._cachedir import network_fs
 from ._columns import ArrowBatchSource, schema_meta
 from ._gather import chunk_views
-from ._manifest import FileEntry
+from ._manifest import FileEntry, local_fingerprint
+from ._rowcache import RowCache, decoded_cache_bytes
 from ._rowviews import RowAccess
 
 __all__ = ["ParquetSource", "from_parquet"]
 
-#: Decoded row groups kept per process (bytes of Arrow buffers).
+#: Decoded row groups kept per process (bytes of Arrow buffers) when the decoded-row
+#: cache is off; with it on, the bytes the per-row accessors add (the tables are mapped).
 DEFAULT_ROW_GROUP_CACHE = 256 << 20
+#: row groups a process keeps at hand (mapped or decoded), whatever their bytes
+MAX_GROUPS = 4096
 
 
 class ParquetSource(ArrowBatchSource):
@@ -56,6 +68,7 @@ class ParquetSource(ArrowBatchSource):
         *,
         columns: Sequence[str] | None = None,
         row_group_cache_bytes: int = DEFAULT_ROW_GROUP_CACHE,
+        decoded_cache_bytes: int | None = None,
         **kwargs: Any,
     ) -> None:
         self.columns = None if columns is None else list(columns)
@@ -68,6 +81,9 @@ class ParquetSource(ArrowBatchSource):
         #: numpy views of their columns (zero-copy; evicted with them)
         self._group_views: dict[tuple[int, int], list[npt.NDArray[Any]] | None] = {}
         super().__init__(paths, **kwargs)
+        #: the node-local decoded-row cache (None: off); ``.hits`` / ``.misses`` count
+        #: this process's lookups
+        self.decoded_cache = _node_cache(kwargs.get("cache_dir"), decoded_cache_bytes)
 
     def _scan(self, k: int, url: str) -> tuple[int, dict[str, Any]]:
         fs, path = url_to_fs(url, **self._shards.storage_options)
@@ -93,7 +109,18 @@ class ParquetSource(ArrowBatchSource):
         """A word for the user when the global shuffle will decode a row group for
         almost every sample (local data larger than the row-group cache)."""
         data = sum(self._shards.sizes)
-        if mode != "global" or self.cache is not None or data <= self.row_group_cache_bytes:
+        if mode != "global" or self.cache is not None:
+            return None
+        if self.decoded_cache is not None:
+            if data <= self.decoded_cache.max_bytes:
+                return None
+            return (
+                f"evenly.from_parquet: a global shuffle over {data >> 20} MiB of Parquet with a "
+                f"{self.decoded_cache.max_bytes >> 20} MiB decoded-row cache decodes a row "
+                f"group for almost every sample (slow); use shuffle='block', Arrow files "
+                f"(evenly.write(..., format='arrow')), or a larger decoded_cache_bytes"
+            )
+        if data <= self.row_group_cache_bytes:
             return None
         return (
             f"evenly.from_parquet: a global shuffle over {data >> 20} MiB of Parquet with a "
@@ -106,29 +133,66 @@ class ParquetSource(ArrowBatchSource):
     def _open(self, k: int, path: str) -> Any:
         return pq.ParquetFile(path)
 
+    def _handle(self, k: int) -> Any:
+        """With the decoded-row cache, shard ``k`` is opened only when one of its row
+        groups must be decoded (a process reading a warm cache never opens it)."""
+        if self.decoded_cache is None:
+            return super()._handle(k)
+        return _Deferred(self, k)
+
     def _chunk(self, k: int, g: int, handle: Any) -> pa.Table:
-        """Row group ``g`` of shard ``k`` as an Arrow table: from the LRU (budgeted by the
-        tables' real buffer sizes, so the budget is the memory held) or decoded now."""
+        """Row group ``g`` of shard ``k`` as an Arrow table: from the process's LRU, else
+        mapped from the node's decoded-row cache (decoded into it first if no process
+        has), else (cache off) decoded now; the LRU is budgeted by the tables' real buffer
+        sizes (0 for mapped ones: the page cache holds them), so the budget is the
+        memory held."""
         key = (k, g)
         hit = self._groups.get(key)
+        cache = self.decoded_cache
         if hit is not None:
             self._groups.move_to_end(key)
+            if cache is not None:
+                cache.used(self._cache_key(k, g))
             return hit[0]
-        table = handle.read_row_group(g, columns=self.columns)
-        expected = self._chunk_rows[k][g]
-        if table.num_rows != expected:
-            raise ValueError(
-                f"row group {g} has {table.num_rows} rows, the manifest says {expected}: the "
-                f"file changed since it was opened"
-            )
-        size = int(table.get_total_buffer_size())
+        if cache is not None:
+            rows = self._chunk_rows[k][g]
+            table = cache.get(self._cache_key(k, g), rows, lambda: self._decode(k, g, handle))
+            size = 0
+        else:
+            table = self._decode(k, g, handle)
+            size = int(table.get_total_buffer_size())
         self._groups[key] = (table, size)
         self._group_bytes += size
         self._evict()
         return table
 
+    def _cache_key(self, k: int, g: int) -> tuple[str, str, int, list[str] | None]:
+        return self.urls[k], self._fingerprints[k], g, self.columns
+
+    def _decode(self, k: int, g: int, handle: Any) -> pa.Table:
+        """Decode row group ``g`` of shard ``k``, checking it is the one the manifest
+        describes (and, before it goes into the node's cache under the shard's
+        fingerprint, that the local file is still the one opened)."""
+        # one thread: the workers (and ranks) are the parallelism, and Arrow's pool
+        # threads would each keep an arena of freed memory
+        table: pa.Table = handle.read_row_group(g, columns=self.columns, use_threads=False)
+        expected = self._chunk_rows[k][g]
+        changed = table.num_rows != expected
+        if not changed and self.decoded_cache is not None and self.cache is None:
+            changed = local_fingerprint(self.urls[k]) != self._fingerprints[k]
+        if changed:
+            raise ValueError(
+                f"row group {g} has {table.num_rows} rows, the manifest says {expected}: the "
+                f"file changed since it was opened"
+                if table.num_rows != expected
+                else f"the file changed since it was opened (row group {g}); open the source again"
+            )
+        return table
+
     def _evict(self) -> None:
-        while self._group_bytes > self.row_group_cache_bytes and len(self._groups) > 1:
+        while len(self._groups) > 1 and (
+            self._group_bytes > self.row_group_cache_bytes or len(self._groups) > MAX_GROUPS
+        ):
             key, old = self._groups.popitem(last=False)
             self._group_bytes -= old[1]
             self._group_access.pop(key, None)
@@ -163,6 +227,50 @@ class ParquetSource(ArrowBatchSource):
         return state
 
 
+class _Deferred:
+    """A shard opened only to decode a row group, and closed right after: with the
+    decoded-row cache a row group is decoded once per node, and an open ``ParquetFile``
+    keeps about a column chunk of heap after a read (64 MiB over 64 open shards)."""
+
+    __slots__ = ("k", "src")
+
+    def __init__(self, src: ParquetSource, k: int) -> None:
+        self.src, self.k = src, k
+
+    def read_row_group(self, g: int, **kwargs: Any) -> pa.Table:
+        path = self.src.local_path(self.k)
+        if not os.path.exists(path) and self.src.cache is not None:
+            path = self.src.local_path(self.k)  # evicted by another process just now
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"shard not found: {self.src.urls[self.k]}")
+        with pq.ParquetFile(path) as handle:
+            table: pa.Table = handle.read_row_group(g, **kwargs)
+        return table
+
+
+def _node_cache(cache_dir: str | None, value: int | None) -> RowCache | None:
+    """The decoded-row cache for these settings (None: off), with a warning when
+    ``cache_dir`` is on a network file system (off there unless asked for by size)."""
+    bound = decoded_cache_bytes(value)
+    if not bound:
+        return None
+    cache = RowCache(cache_dir, bound)
+    kind = network_fs(cache.dir)
+    if kind is not None:
+        used = value is not None
+        warnings.warn(
+            f"evenly.from_parquet: the decoded-row cache {cache.dir} is on a network file "
+            f"system ({kind}): memory maps of it are slow and its locks unreliable; "
+            + ("it is used, as decoded_cache_bytes asks; " if used else "it is off; ")
+            + "point cache_dir (or $EVENLY_CACHE_DIR) at a local disk, or pass "
+            "decoded_cache_bytes=0 to silence this",
+            EvenlyWarning,
+            stacklevel=4,
+        )
+        return cache if used else None
+    return cache
+
+
 def from_parquet(
     paths: Paths,
     *,
@@ -171,12 +279,18 @@ def from_parquet(
     cache_dir: str | None = None,
     cache_bytes: int | None = None,
     row_group_cache_bytes: int = DEFAULT_ROW_GROUP_CACHE,
+    decoded_cache_bytes: int | None = None,
     use_manifest: bool = True,
 ) -> ParquetSource:
     """A source over Parquet shards: a list, a glob, a directory or an fsspec URL.
 
-    Random access reads only the row group holding a sample (decoded row groups are kept
-    as Arrow tables in a per-process LRU of ``row_group_cache_bytes``).  ``shuffle=True``
+    Random access reads only the row group holding a sample.  Each row group is decoded
+    once per node into the decoded-row cache (Arrow IPC files in ``<cache_dir>/rows``,
+    memory-mapped by every worker and rank on the node, at most ``decoded_cache_bytes``
+    in all: default ``$EVENLY_DECODED_CACHE_BYTES``, else 16 GiB; ``0`` turns it off,
+    and it is off with a warning when ``cache_dir`` is on a network file system).  With
+    it off, decoded row groups are kept as Arrow tables in a per-process LRU of
+    ``row_group_cache_bytes``.  ``shuffle=True``
     means a global shuffle for local shards whatever their size (so the order never
     depends on the cache setting) and a block shuffle for remote ones.  Remote shards are
     downloaded into a bounded local cache (``cache_dir``, ``cache_bytes``) before reading.
@@ -191,5 +305,6 @@ def from_parquet(
         cache_dir=cache_dir,
         cache_bytes=cache_bytes,
         row_group_cache_bytes=row_group_cache_bytes,
+        decoded_cache_bytes=decoded_cache_bytes,
         use_manifest=use_manifest,
     )

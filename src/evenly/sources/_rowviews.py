@@ -23,14 +23,18 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from ._gather import numbers
+
 __all__ = ["RowAccess"]
 
 
 def _binary(arr: pa.Array, text: bool) -> Callable[[int], Any]:
     large = pa.types.is_large_binary(arr.type) or pa.types.is_large_string(arr.type)
     _, offsets_buf, data_buf = arr.buffers()
-    offsets = np.frombuffer(offsets_buf, dtype=np.int64 if large else np.int32)
-    bounds: list[int] = offsets[arr.offset : arr.offset + len(arr) + 1].tolist()
+    width = 8 if large else 4
+    # the offsets in place: a memoryview gives Python ints as fast as a list, no copy
+    raw = memoryview(offsets_buf)[arr.offset * width : (arr.offset + len(arr) + 1) * width]
+    bounds = raw.cast("q" if large else "i")
     data = memoryview(data_buf) if data_buf is not None else memoryview(b"")
 
     if text:
@@ -48,18 +52,20 @@ def _binary(arr: pa.Array, text: bool) -> Callable[[int], Any]:
 
 def _accessor(arr: pa.Array) -> tuple[Callable[[int], Any], int] | None:
     """A column's per-row accessor and the memory it holds beyond the column's buffers
-    (a numpy copy of bools; offsets as a list of Python ints, about 40 bytes each)."""
+    (a numpy copy of bools; numbers, strings and binary are read in place)."""
     t = arr.type
     if arr.null_count:
         return None
-    if pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t):
+    if pa.types.is_integer(t) or pa.types.is_floating(t):
+        return numbers(arr).item, 0
+    if pa.types.is_boolean(t):
         values = np.asarray(arr.to_numpy(zero_copy_only=False))
         get: Callable[[int], Any] = values.item
-        return get, len(arr) if pa.types.is_boolean(t) else 0
+        return get, len(arr)
     if pa.types.is_binary(t) or pa.types.is_large_binary(t):
-        return _binary(arr, text=False), 40 * (len(arr) + 1)
+        return _binary(arr, text=False), 0
     if pa.types.is_string(t) or pa.types.is_large_string(t):
-        return _binary(arr, text=True), 40 * (len(arr) + 1)
+        return _binary(arr, text=True), 0
     return None
 
 

@@ -19,7 +19,6 @@ field's bytes lie, so a sample is a few seeks and reads.
 
 from __future__ import annotations
 
-import os
 import re
 import tarfile
 from collections.abc import Sequence
@@ -30,19 +29,11 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ._base import Paths, RowError, ShardedSource
+from ._base import Paths, ShardedSource
 from ._manifest import FileEntry, pack_array, unpack_array
+from ._tarread import read_batch, split_name
 
-__all__ = ["WebDatasetSource", "from_webdataset"]
-
-_USTAR_MAX_SIZE = 0o77777777777
-_KEY_EXT = re.compile(r"^((?:.*/|)[^./]+)[.]([^/]*)$")
-
-
-def split_name(name: str) -> tuple[str, str] | None:
-    """``"dir/abc.seg.png"`` -> ``("dir/abc", "seg.png")``; None for a name without a field."""
-    match = _KEY_EXT.match(name)
-    return None if match is None else (match.group(1), match.group(2).lower())
+__all__ = ["WebDatasetSource", "from_webdataset", "split_name"]
 
 
 def check_member_name(name: str) -> None:
@@ -91,79 +82,13 @@ class WebDatasetSource(ShardedSource):
         return open(path, "rb")
 
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
-        """Read a batch: every member of every sample located in one go, then one read
-        per sample (its members are consecutive in the tar), in file order."""
+        """Read a batch: every member of every sample located in one go, read with
+        sorted, coalesced ``pread``s per shard in use, every member's tar header checked
+        against the manifest (see :mod:`evenly.sources._tarread`); samples in the order
+        asked."""
         idx = self._check_indices(indices)
-        shards = self.shard_of(idx)
         self.prefetch(idx.tolist())
-        t = self._members
-        counts = t.first[idx + 1] - t.first[idx]
-        starts = np.cumsum(counts) - counts
-        members = np.repeat(t.first[idx] - starts, counts) + np.arange(int(counts.sum()))
-        names = [t.names[e] for e in t.ext[members].tolist()]
-        offsets = t.offset[members].tolist()
-        sizes = t.size[members].tolist()
-        bases = starts.tolist()
-        out: list[Any] = [None] * idx.size
-        fds: dict[int, int] = {}
-        order = np.argsort(idx, kind="stable").tolist()  # shard by shard, in file order
-        idx_list, shard_list, count_list = idx.tolist(), shards.tolist(), counts.tolist()
-        for pos in order:
-            sample, k, n, m = idx_list[pos], shard_list[pos], count_list[pos], bases[pos]
-            row = sample - int(self._starts[k])
-            try:
-                fd = fds.get(k)
-                if fd is None:
-                    fd = fds[k] = self._handle(k).fileno()
-                out[pos] = self._sample(k, fd, sample, row, names, offsets, sizes, m, n)
-            except Exception as exc:
-                raise self._error(exc, sample) from exc
-        return out
-
-    def _sample(
-        self, k: int, fd: int, index: int, row: int, names: list[str], offsets: list[int],
-        sizes: list[int], m: int, n: int,
-    ) -> dict[str, Any]:  # fmt: skip
-        """Sample ``index`` (row ``row`` of shard ``k``): its members ``m:m+n`` of the
-        batch's lists."""
-        key = self._members.keys[index]
-        sample: dict[str, Any] = {"__key__": key, "__url__": self.urls[k]}
-        if not n:
-            return sample
-        # one read for all its fields, from the first member's header (checked against
-        # the manifest, as are the headers of the others) to the last member's end
-        lo, hi = offsets[m] - 512, offsets[m + n - 1] + sizes[m + n - 1]
-        span = os.pread(fd, hi - lo, lo)
-        if len(span) != hi - lo:
-            raise RowError(
-                row,
-                f"the tar is truncated: sample {key!r} needs bytes {lo}..{hi}, the file "
-                f"ends at byte {lo + len(span)}",
-            )
-        prefix = key.encode("utf-8", "surrogateescape") + b"."
-        for j in range(m, m + n):
-            at = offsets[j] - lo
-            h, size = at - 512, sizes[j]
-            raw = prefix + names[j].encode("utf-8", "surrogateescape")
-            end = h + len(raw)
-            # the usual header first (the name, a NUL, the size as tarfile and GNU tar
-            # write it); anything else gets the full check
-            usual = (
-                len(raw) < 100
-                and span[end] == 0
-                and span.startswith(raw, h)
-                and span[h + 124 : h + 136] == b"%011o\x00" % size
-            )
-            if not usual and not _header_matches(span[h:at], key, names[j], size):
-                raise RowError(
-                    row,
-                    f"the file changed since its manifest was written: sample {key!r} "
-                    f"should have member {key + '.' + names[j]!r} with data at byte "
-                    f"{offsets[j]}, but the tar header there does not match; open the "
-                    f"dataset again (a changed file is scanned again)",
-                )
-            sample[names[j]] = span[at : at + size]
-        return sample
+        return read_batch(self, idx)
 
 
 def _scan_tar(f: Any) -> tuple[int, dict[str, Any]]:
@@ -215,34 +140,6 @@ def _scan_tar(f: Any) -> tuple[int, dict[str, Any]]:
             f"(the file has {size} bytes)"
         )
     return len(samples), _Members.build(samples).to_meta()
-
-
-def _header_matches(header: bytes, key: str, ext: str, size: int) -> bool:
-    """Whether ``header`` (the 512 bytes before a member's data) is the header of the
-    member ``key.ext`` of ``size`` bytes that the manifest recorded.
-
-    A name that a header cannot hold whole (over 100 bytes, or not ASCII, written in a
-    GNU long-name or pax record before it) is checked by size and header checksum only.
-    """
-    name = f"{key}.{ext}"
-    raw = name.encode("utf-8", "surrogateescape")
-    n = len(raw)
-    if n < 100 and header[n] == 0 and header.startswith(raw) and not header[124] & 0x80:
-        try:  # the usual case: the whole name, and the size in octal
-            if int(header[124:136].split(b"\0", 1)[0].strip() or b"0", 8) == size:
-                return True
-        except ValueError:
-            pass
-    try:
-        info = tarfile.TarInfo.frombuf(header, tarfile.ENCODING, "surrogateescape")
-    except tarfile.HeaderError:
-        return False
-    # a size over 8 GiB may live only in a pax record
-    if not info.isfile() or (info.size != size and size <= _USTAR_MAX_SIZE):
-        return False
-    if split_name(info.name) == (key, ext):
-        return True
-    return len(raw) > 100 or not name.isascii()
 
 
 @dataclass(frozen=True)

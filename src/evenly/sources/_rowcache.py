@@ -1,0 +1,341 @@
+"""The node-local decoded-row cache: chunks (Parquet row groups) decoded once per node
+into Arrow IPC files under ``<cache_dir>/rows``, memory-mapped by every process that
+reads them (every DataLoader worker of every rank on the node shares one copy in the
+page cache: file-backed, reclaimable memory instead of a private decode per process).
+
+- An entry is named by a hash of (shard URL, shard fingerprint, chunk, columns), so a
+  changed file (new size, mtime, ctime, inode or ETag) is decoded again, never served
+  stale; the file also records that identity and its row count, checked when it is
+  mapped, so a damaged or foreign file is decoded again rather than trusted.
+- It is written once per node through :func:`evenly.sources._cachedir.publish` (a
+  ``.part-`` file renamed into place under the entry's lock): a killed writer leaves
+  only a ``.part-`` file no reader opens, removed by the next eviction.
+- The directory holds at most ``max_bytes`` (``$EVENLY_DECODED_CACHE_BYTES``, default
+  16 GiB): after each write, entries are evicted least-recently-used first (by mtime,
+  refreshed when a process maps an entry, and every 30 s while it keeps using it).  A
+  process that has an evicted entry mapped keeps reading it (POSIX), so usage may
+  exceed the bound by the entries in use, until they are unmapped.  The total is kept in
+  a small ledger (``.usage``) so a write costs one lock, not a directory scan; the
+  directory is scanned when the ledger says the bound is passed, and every 64 writes.
+
+>>> import os, tempfile, pyarrow as pa
+>>> cache = RowCache(tempfile.mkdtemp(), max_bytes=1 << 20)
+>>> key = ("/data/a.parquet", "123:4:5:6", 0, None)
+>>> t = cache.get(key, 3, lambda: pa.table({"x": [1, 2, 3]}))
+>>> t["x"].to_pylist(), cache.misses, cache.get(key, 3, lambda: pa.table({})).num_rows
+([1, 2, 3], 1, 3)
+>>> cache.hits, cache.decodes
+(1, 1)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import mmap
+import os
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import pyarrow as pa
+from filelock import FileLock, Timeout
+
+from ._cachedir import PART, cache_subdir, publish
+
+__all__ = ["DEFAULT_DECODED_CACHE_BYTES", "ENV_BYTES", "RowCache", "decoded_cache_bytes"]
+
+logger = logging.getLogger("evenly")
+
+#: Default bound of the decoded-row cache on a node (bytes of Arrow IPC files).
+DEFAULT_DECODED_CACHE_BYTES = 16 << 30
+#: the environment variable that overrides the default bound (0: no cache)
+ENV_BYTES = "EVENLY_DECODED_CACHE_BYTES"
+_META = b"evenly.rows"
+_SUFFIX = ".arrow"
+_LEDGER = ".usage"
+_EVICT_LOCK = ".evict.lock"
+_RESCAN_EVERY = 64  # writes between full scans, whatever the ledger says
+_TOUCH_EVERY = 30.0  # seconds between mtime refreshes of an entry a process keeps using
+_LOW_WATER = 0.9  # an eviction leaves at most this share of the bound
+
+#: a chunk's identity: (shard URL, shard fingerprint, chunk number, columns or None)
+Key = tuple[str, str, int, Sequence[str] | None]
+
+
+def decoded_cache_bytes(value: int | None) -> int:
+    """The bound to use: ``value``, else ``$EVENLY_DECODED_CACHE_BYTES``, else the
+    default; 0 turns the cache off.
+
+    >>> decoded_cache_bytes(0), decoded_cache_bytes(5)
+    (0, 5)
+    """
+    if value is None:
+        raw = os.environ.get(ENV_BYTES, "")
+        try:
+            value = int(raw) if raw.strip() else DEFAULT_DECODED_CACHE_BYTES
+        except ValueError:
+            raise ValueError(
+                f"${ENV_BYTES}={raw!r} is not a whole number of bytes (0 turns the "
+                f"decoded-row cache off)"
+            ) from None
+    if value < 0:
+        raise ValueError(
+            f"decoded_cache_bytes must be >= 0 (0 turns the decoded-row cache off), got {value}"
+        )
+    return int(value)
+
+
+class RowCache:
+    """Decoded chunks shared by every process on the node (see the module docstring).
+
+    Picklable; the counters are per process: ``hits`` (a chunk found decoded, by this
+    process or another), ``misses`` (not found: decoded by this process, or by another
+    while this one waited on its lock), ``decodes`` (decoded by this process).
+    """
+
+    def __init__(self, cache_dir: str | None, max_bytes: int) -> None:
+        if max_bytes < 1:
+            raise ValueError(f"the decoded-row cache needs max_bytes >= 1, got {max_bytes}")
+        self.dir = cache_subdir("rows", cache_dir)
+        self.max_bytes = int(max_bytes)
+        self.hits = self.misses = self.decodes = 0
+        self._touched: dict[str, float] = {}
+        self._paths: dict[tuple[str, str, int, tuple[str, ...] | None], str] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        fresh = {"hits": 0, "misses": 0, "decodes": 0, "_touched": {}, "_paths": {}}
+        return {**self.__dict__, **fresh}
+
+    def stats(self) -> dict[str, int]:
+        """This process's counters (``hits``, ``misses``, ``decodes``)."""
+        return {"hits": self.hits, "misses": self.misses, "decodes": self.decodes}
+
+    def path_for(self, key: Key) -> str:
+        """The entry's file (it may not exist)."""
+        url, fingerprint, chunk, columns = key
+        memo = (url, fingerprint, chunk, None if columns is None else tuple(columns))
+        path = self._paths.get(memo)
+        if path is None:
+            path = self._paths[memo] = os.path.join(self.dir, _digest(key) + _SUFFIX)
+        return path
+
+    # ---- reading -------------------------------------------------------------------
+    def get(self, key: Key, rows: int, decode: Callable[[], pa.Table]) -> pa.Table:
+        """Chunk ``key`` (``rows`` rows) as an Arrow table memory-mapped from the cache,
+        decoded with ``decode()`` and written first if no process has done it yet."""
+        path = self.path_for(key)
+        table = self._load(path, key, rows)
+        if table is not None:
+            self.hits += 1
+            return table
+        self.misses += 1
+        for _ in range(2):  # once more if another process evicts it before we map it
+            try:
+                made = self._publish(path, key, decode)
+            except _DecodeError as exc:  # the shard's own error, as it is
+                raise exc.error from None
+            except OSError as exc:  # disk full, read-only cache dir...
+                logger.warning("evenly: cannot write the decoded-row cache %s: %s", self.dir, exc)
+                return decode()
+            if made is not None:
+                return made
+            table = self._load(path, key, rows)
+            if table is not None:
+                return table
+        return decode()
+
+    def _publish(self, path: str, key: Key, decode: Callable[[], pa.Table]) -> pa.Table | None:
+        """Write the entry unless another process has; the table mapped if this one did."""
+        made: list[pa.Table] = []
+
+        def write(tmp: str) -> None:
+            try:
+                decoded = decode()
+            except Exception as exc:
+                raise _DecodeError(exc) from exc
+            self.decodes += 1
+            _write(tmp, decoded, key)
+            del decoded
+            pa.default_memory_pool().release_unused()  # the decode's memory, to the OS
+            made.append(_map(tmp))  # the same inode once renamed (or evicted)
+
+        publish(path, write)
+        if not made:
+            return None
+        with contextlib.suppress(FileNotFoundError):
+            self._account(os.path.getsize(path), path)
+        return made[0]
+
+    def used(self, key: Key) -> None:
+        """Refresh the entry's recency (for eviction) if it was not in the last 30 s:
+        called by a process that keeps the mapped table and reads it again."""
+        path = self.path_for(key)
+        now = time.monotonic()
+        if now - self._touched.get(path, 0.0) >= _TOUCH_EVERY:
+            self._touched[path] = now
+            with contextlib.suppress(OSError):
+                os.utime(path)
+
+    def _load(self, path: str, key: Key, rows: int) -> pa.Table | None:
+        """The entry mapped, or None if it is missing; one that is damaged or does not
+        hold this chunk is removed (and None)."""
+        try:
+            table = _map(path)
+            found = table.schema.metadata or {}
+            if found.get(_META) != _identity(key, rows) or table.num_rows != rows:
+                raise ValueError("it records another chunk")
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, pa.ArrowException) as exc:
+            logger.warning("evenly: decoded-row cache entry %s is unusable (%s)", path, exc)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            return None
+        self._touched[path] = time.monotonic()
+        with contextlib.suppress(OSError):
+            os.utime(path)
+        return table
+
+    # ---- the bound -----------------------------------------------------------------
+    def usage(self) -> int:
+        """Bytes in the cache: entries and writes (running or abandoned)."""
+        return sum(size for _, _, size in self._files())
+
+    def _files(self) -> list[tuple[float, str, int]]:
+        out = []
+        with os.scandir(self.dir) as it:
+            for e in it:
+                if e.name.endswith(_SUFFIX) or _SUFFIX + PART in e.name:
+                    with contextlib.suppress(FileNotFoundError):
+                        st = e.stat()
+                        out.append((st.st_mtime, e.path, st.st_size))
+        return out
+
+    def _account(self, added: int, keep: str) -> None:
+        """Add a new entry to the ledger; evict if the bound is passed (or it is time
+        for a scan)."""
+        with FileLock(os.path.join(self.dir, _EVICT_LOCK)):
+            ledger = os.path.join(self.dir, _LEDGER)
+            try:
+                with open(ledger, encoding="ascii") as f:
+                    total, writes = (int(x) for x in f.read().split())
+            except (OSError, ValueError):
+                total, writes = -1, _RESCAN_EVERY  # none yet, or damaged: scan
+            if total < 0 or total + added > self.max_bytes or writes + 1 >= _RESCAN_EVERY:
+                total, writes = self._evict_locked(keep), 0
+            else:
+                total, writes = total + added, writes + 1
+            _write_text(ledger, f"{total} {writes}")
+
+    def evict(self, keep: str | None = None) -> int:
+        """Remove abandoned writes, then least-recently-used entries until the cache
+        holds at most 90% of ``max_bytes`` (if it held more than ``max_bytes``).
+        Returns the bytes left."""
+        with FileLock(os.path.join(self.dir, _EVICT_LOCK)):
+            total = self._evict_locked(keep)
+            _write_text(os.path.join(self.dir, _LEDGER), f"{total} 0")
+        return total
+
+    def _evict_locked(self, keep: str | None) -> int:
+        files = self._files()
+        total = 0
+        entries = []
+        for mtime, path, size in files:
+            if PART in os.path.basename(path):
+                if _abandoned(path):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(path)
+                    continue
+            else:
+                entries.append((mtime, path, size))
+            total += size
+        if total <= self.max_bytes:
+            return total
+        goal = int(self.max_bytes * _LOW_WATER)
+        for _, path, size in sorted(entries):
+            if total <= goal:
+                break
+            if path == keep:
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path + ".lock")
+            total -= size
+        return total
+
+
+class _DecodeError(Exception):
+    """The decode's own error, carried through the write (so it is not taken for a
+    failure to write the cache)."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _digest(key: Key) -> str:
+    return hashlib.sha256(_identity(key, -1)).hexdigest()[:32]
+
+
+def _identity(key: Key, rows: int) -> bytes:
+    url, fingerprint, chunk, columns = key
+    cols = None if columns is None else list(columns)
+    record = {"url": url, "fingerprint": fingerprint, "chunk": int(chunk), "columns": cols}
+    if rows >= 0:
+        record["rows"] = int(rows)
+    return json.dumps(record, sort_keys=True).encode()
+
+
+def _write(tmp: str, table: pa.Table, key: Key) -> None:
+    """``table`` as one uncompressed Arrow IPC file (one record batch: zero-copy views of
+    whole columns once mapped), recording the chunk it holds."""
+    meta = {_META: _identity(key, table.num_rows)}
+    table = table.combine_chunks().replace_schema_metadata(meta)
+    with pa.OSFile(tmp, "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table, max_chunksize=max(table.num_rows, 1))
+
+
+def _map(path: str) -> pa.Table:
+    """An IPC file as a table whose buffers live in a read-only memory map (no file
+    descriptor kept: the map holds the file, even once it is renamed or removed)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        if size == 0:
+            raise ValueError("it is empty")
+        mapped = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
+    finally:
+        os.close(fd)
+    reader = pa.ipc.open_file(pa.py_buffer(mapped))
+    batches = [reader.get_batch(i) for i in range(reader.num_record_batches)]
+    return pa.Table.from_batches(batches, schema=reader.schema)
+
+
+def _abandoned(part: str) -> bool:
+    """Whether a ``.part-`` file's writer is gone: its entry's lock is free, or the
+    process named in it is dead."""
+    head, _, tail = os.path.basename(part).partition(PART)
+    pid = tail.split("-", 1)[0]
+    if pid.isdigit():
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+    lock = FileLock(os.path.join(os.path.dirname(part), head + ".lock"))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        return False
+    lock.release()
+    return True
+
+
+def _write_text(path: str, text: str) -> None:
+    with contextlib.suppress(OSError), open(path, "w", encoding="ascii") as f:
+        f.write(text)

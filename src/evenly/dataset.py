@@ -1,5 +1,4 @@
-"""``evenly.Dataset``: an IterableDataset over any sized, indexable source that reads each
-sample exactly once per epoch across DDP ranks and DataLoader workers.
+"""``evenly.Dataset``: each sample exactly once per epoch across DDP ranks and workers.
 
 The user's view: settings, topology, ``set_epoch``, ``len``, and its own passes under any
 loader but ``evenly.DataLoader`` (which uses the :class:`~evenly.runtime.planner.Planner`):
@@ -134,18 +133,16 @@ class Dataset(IterableDataset[Any], Generic[T_co]):
         self.process_group = group_of(process_group)
         if self._rank is not None and self._world_size is not None:
             Topology(self._rank, self._world_size)
-        #: the topology as fixed in the main process (None until it can be detected)
-        self._fixed: Topology | None = None
+        self._fixed: Topology | None = None  # fixed in the main process once detected
         self._warned_rank_local = False
-        self._owned = False  # whether an evenly.DataLoader owns passes over this dataset
-        self._owner: weakref.ref[Any] | None = None  # the last one
+        self._owned = False  # owned by an evenly.DataLoader (``_owner``: the last one)
+        self._owner: weakref.ref[Any] | None = None
         self._passes = OwnPasses()
-        #: what the main process saw last (len, fingerprint, generation), for workers
+        # what the main process saw last (len, fingerprint, generation), for workers
         self._seen = torch.tensor([_UNSET, 0, 0], dtype=torch.int64).share_memory_()  # type: ignore[no-untyped-call]
         self._skipped = torch.zeros(SKIP_SLOTS, dtype=torch.int64).share_memory_()  # type: ignore[no-untyped-call]
-        self._progress = [0]  # samples this process handed out in its current pass
-        #: in a spawned worker's copy: how Accelerate drove the pass when it was pickled
-        self._wrapped: Wrapped | None = None
+        self._progress = [0]  # samples handed out in this process's pass
+        self._wrapped: Wrapped | None = None  # a spawned copy: how Accelerate drove it
         self.topology()
         self._note_main_view()
 

@@ -65,11 +65,9 @@ class Mix:
             are by samples, not tokens.
         samples_per_epoch: the epoch length (default: the sum of the lengths).
         min_step: the smallest global step (``world_size * batch_size``) this run will
-            ever use, resumes included.  Default: each epoch's first step, the tightest
-            bound; a mid-epoch resume may then not use a smaller step (fewer ranks or a
-            smaller batch): it raises, naming this setting.  ``min_step=batch_size``
-            allows a resume onto any world size, at the cost of a weaker bound for
-            sources with less than one slot per ``min_step`` positions.
+            ever use, resumes included (default: each epoch's first step, the tightest
+            bound; a resume onto a smaller step raises).  ``min_step=batch_size`` allows
+            any world size, with a weaker bound for sources under one slot per step.
 
     The index space is the concatenation of the sources (``mix[i]``, ``0 <= i <
     sum of lengths``), which may be longer or shorter than ``len(mix)``.
@@ -104,23 +102,17 @@ class Mix:
                 "the sources to one Mix, with weights multiplied out"
             )
         self._sources = [sources[name] for name in sources]
-        #: what each source offers, found once
-        self._views = [SourceView.of(s) for s in self._sources]
+        self._views = [SourceView.of(s) for s in self._sources]  # found once
         self.lengths: tuple[int, ...] = tuple(len(s) for s in self._sources)
         self.weights = None if weights is None else check_weights(self.names, weights)
         if samples_per_epoch is not None:
             samples_per_epoch = check_int("samples_per_epoch", samples_per_epoch, minimum=1)
         self.samples_per_epoch = samples_per_epoch
         self.min_step = None if min_step is None else check_int("min_step", min_step, minimum=1)
-        self._counts = mix_counts(
-            self.lengths,
-            None if self.weights is None else [self.weights[n] for n in self.names],
-            samples_per_epoch,
-            names=self.names,
-        )
-        ends = np.cumsum(np.array(self.lengths, dtype=np.int64))
-        self._ends = ends
-        self._base = ends - np.array(self.lengths, dtype=np.int64)
+        w = None if self.weights is None else [self.weights[n] for n in self.names]
+        self._counts = mix_counts(self.lengths, w, samples_per_epoch, names=self.names)
+        self._ends = np.cumsum(np.array(self.lengths, dtype=np.int64))
+        self._base = self._ends - np.array(self.lengths, dtype=np.int64)
 
     # ---- the Source protocol -----------------------------------------------------
     def __len__(self) -> int:
@@ -141,10 +133,9 @@ class Mix:
     def fingerprint(self) -> str:
         """Identity for checkpoints: the source names and lengths (and each source's own
         fingerprint where it has one), not the weights: a state may change those."""
-        parts = []
-        for name, n, view in zip(self.names, self.lengths, self._views, strict=True):
-            own = view.fingerprint
-            parts.append(f"{name}: {n}" + (f" [{own}]" if own is not None else ""))
+        views = zip(self.names, self.lengths, self._views, strict=True)
+        parts = [f"{name}: {n}" + ("" if v.fingerprint is None else f" [{v.fingerprint}]")
+                 for name, n, v in views]  # fmt: skip
         return "evenly.Mix(" + ", ".join(parts) + ")"
 
     def source_of(self, indices: npt.ArrayLike) -> I64:
@@ -171,8 +162,7 @@ class Mix:
         )
 
     def copy_for_thread(self) -> Mix:
-        """The Mix a reader thread reads (``worker_type="thread"``): each source's own
-        ``copy_for_thread()`` where it has one, everything else shared."""
+        """A reader thread's Mix: each source's ``copy_for_thread()`` where it has one."""
         twin = copy.copy(self)
         twin._sources = [getattr(s, "copy_for_thread", lambda s=s: s)() for s in self._sources]
         twin._views = [SourceView.of(s) for s in twin._sources]
@@ -341,9 +331,8 @@ class Mix:
     def _dealt(
         self, epoch: int, position: int, part: MixPart | None, order: Any
     ) -> tuple[list[list[int]], int, tuple[int, ...]]:
-        """The segments and hold of the pass that reached ``position``, and the stream
-        offsets there: from its ``order``, or from the loaded ``part`` when ``position``
-        is where that pass starts."""
+        """The segments, hold and stream offsets of the pass that reached ``position``
+        (from its ``order``, or the loaded ``part`` when that pass starts there)."""
         if not (isinstance(order, MixOrder) and order.epoch == epoch):
             if part is None or part.resume is None or part.hold is None:
                 order = None

@@ -184,7 +184,6 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         #: the plan of the pass in progress (or the last one)
         self._plan: EpochPlan | StreamPlan | None = None
 
-    # ---- epochs ----------------------------------------------------------------
     def _follow_dataset(self) -> None:
         """A ``dataset.set_epoch`` made since the last one this loader followed counts
         as this loader's own ``set_epoch`` (the later call wins)."""

@@ -197,8 +197,11 @@ def _write_arrow(path: Path, ids: range) -> None:
 def test_an_arrow_file_rewritten_shorter_in_place_is_a_clear_error(
     tmp_path: Path, num_workers: int
 ) -> None:
-    """Between epochs and in the middle of one: the next pass, or the next batch, raises
-    naming the file (never rows that exist in no file, never a SIGBUS in a worker)."""
+    """Between epochs (0 workers, and 2 readers: threads by default for this columnar
+    source) and in the middle of one: the next pass, or the next read, raises naming the
+    file (never rows that exist in no file).  Mid-pass only with 0 workers: with readers
+    running ahead, a truncation *during* a read is a SIGBUS in the process that maps the
+    file (docs/formats.md), which no check can prevent; between reads it is caught."""
     import evenly
 
     for i in range(4):
@@ -212,12 +215,13 @@ def test_an_arrow_file_rewritten_shorter_in_place_is_a_clear_error(
     assert (tmp_path / "part-2.arrow").stat().st_ino == inode
     with pytest.raises((ValueError, RuntimeError), match=r"part-2\.arrow.*changed"):
         list(loader)
+    if num_workers:
+        return
     # mid-pass: the file changes after the first batches of an epoch
     for i in range(4):
         _write_arrow(tmp_path / f"part-{i}.arrow", range(100 * i, 100 * i + 100))
     ds = evenly.Dataset(es.from_arrow(str(tmp_path)), shuffle=True, seed=1)
-    ahead = {"prefetch_factor": 1} if num_workers else {}
-    loader = evenly.DataLoader(ds, batch_size=20, num_workers=num_workers, **ahead)
+    loader = evenly.DataLoader(ds, batch_size=20)
     it = iter(loader)
     next(it)
     _write_arrow(tmp_path / "part-1.arrow", range(100, 130))

@@ -189,28 +189,31 @@ class ArrowSource(ArrowBatchSource):
         if self.cache is not None or len(self.urls) > self.max_open_files:
             return super()._gather(samples)
         if self.__dict__.get("_window_pid") != os.getpid():
-            chunks = []
+            chunks, files = [], []
             for k in range(len(self.urls)):
                 handle = self._handle(k)
                 for g in range(len(handle.batches)):
                     chunks.append(self._chunk_views(k, g, handle))
+                    files.append(k)
             ready = [c for c in chunks if c is not None]
             names = list(self.schema.names)
             self._window = ColumnViews(names, ready) if len(ready) == len(chunks) else None
+            self._window_files = np.array(files, dtype=np.int64)  # chunk -> file
             self._window_pid = os.getpid()
         window: ColumnViews | None = self._window
         if window is None:
             return None
-        for handle in self._handles.values():  # the window spans every (open) file
-            handle.check()
         rows = self._rows(samples)
         chunk = np.searchsorted(self._cstarts, rows, side="right") - 1
+        for k in np.unique(self._window_files[chunk]).tolist():  # the files this batch reads
+            self._handles[k].check()
         return window.gather(chunk, rows - self._cstarts[chunk])
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         state.pop("_window", None)
         state.pop("_window_pid", None)
+        state.pop("_window_files", None)
         return state
 
 

@@ -193,20 +193,25 @@ class ShardedSource:
         ``stat`` per shard).  Remote shards are read from copies keyed by their ETag."""
         if self.cache is not None:
             return
-        for k, url in enumerate(self.urls):
-            try:
-                now = local_fingerprint(url)
-            except FileNotFoundError:
-                raise FileNotFoundError(
-                    f"{self._what}: shard {k} ({url}) was deleted or moved since the source "
-                    f"was opened"
-                ) from None
-            if now != self._fingerprints[k]:
-                raise ValueError(
-                    f"{self._what}: shard {k} ({url}) changed since the source was opened "
-                    f"(size:mtime:ctime:inode {self._fingerprints[k]} then, {now} now): "
-                    f"reading it would return other samples; open the source again"
-                )
+        for k in range(len(self.urls)):
+            self._check_shard(k)
+
+    def _check_shard(self, k: int) -> None:
+        """Raise if local shard ``k`` changed since the source was opened."""
+        url = self.urls[k]
+        try:
+            now = local_fingerprint(url)
+        except FileNotFoundError:
+            raise FileNotFoundError(
+                f"{self._what}: shard {k} ({url}) was deleted or moved since the source "
+                f"was opened"
+            ) from None
+        if now != self._fingerprints[k]:
+            raise ValueError(
+                f"{self._what}: shard {k} ({url}) changed since the source was opened "
+                f"(size:mtime:ctime:inode {self._fingerprints[k]} then, {now} now): "
+                f"reading it would return other samples; open the source again"
+            )
 
     def _remote(self, k: int) -> tuple[str, str, int | None]:
         """``(url, fingerprint, listed size)`` of shard ``k``, for the cache."""
@@ -242,7 +247,14 @@ class ShardedSource:
             path = self.local_path(k)  # evicted by another process just now: fetch again
         if not os.path.exists(path):
             raise FileNotFoundError(f"shard not found: {self.urls[k]}")
-        handle = self._open(k, path)
+        if self.cache is None:  # a file opened late (a worker, a thread's copy) is the same
+            self._check_shard(k)
+        try:
+            handle = self._open(k, path)
+        except Exception:
+            if self.cache is None:
+                self._check_shard(k)  # rewritten while it was opened: say so
+            raise
         self._handles[k] = handle
         while len(self._handles) > self.max_open_files:
             _, old = self._handles.popitem(last=False)

@@ -19,6 +19,7 @@ import torch
 from torch.utils.data import default_collate, get_worker_info
 
 from evenly.core.order import SHUFFLE_MODES, make_order
+from evenly.core.packing.cached import BlockOrder
 from evenly.core.packing.pieces import RowTable
 from evenly.core.packing.settings import Packing
 from evenly.core.plan import PAD_MODES, EpochPlan, Order
@@ -99,6 +100,7 @@ class Planner:
         self.pad = pad
         #: packing (``pack=``): rows of tokens are the plan's unit
         self.packer = Packer.build(pack, self.view, on_error, pad)
+        self._orders: dict[tuple[Any, ...], BlockOrder | None] = {}
         self._check_mask()
         #: the audit's tap on every read (None: no one is watching)
         self.tap: ReadTap | None = None
@@ -151,9 +153,13 @@ class Planner:
         """Epoch ``epoch``'s packed rows and its document order."""
         assert self.packer is not None
         n = self.num_samples()
-        order = self.order_for(epoch, n, 1, 0)
         key = (self.seed, self.shuffle_mode, self.block_shards)
-        return self.packer.files(self.view).table(epoch, key, order), order
+        cached = self._orders.get((epoch, n, key))
+        if cached is None:
+            order = self.order_for(epoch, n, 1, 0)
+            cached = None if order is None else BlockOrder(order, n)
+            self._orders = {(epoch, n, key): cached}  # the epoch being read
+        return self.packer.files(self.view).table(epoch, key, cached), cached
 
     def source_fingerprint(self) -> int:
         """A 63-bit digest of ``source.fingerprint`` (0 if the source has none)."""

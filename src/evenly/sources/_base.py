@@ -203,8 +203,7 @@ class ShardedSource:
             now = local_fingerprint(url)
         except FileNotFoundError:
             raise FileNotFoundError(
-                f"{self._what}: shard {k} ({url}) was deleted or moved since the source "
-                f"was opened"
+                f"{self._what}: shard {k} ({url}) was deleted or moved since the source was opened"
             ) from None
         if now != self._fingerprints[k]:
             raise ValueError(

@@ -11,7 +11,7 @@ is built (or its source replaced), so that no hot path asks ``getattr``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
@@ -141,6 +141,10 @@ class SourceView:
     preferred_shuffle: str
     #: mode -> a warning about that shuffle for this source, or None
     shuffle_advice: Callable[[str], str | None] | None
+    #: the source's cumulative I/O counters in this process (``loader.stats()``): a
+    #: mapping with any of ``bytes_read``, ``bytes_decoded``, ``decode_seconds``,
+    #: ``cache_hits``, ``cache_misses``
+    io_stats: Callable[[], Mapping[str, float]] | None = None
 
     @classmethod
     def of(cls, source: Any) -> SourceView:
@@ -169,4 +173,5 @@ class SourceView:
             planned=planned,
             preferred_shuffle=str(getattr(source, "preferred_shuffle", "global")),
             shuffle_advice=getattr(source, "shuffle_advice", None),
+            io_stats=io_stats if callable(io_stats := getattr(source, "io_stats", None)) else None,
         )

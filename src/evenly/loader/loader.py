@@ -29,22 +29,11 @@ from evenly.errors import EvenlyWarning, check_int
 from evenly.interop import gather
 from evenly.loader.engine import Engine
 from evenly.loader.feed import NO_LENGTH, PassIterator
+from evenly.loader.stats import LoaderStats, StatsLog
 from evenly.runtime.agreement import DEFAULT_TIMEOUT, check_pass
-from evenly.runtime.checks import warn_about
+from evenly.runtime.checks import refuse_endless, warn_about
 
 __all__ = ["DataLoader"]
-
-
-def _refuse_planned_source(dataset: Dataset[Any]) -> None:
-    """A source that plans its own epochs (an ``evenly.Mix``) lays its steps out from each
-    epoch's start, which a stream of epochs does not keep: refused until it can."""
-    if dataset._planner.view.planned is not None:
-        raise ValueError(
-            f"evenly.DataLoader(infinite=True) does not support a "
-            f"{type(dataset.source).__name__} source yet: its per-step proportions and its "
-            f"resume are defined per epoch, and a stream of epochs would silently repeat or "
-            f"skip samples; train a Mix epoch by epoch (infinite=False)"
-        )
 
 
 class DataLoader(torch.utils.data.DataLoader[Any]):
@@ -141,7 +130,7 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         if infinite and batch_size is None:
             raise ValueError("evenly.DataLoader(infinite=True) needs a batch_size")
         if infinite:
-            _refuse_planned_source(dataset)
+            refuse_endless(dataset._planner.view)
         self.infinite = bool(infinite)
         if agreement_timeout <= 0:
             raise ValueError(f"agreement_timeout must be > 0 seconds, got {agreement_timeout}")
@@ -181,6 +170,13 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         self._warned_gather = False
         #: the plan of the pass in progress (or the last one)
         self._plan: EpochPlan | StreamPlan | None = None
+        self._stats = StatsLog()
+
+    def stats(self) -> LoaderStats:
+        """Per pass: batches, samples/s, how long the loop waited for data, the workers'
+        time per stage, bytes and cache hits where the source reports them
+        (:class:`evenly.LoaderStats`)."""
+        return self._stats.snapshot()
 
     # ---- epochs ----------------------------------------------------------------
     def _follow_dataset(self) -> None:
@@ -361,7 +357,7 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         n = self.dataset._planner.num_samples()
         if n == 0:
             raise ValueError("evenly.DataLoader(infinite=True): the source is empty")
-        _refuse_planned_source(self.dataset)
+        refuse_endless(self.dataset._planner.view)
         spec = self._spec(self._passes.next_start(), infinite=True)
         stream = self.dataset._planner.stream_plan_for(spec)
 
@@ -385,6 +381,7 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
             columnar=self._use_columns(),
             on_end=self._warn_skipped if isinstance(plan, EpochPlan) else None,
         )
+        iterator.recorder = self._stats.begin(spec.epoch)
         if self.check_plan:
             check_pass(
                 spec,

@@ -1,6 +1,6 @@
 """What a pass checks and says: the warnings about padding, idle workers and empty epochs
-(in the main process), and whether a worker's copy of the dataset is the one the pass
-was planned over."""
+(in the main process), whether a worker's copy of the dataset is the one the pass was
+planned over, and the sources an endless pass refuses."""
 
 from __future__ import annotations
 
@@ -11,11 +11,13 @@ from collections.abc import Callable
 from torch.utils.data import get_worker_info
 
 from evenly.core.plan import EpochPlan
+from evenly.core.source import SourceView
 from evenly.core.spec import PassSpec
 from evenly.errors import EvenlyWarning
 
 __all__ = [
     "check_current",
+    "refuse_endless",
     "warn_about",
 ]
 
@@ -73,4 +75,16 @@ def check_current(
             f"(epoch {spec.epoch}): {stale}.  Persistent DataLoader workers keep the "
             f"dataset they started with: use evenly.DataLoader (it restarts them), or "
             f"build a new DataLoader after changing the data"
+        )
+
+
+def refuse_endless(view: SourceView) -> None:
+    """A source that plans its own epochs (an ``evenly.Mix``) lays its steps out from each
+    epoch's start, which a stream of epochs does not keep: refused until it can."""
+    if view.planned is not None:
+        raise ValueError(
+            f"evenly.DataLoader(infinite=True) does not support a "
+            f"{type(view.source).__name__} source yet: its per-step proportions and its "
+            f"resume are defined per epoch, and a stream of epochs would silently repeat or "
+            f"skip samples; train a Mix epoch by epoch (infinite=False)"
         )

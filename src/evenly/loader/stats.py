@@ -153,13 +153,16 @@ class PassRecorder:
         self.samples += int(times[0])
         self.waited += now - started
         stages = self.stages
-        for i in range(len(STAGES)):
-            stages[i] += times[1 + i]
-        stages[-1] += now - got
-        counters = self.counters
-        for i, value in enumerate(times[1 + len(STAGES) :]):
-            if value >= 0:
-                counters[i] = int(value) + (counters[i] or 0)
+        stages[0] += times[1]
+        stages[1] += times[2]
+        stages[2] += times[3]
+        stages[3] += times[4]
+        stages[4] += times[5] + now - got
+        if len(times) > 6:  # the source reports counters
+            counters = self.counters
+            for i, value in enumerate(times[6:]):
+                if value >= 0:
+                    counters[i] = int(value) + (counters[i] or 0)
         self.ended = now
 
     def end(self, started: float) -> None:

@@ -58,19 +58,21 @@ class StageClock:
         self._last.update(now)
 
     def take(self) -> tuple[float, ...]:
-        """(samples, read, decode, transform, collate, handoff, *counters) since the last
-        call (a counter -1 where the source reports none)."""
-        last, sent = self._last, self._sent
-        out = (
+        """(samples, read, decode, transform, collate, handoff) since the last call, then
+        the source's counters (:data:`COUNTERS`, -1 for one it lacks) if it reports any."""
+        out: tuple[float, ...] = (
             self.samples,
             self.read,
             self.decode,
             self.transform,
             self.collate,
             self.handoff,
-            *(last[k] - sent.get(k, 0) if k in last else -1 for k in COUNTERS),
         )
-        sent.update(last)
         self.samples = 0
         self.read = self.decode = self.transform = self.collate = self.handoff = 0.0
+        last = self._last
+        if last:
+            sent = self._sent
+            out += tuple(last[k] - sent.get(k, 0) if k in last else -1 for k in COUNTERS)
+            sent.update(last)
         return out

@@ -50,7 +50,7 @@ def run_write(args: argparse.Namespace) -> int:
         rows_per_shard=args.rows_per_shard,
         row_group_size=args.row_group_size,
         prefix=args.prefix,
-        progress=not args.no_progress,
+        progress=False if args.no_progress else (True if args.progress else None),
     )
     print(f"wrote {len(paths)} {args.format} shard(s) and a manifest to {args.out_dir}")
     return 0
@@ -71,5 +71,8 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--row-group-size", type=int, default=None, help="Parquet only")
     parser.add_argument("--prefix", default="shard", help="shard name prefix")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    parser.add_argument(
+        "--progress", action="store_true", help="show it even when stderr is not a terminal"
+    )
     parser.set_defaults(handler=run_write)
     return parser

@@ -33,12 +33,12 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-from tqdm.auto import tqdm
 
 from ._arrow import ArrowSource
 from ._jsonl import JsonlSource
 from ._manifest import save_manifest
 from ._parquet import ParquetSource
+from ._progress import bar as progress_bar
 from ._webdataset import WebDatasetSource, check_member_name
 
 __all__ = ["FORMATS", "write"]
@@ -257,7 +257,7 @@ def write(
     row_group_size: int | None = None,
     schema: pa.Schema | None = None,
     prefix: str = "shard",
-    progress: bool = True,
+    progress: bool | None = None,
 ) -> list[str]:
     """Write ``samples`` (an iterable, or a map-style dataset) as shards in ``out_dir``.
 
@@ -281,7 +281,8 @@ def write(
             ``pa.list_(pa.uint8(), 1024)`` for a fixed-size array that
             ``read_columns`` stacks as ``[B, 1024]``.
         prefix: shard file names are ``{prefix}-{n:05d}{ext}``.
-        progress: show a tqdm progress bar.
+        progress: show a tqdm progress bar: ``None`` (default) on a terminal only
+            (``EVENLY_PROGRESS=1``/``0`` forces it on/off), ``True``/``False`` always/never.
     """
     if format not in FORMATS:
         raise ValueError(f"evenly.write: format must be one of {sorted(FORMATS)}, got {format!r}")
@@ -305,7 +306,7 @@ def write(
     fixed = schema is not None
     shard: _Shard | None = None
     written = 0
-    bar = tqdm(total=total, unit="sample", desc=f"evenly.write {format}", disable=not progress)
+    bar = progress_bar(total, f"evenly.write {format}", unit="sample", show=progress)
     try:
         for index, sample in enumerate(it):
             if shard is None:

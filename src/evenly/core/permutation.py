@@ -34,7 +34,6 @@ __all__ = [
     "feistel_walk",
     "keyed_bijection",
     "mix64",
-    "mix64_inplace",
     "sample_seeds",
 ]
 
@@ -57,19 +56,6 @@ def mix64(x: U64) -> U64:
     x = x ^ (x >> _S27)
     x = x * _M2
     return x ^ (x >> _S31)
-
-
-def mix64_inplace(x: U64, scratch: U64) -> U64:
-    """:func:`mix64` of ``x`` written into ``x`` (``scratch``: an array of its shape),
-    allocating nothing: for arrays large enough that a fresh one per call costs page
-    faults."""
-    for shift, factor in ((_S30, _M1), (_S27, _M2)):
-        np.right_shift(x, shift, out=scratch)
-        x ^= scratch
-        x *= factor
-    np.right_shift(x, _S31, out=scratch)
-    x ^= scratch
-    return x
 
 
 def derive_keys(domain: str, seed: int, epoch: int, count: int) -> list[int]:

@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from evenly.core.permutation import mix64, mix64_inplace
+from evenly.core.permutation import mix64
 from evenly.runtime.mtstate import MT_WORDS, numpy_writer, python_writer
 
 __all__ = [
@@ -54,6 +54,8 @@ _STATE_KEYS = mix64(
     ^ np.uint64(0x6A09E667F3BCC909)
 )
 _HALF = MT_WORDS // 2  # 64-bit words per 624-word state
+_STATE_FACTOR = np.uint64(0xD6E8FEB86659FD93)
+_S32 = np.uint64(32)
 
 #: The seed of the sample being transformed; ``None`` outside a transform call.
 _SAMPLE_SEED: ContextVar[int | None] = ContextVar("evenly.sample_seed", default=None)
@@ -168,9 +170,13 @@ class SeedSpreader:
             if len(self._states) < len(seeds):
                 self._states = np.empty((len(seeds), self._keys.size), dtype=np.uint64)
                 self._scratch = np.empty_like(self._states)
-            states = self._states[: len(seeds)]
+            states, scratch = self._states[: len(seeds)], self._scratch[: len(seeds)]
+            # word j of a sample's states: (seed ^ key_j) * odd, xor-folded (a bijection of
+            # seed ^ key_j; the keys are mixed constants, the seeds already mix64 outputs)
             np.bitwise_xor(seeds.astype(np.uint64)[:, None], self._keys[None, :], out=states)
-            mix64_inplace(states, self._scratch[: len(seeds)])
+            states *= _STATE_FACTOR
+            np.right_shift(states, _S32, out=scratch)
+            states ^= scratch
             self._base, self._stride = states.ctypes.data, states.strides[0]
         if self._numpy:
             bit_generator = np.random.mtrand._rand._bit_generator

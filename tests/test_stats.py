@@ -4,11 +4,13 @@ carried with the batches from real DataLoader workers."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 import evenly
+import evenly.sources as es
 
 
 class Counted:
@@ -106,3 +108,30 @@ def test_stats_are_a_frozen_snapshot_and_a_table() -> None:
     list(loader)
     assert len(stats.epochs) == 1 and len(loader.stats().epochs) == 2
     assert loader.stats().table().splitlines()[0].split()[:3] == ["epoch", "batches", "samples/s"]
+
+
+def test_the_file_sources_report_what_they_read_decode_and_find_in_their_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("EVENLY_CACHE_DIR", str(tmp_path / "cache"))
+    rows = [{"id": i, "text": "x" * 50} for i in range(60)]
+    for fmt in ("parquet", "jsonl"):
+        es.write(rows, tmp_path / fmt, format=fmt, rows_per_shard=20, row_group_size=10)
+    lines = sum(p.stat().st_size for p in (tmp_path / "jsonl").glob("*.jsonl"))
+
+    def epoch(source: Any) -> evenly.EpochStats:
+        loader = evenly.DataLoader(evenly.Dataset(source, shuffle=True), batch_size=8)
+        assert sum(len(b["id"]) for b in loader) == 60
+        e = loader.stats().last
+        assert e is not None
+        return e
+
+    parquet = epoch(es.from_parquet(tmp_path / "parquet"))
+    # 6 row groups, each decoded once; later batches find it in the row-group cache
+    assert parquet.cache_misses == 6
+    assert parquet.cache_hits is not None and parquet.cache_hits > 0
+    assert parquet.bytes_decoded is not None and parquet.bytes_decoded > 0
+    assert parquet.decode_seconds > 0 and parquet.bytes_read is None
+    jsonl = epoch(es.from_jsonl(tmp_path / "jsonl"))
+    assert jsonl.bytes_read is not None and lines <= jsonl.bytes_read <= lines + 2 * 60
+    assert (jsonl.cache_hits, jsonl.bytes_decoded) == (None, None)

@@ -18,6 +18,7 @@ True
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -113,8 +114,11 @@ class ParquetSource(ArrowBatchSource):
         hit = self._groups.get(key)
         if hit is not None:
             self._groups.move_to_end(key)
+            self._count(cache_hits=1)
             return hit[0]
+        started = time.perf_counter()
         table = handle.read_row_group(g, columns=self.columns)
+        decoded = time.perf_counter() - started
         expected = self._chunk_rows[k][g]
         if table.num_rows != expected:
             raise ValueError(
@@ -122,6 +126,7 @@ class ParquetSource(ArrowBatchSource):
                 f"file changed since it was opened"
             )
         size = int(table.get_total_buffer_size())
+        self._count(cache_misses=1, bytes_decoded=size, decode_seconds=decoded)
         self._groups[key] = (table, size)
         self._group_bytes += size
         self._evict()

@@ -134,6 +134,7 @@ class WebDatasetSource(ShardedSource):
         # the manifest, as are the headers of the others) to the last member's end
         lo, hi = offsets[m] - 512, offsets[m + n - 1] + sizes[m + n - 1]
         span = os.pread(fd, hi - lo, lo)
+        self._count(bytes_read=len(span))
         if len(span) != hi - lo:
             raise RowError(
                 row,

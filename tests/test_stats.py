@@ -135,3 +135,12 @@ def test_the_file_sources_report_what_they_read_decode_and_find_in_their_cache(
     jsonl = epoch(es.from_jsonl(tmp_path / "jsonl"))
     assert jsonl.bytes_read is not None and lines <= jsonl.bytes_read <= lines + 2 * 60
     assert (jsonl.cache_hits, jsonl.bytes_decoded) == (None, None)
+
+
+def test_an_endless_pass_is_one_entry_counting_what_the_loop_took() -> None:
+    loader = evenly.DataLoader(evenly.Dataset(list(range(10))), batch_size=4, infinite=True)
+    it = iter(loader)
+    for _ in range(6):  # 24 samples: across two epoch boundaries
+        next(it)
+    (e,) = loader.stats().epochs
+    assert (e.epoch, e.batches, e.samples, e.finished) == (0, 6, 24, False)

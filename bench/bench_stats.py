@@ -3,7 +3,7 @@
 Per batch, the stats add a fixed set of operations: clock reads and sums in the worker
 (read, transform, collate, hand-off), one ``StageClock.take()`` tuple that travels with
 the batch (pickled with it through torch's queue), and in the main process
-``PassRecorder.begin``/``add``.  This script times exactly those operations on the real
+``PassRecorder.add``.  This script times exactly those operations on the real
 objects, paired round by round with the same loop without them, and divides by the time
 of a batch on the cheapest real workload (in-memory integers, default collate): the
 fraction of throughput the stats cost, at several batch sizes.
@@ -34,7 +34,6 @@ def stats_ops(n: int, pickled: bool) -> float:
         started = perf_counter()
         read = perf_counter()
         clock.read += read - started
-        clock.count(None)
         clock.transform += perf_counter() - read
         clock.samples += 256
         # planner: collate
@@ -47,7 +46,9 @@ def stats_ops(n: int, pickled: bool) -> float:
         if pickled:
             payload = pickle.loads(pickle.dumps(payload, pickle.HIGHEST_PROTOCOL))
         # main process
-        begun = recorder.begin()
+        begun = perf_counter()
+        if recorder.started is None:
+            recorder.started = begun
         got = perf_counter()
         recorder.add(payload[1], begun, got)
     return time.perf_counter() - started_all

@@ -119,8 +119,8 @@ def test_the_file_sources_report_what_they_read_decode_and_find_in_their_cache(
         es.write(rows, tmp_path / fmt, format=fmt, rows_per_shard=20, row_group_size=10)
     lines = sum(p.stat().st_size for p in (tmp_path / "jsonl").glob("*.jsonl"))
 
-    def epoch(source: Any) -> evenly.EpochStats:
-        loader = evenly.DataLoader(evenly.Dataset(source, shuffle=True), batch_size=8)
+    def epoch(source: Any, **kwargs: Any) -> evenly.EpochStats:
+        loader = evenly.DataLoader(evenly.Dataset(source, shuffle=True), batch_size=8, **kwargs)
         assert sum(len(b["id"]) for b in loader) == 60
         e = loader.stats().last
         assert e is not None
@@ -132,6 +132,8 @@ def test_the_file_sources_report_what_they_read_decode_and_find_in_their_cache(
     assert parquet.cache_hits is not None and parquet.cache_hits > 0
     assert parquet.bytes_decoded is not None and parquet.bytes_decoded > 0
     assert parquet.decode_seconds > 0 and parquet.bytes_read is None
+    columns = epoch(es.from_parquet(tmp_path / "parquet"), columnar=True)
+    assert (columns.batches, columns.samples, columns.cache_misses) == (8, 60, 6)
     jsonl = epoch(es.from_jsonl(tmp_path / "jsonl"))
     assert jsonl.bytes_read is not None and lines <= jsonl.bytes_read <= lines + 2 * 60
     assert (jsonl.cache_hits, jsonl.bytes_decoded) == (None, None)

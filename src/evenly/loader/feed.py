@@ -148,7 +148,9 @@ class PassIterator(Iterator[Any]):
 
     def __next__(self) -> Any:
         recorder = self.recorder
-        started = perf_counter() if recorder is None else recorder.begin()
+        started = perf_counter()
+        if recorder is not None and recorder.started is None:
+            recorder.started = started
         try:
             item, times = next(self._inner)
             got = perf_counter()

@@ -139,13 +139,6 @@ class PassRecorder:
         self.ended: float | None = None
         self.finished = False
 
-    def begin(self) -> float:
-        """A ``next()`` starts: the time, and the epoch's start at the first."""
-        now = perf_counter()
-        if self.started is None:
-            self.started = now
-        return now
-
     def add(self, times: tuple[float, ...], started: float, got: float) -> None:
         """A batch received: its worker figures, the wait, the main process's copy-out."""
         now = perf_counter()

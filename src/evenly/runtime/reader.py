@@ -105,18 +105,20 @@ def read_batches(ctx: ReadContext, skip: int = 0) -> Iterator[Any]:
             if ctx.columnar:
                 columns, rows = _fetch_columns(ctx, batch), len(batch)
                 clock.read += perf_counter() - started
-                clock.count(io_stats)
-                clock.samples += rows - drop
+                if io_stats is not None:
+                    clock.count(io_stats)
                 if drop:
                     columns = {k: v[drop:] for k, v in columns.items()}
                     rows, drop = rows - drop, 0
+                clock.samples += rows
                 ctx.progress[0] += rows
                 yield columns
                 continue
             samples = _fetch(ctx, getitems, batch, pos)
             read = perf_counter()
             clock.read += read - started
-            clock.count(io_stats)
+            if io_stats is not None:
+                clock.count(io_stats)
             if spreader is not None and seeds is not None:
                 spreader.prepare(seeds[lo : lo + length])
                 samples = _transform(ctx, spreader, samples, batch, pos)

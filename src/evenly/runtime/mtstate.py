@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["MT_WORDS", "numpy_writer", "python_writer"]
+__all__ = ["MT_WORDS", "global_bit_generator", "numpy_writer", "python_writer"]
 
 MT_WORDS = 624
 _BYTES = 4 * MT_WORDS
@@ -96,7 +96,7 @@ def numpy_writer(direct: bool = True) -> tuple[Writer, Callable[[], bool]]:
     cache still holds what the previous draws left, so the caller resets it (one
     ``np.random.seed``) before the next write whenever the generator was drawn from.
     """
-    bit_generator = _global_bit_generator()
+    bit_generator = global_bit_generator()
 
     def slow(address: int) -> None:
         np.random.set_state(("MT19937", _words_at(address), MT_WORDS, 0, 0.0))
@@ -130,7 +130,8 @@ def numpy_writer(direct: bool = True) -> tuple[Writer, Callable[[], bool]]:
     return fast, touched
 
 
-def _global_bit_generator() -> Any:
+def global_bit_generator() -> Any:
+    """The bit generator behind ``numpy.random.random`` & co."""
     getter = getattr(np.random, "get_bit_generator", None)  # numpy >= 1.25
     if getter is not None:
         return getter()

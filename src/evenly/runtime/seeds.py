@@ -35,7 +35,7 @@ import numpy as np
 import numpy.typing as npt
 
 from evenly.core.permutation import mix64
-from evenly.runtime.mtstate import MT_WORDS, numpy_writer, python_writer
+from evenly.runtime.mtstate import MT_WORDS, global_bit_generator, numpy_writer, python_writer
 
 __all__ = [
     "GENERATORS",
@@ -179,7 +179,7 @@ class SeedSpreader:
             states ^= scratch
             self._base, self._stride = states.ctypes.data, states.strides[0]
         if self._numpy:
-            bit_generator = np.random.mtrand._rand._bit_generator
+            bit_generator = global_bit_generator()
             if bit_generator is not self._bit_generator:  # first batch, or replaced
                 self._bit_generator = bit_generator
                 self._write_np, self._np_touched = numpy_writer()
@@ -189,6 +189,8 @@ class SeedSpreader:
 
     def seed(self, i: int) -> None:
         """Seed the chosen generators for sample ``i`` of the prepared batch."""
+        if not 0 <= i < len(self._py):  # the states are read by address: never past them
+            raise IndexError(f"sample {i} of a prepared batch of {len(self._py)}")
         row = self._base + i * self._stride
         if self._write_py is not None:
             self._write_py(row)

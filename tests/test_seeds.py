@@ -137,5 +137,8 @@ def test_the_spreader_seeds_the_states_hashed_from_the_samples_seed(
         spreader.prepare(seeds[5:9])
         spreader.seed(0)
         assert (random.getstate(), np.random.get_state()[1].tolist()) == state
+        for outside in (4, -1):  # the states are read by address: never past the batch
+            with pytest.raises(IndexError):
+                spreader.seed(outside)
     finally:
         saved.restore()

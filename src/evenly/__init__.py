@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from evenly.dataset import Dataset
     from evenly.loader.loader import DataLoader
     from evenly.loader.sampler import BatchSampler
+    from evenly.loader.stats import EpochStats, LoaderStats
     from evenly.runtime.detect import detect_topology
     from evenly.runtime.seeds import is_padding, sample_seed
     from evenly.sources import (
@@ -47,8 +48,10 @@ __all__ = [
     "DataLoader",
     "Dataset",
     "EpochPlan",
+    "EpochStats",
     "EvenlyWarning",
     "FeistelPermutation",
+    "LoaderStats",
     "Mix",
     "Packing",
     "PlanMismatchError",
@@ -77,6 +80,8 @@ _LAZY = {
     "BatchSampler": ("evenly.loader.sampler", "BatchSampler"),
     "DataLoader": ("evenly.loader.loader", "DataLoader"),
     "Dataset": ("evenly.dataset", "Dataset"),
+    "EpochStats": ("evenly.loader.stats", "EpochStats"),
+    "LoaderStats": ("evenly.loader.stats", "LoaderStats"),
     "detect_topology": ("evenly.runtime.detect", "detect_topology"),
     "sample_seed": ("evenly.runtime.seeds", "sample_seed"),
     "is_padding": ("evenly.runtime.seeds", "is_padding"),

@@ -1,8 +1,10 @@
 """The ``evenly`` command line: ``evenly write`` packs data into shards, ``evenly audit``
-checks any dataset for the pitfalls of iterable datasets under workers and DDP.
+checks any dataset for the pitfalls of iterable datasets under workers and DDP, ``evenly
+bench`` measures a dataset under 0..k workers and says what would make it faster.
 
     evenly write mypkg.data:samples out/ --format parquet --rows-per-shard 10000
     evenly audit examples.talk_attempts:naive --workers 4 --world-size 2 --epochs 2
+    evenly bench mypkg.data:make_dataset --batches 100 --batch-size 64
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 
 def build_parser() -> argparse.ArgumentParser:
     from evenly.audit._cli import register as register_audit
+    from evenly.bench._cli import register as register_bench
     from evenly.sources._cli import register as register_write
 
     parser = argparse.ArgumentParser(
@@ -23,6 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True)
     register_write(subparsers)
     register_audit(subparsers)
+    register_bench(subparsers)
     return parser
 
 

@@ -170,6 +170,10 @@ class SourceView:
     token_lengths: Callable[[str], Any] | None = None
     #: (indices, field) -> each document's token ids, or None
     read_tokens: Callable[[Sequence[int], str], list[Any]] | None = None
+    #: the source's cumulative I/O counters in this process (``loader.stats()``): a
+    #: mapping with any of ``bytes_read``, ``bytes_decoded``, ``decode_seconds``,
+    #: ``cache_hits``, ``cache_misses``
+    io_stats: Callable[[], Mapping[str, float]] | None = None
 
     @classmethod
     def of(cls, source: Any) -> SourceView:
@@ -200,4 +204,5 @@ class SourceView:
             shuffle_advice=getattr(source, "shuffle_advice", None),
             token_lengths=source.token_lengths if isinstance(source, TokenLengthsSource) else None,
             read_tokens=source.read_tokens if isinstance(source, TokenReadingSource) else None,
+            io_stats=io_stats if callable(io_stats := getattr(source, "io_stats", None)) else None,
         )

@@ -25,6 +25,7 @@ from evenly.loader.feed import Feed, PassIterator, pass_through, settle
 from evenly.loader.threads import ThreadPass, thread_copy
 from evenly.runtime import torch_compat
 from evenly.runtime.channel import PassChannel
+from evenly.runtime.clock import StageClock
 from evenly.runtime.planner import Planner
 from evenly.transport.slots import HOLD, Transport
 
@@ -115,13 +116,16 @@ class Engine:
         pin = self.pin_memory
 
         def read(w: int) -> Iterator[Any]:
+            clock = StageClock()  # each item with its stage times, as the feed's
             items = planner.read(
                 spec, w, workers, collate=feed.collate, columnar=columnar,
-                skipped=feed.skipped, view=views[w],
+                skipped=feed.skipped, view=views[w], clock=clock,
             )  # fmt: skip
             if feed.per_sample is not None:
                 items = map(feed.per_sample, items)
-            return map(torch_compat.pin_memory, items) if pin else items
+            if pin:
+                items = map(torch_compat.pin_memory, items)
+            return ((item, clock.take()) for item in items)
 
         return [partial(read, w) for w in range(workers)]
 

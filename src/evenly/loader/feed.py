@@ -15,9 +15,11 @@ from torch.utils.data import IterableDataset, default_collate, get_worker_info
 from evenly.core.passes import Pass
 from evenly.core.plan import EpochPlan
 from evenly.core.stream import StreamPlan
+from evenly.loader.stats import PassRecorder
 from evenly.loader.threads import ThreadPass
 from evenly.runtime import torch_compat
 from evenly.runtime.channel import PassChannel
+from evenly.runtime.clock import StageClock, perf_counter
 from evenly.runtime.planner import Planner
 from evenly.transport.slots import Transport, plain_collate, unpack
 
@@ -95,6 +97,7 @@ class Feed(IterableDataset[Any]):
             pack = writer.pack
             if collate is default_collate:
                 collate = plain_collate
+        clock = StageClock()
         items = self.planner.read(
             spec,
             worker_id,
@@ -102,14 +105,21 @@ class Feed(IterableDataset[Any]):
             collate=collate,
             columnar=self.columnar,
             skipped=self.skipped,
+            clock=clock,
         )
         if per_sample is not None:
             items = map(per_sample, items)
+        # every item travels with its stage times (loader.stats()): (item, clock.take())
+        take = clock.take
         if pack is None:
-            yield from items
+            for item in items:
+                yield item, take()
         else:
             for item in items:
-                yield pack(item)
+                started = perf_counter()
+                packed = pack(item)
+                clock.handoff += perf_counter() - started
+                yield packed, take()
 
 
 class PassIterator(Iterator[Any]):
@@ -126,6 +136,8 @@ class PassIterator(Iterator[Any]):
         self._pass = current
         self._plan = plan
         self._on_end = on_end
+        #: the pass's figures for ``loader.stats()`` (set by the loader)
+        self.recorder: PassRecorder | None = None
 
     @property
     def inner(self) -> Iterator[Any]:
@@ -143,8 +155,14 @@ class PassIterator(Iterator[Any]):
         return self
 
     def __next__(self) -> Any:
+        recorder = self.recorder
+        started = perf_counter()
+        if recorder is not None and recorder.started is None:
+            recorder.started = started
         try:
-            batch = unpack(next(self._inner))
+            item, times = next(self._inner)
+            got = perf_counter()
+            batch = unpack(item)
         except (ConnectionError, EOFError, RuntimeError) as exc:
             self._name_a_dead_worker(exc)
             raise
@@ -155,8 +173,12 @@ class PassIterator(Iterator[Any]):
                     settle(self._inner)
                 if self._on_end is not None and isinstance(self._plan, EpochPlan):
                     self._on_end(self._plan)
+                if recorder is not None:
+                    recorder.end(started)
             raise
         self._pass.received += 1
+        if recorder is not None:
+            recorder.add(times, started, got)
         return batch
 
     def _name_a_dead_worker(self, exc: BaseException) -> None:

@@ -35,6 +35,7 @@ from evenly.loader.choices import (
 )
 from evenly.loader.engine import Engine
 from evenly.loader.feed import NO_LENGTH, PassIterator
+from evenly.loader.stats import LoaderStats, StatsLog
 from evenly.runtime.agreement import DEFAULT_TIMEOUT, check_pass
 from evenly.runtime.checks import warn_about, warn_skipped
 
@@ -44,14 +45,11 @@ __all__ = ["DataLoader"]
 class DataLoader(torch.utils.data.DataLoader[Any]):
     """A ``torch.utils.data.DataLoader`` for ``evenly.Dataset``.
 
-    It owns its passes: it tells the plan its batch size, so whole batches are dealt to
-    workers and the rank's batches come out as a map-style DataLoader would give them (at
-    most one partial batch per epoch); workers read and collate a whole batch and hand it
-    over as one item; it passes ``drop_last`` to the plan (an explicit value here wins
-    over the dataset's); and every ``iter(loader)`` starts the next epoch, with or
-    without ``persistent_workers`` (which defaults to ``True`` when ``num_workers > 0``:
-    workers are forked once rather than every epoch; they are restarted if the dataset's
-    source or transform changes between epochs).
+    It owns its passes: whole batches are planned and dealt to workers (at most one
+    partial batch per epoch), read and collated there and handed over as one item; an
+    explicit ``drop_last`` here wins over the dataset's; every ``iter(loader)`` starts
+    the next epoch.  ``persistent_workers`` defaults to ``True`` (workers fork once; they
+    are restarted if the dataset's source or transform changes between epochs).
 
     >>> import evenly
     >>> ds = evenly.Dataset(list(range(10)), shuffle=True, rank=0, world_size=1)
@@ -62,22 +60,19 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
     >>> loader.epoch
     0
 
-    ``len(loader)`` is the number of batches this rank yields in the epoch in progress
-    (or the next one), counting, after ``load_state_dict``, the batches the interrupted
-    run had already received in that epoch; ``loader.remaining_batches`` is what is left.
+    ``len(loader)``: this rank's batches in the epoch in progress (or next), after
+    ``load_state_dict`` counting those already received; ``remaining_batches``: the rest.
 
     Args:
         check_plan: at each pass split over the data-parallel group, check that every
             rank agrees on the plan (raising ``evenly.PlanMismatchError`` on all ranks).
         agreement_timeout: seconds to wait for the other ranks at that check.
-        columnar: read batches column by column with the source's ``read_columns`` (no
-            per-sample Python objects).  ``None`` (default): when the source says its
-            columns equal ``default_collate``'s output, there is no transform and the
-            collate is the default.  ``True``: always (the source must support it).
+        columnar: read batches column by column (``read_columns``: no per-sample
+            objects).  ``None`` (default): where that equals ``default_collate``'s output
+            and there is no transform.  ``True``: always (the source must support it).
         infinite: train by steps: one endless pass over consecutive epochs, every batch
-            full (a batch may span an epoch boundary), each epoch still read exactly once
-            and every rank getting the same batches count; ``state_dict()`` resumes
-            exactly by step under any topology.  ``len()`` is then undefined.
+            full (one may span an epoch boundary), each epoch read exactly once;
+            ``state_dict()`` resumes by step under any topology; no ``len()``.
         transport: how workers hand batches over.  ``"slots"`` (default): through
             shared-memory slots whose tensors the loop gets as views (zero-copy; past 8
             held batches per worker, copies).  ``"copy"``: the slots, copied out.
@@ -177,12 +172,16 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         dataset._owned, dataset._owner = True, weakref.ref(self)
         #: the epoch a pass delegated to accelerate's SkipDataLoader consumed (-1: none)
         self._delegated = torch.full((1,), -1, dtype=torch.int64).share_memory_()  # type: ignore[no-untyped-call]
-        #: dataset.set_epoch calls this loader has followed (it follows only later ones)
-        self._followed = dataset._passes.epoch_calls[0]
+        self._followed = dataset._passes.epoch_calls[0]  # dataset.set_epoch calls seen
         self._last_num_samples: int | None = None
         self._warned_gather = False
-        #: the plan of the pass in progress (or the last one)
-        self._plan: EpochPlan | StreamPlan | None = None
+        self._plan: EpochPlan | StreamPlan | None = None  # of the pass in progress or last
+        self._stats = StatsLog()
+
+    def stats(self) -> LoaderStats:
+        """Per pass: batches, samples/s, the loop's wait, the workers' time per stage,
+        bytes and cache hits where the source reports them (:class:`evenly.LoaderStats`)."""
+        return self._stats.snapshot()
 
     def _follow_dataset(self) -> None:
         """A ``dataset.set_epoch`` made since the last one this loader followed counts
@@ -390,6 +389,7 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
             on_end=self._warn_skipped if isinstance(plan, EpochPlan) else None,
             threads=threads,
         )
+        iterator.recorder = self._stats.begin(spec.epoch)
         if self.check_plan:
             check_pass(
                 spec,

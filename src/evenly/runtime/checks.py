@@ -1,6 +1,6 @@
 """What a pass checks and says: the warnings about padding, idle workers and empty epochs
-(in the main process), and whether a worker's copy of the dataset is the one the pass
-was planned over."""
+(in the main process), whether a worker's copy of the dataset is the one the pass was
+planned over, and the sources an endless pass refuses."""
 
 from __future__ import annotations
 

@@ -29,6 +29,7 @@ from evenly.core.state import PassState
 from evenly.core.stream import StreamPlan
 from evenly.errors import StateError, check_int
 from evenly.runtime.checks import check_current
+from evenly.runtime.clock import StageClock, perf_counter
 from evenly.runtime.packer import Packer, collate_rows, read_packed
 from evenly.runtime.reader import ReadContext, read_batches
 from evenly.runtime.seeds import check_generators
@@ -331,12 +332,14 @@ class Planner:
         progress: list[int] | None = None,
         seen: list[int] | None = None,
         view: SourceView | None = None,
+        clock: StageClock | None = None,
     ) -> Iterator[Any]:
         """This worker's share of the pass ``spec``: single samples, or with ``collate``
         (or ``columnar``) one collated batch per plan batch.  A generator: every check
         runs on the first ``next()``.  ``seen``: (len, fingerprint, generation) as the
         main process last saw them, for the dataset's own passes.  ``view``: the source
-        to read (a reader thread's own copy; default: the dataset's)."""
+        to read (a reader thread's own copy; default: the dataset's).  ``clock``: times
+        the stages of each batch (``loader.stats()``)."""
         check_current(spec, self.num_samples(), self.generation, seen, self.source_fingerprint)
         self.check_files()
         plan = self.stream_plan_for(spec) if spec.infinite else self.plan_for(spec)
@@ -354,6 +357,7 @@ class Planner:
             self.seed_generators,
             columnar and tap is None,  # the tap needs the samples themselves
             tap,
+            StageClock() if clock is None else clock,
         )
         if progress is not None:
             progress[0] = skip
@@ -374,8 +378,12 @@ class Planner:
             for batch in batches:
                 yield from batch
         else:
+            timed = ctx.clock
             for batch in batches:
-                yield collate(batch)
+                started = perf_counter()
+                collated = collate(batch)
+                timed.collate += perf_counter() - started
+                yield collated
 
     def in_worker(self) -> bool:
         return get_worker_info() is not None

@@ -21,6 +21,7 @@ import torch
 from evenly.core.plan import EpochPlan
 from evenly.core.source import SourceView
 from evenly.core.stream import StreamPlan
+from evenly.runtime.clock import StageClock, perf_counter
 from evenly.runtime.seeds import RngState, SeedSpreader
 
 __all__ = ["ReadContext", "read_batches"]
@@ -49,6 +50,8 @@ class ReadContext:
     columnar: bool = False
     #: sees each batch's source indices and samples (the audit), after the transform
     tap: Callable[[list[int], list[Any]], list[Any]] | None = None
+    #: times each batch's read and transform (``loader.stats()``)
+    clock: StageClock = field(default_factory=StageClock)
 
     @property
     def source(self) -> Any:
@@ -79,6 +82,8 @@ def read_batches(ctx: ReadContext, skip: int = 0) -> Iterator[Any]:
     samples per batch, or with ``ctx.columnar`` a dict of columns per batch."""
     plan = ctx.plan
     getitems, prefetch, tap = ctx.view.getitems, ctx.view.prefetch, ctx.tap
+    clock, io_stats = ctx.clock, ctx.view.io_stats
+    clock.start(io_stats)
     first, drop = divmod(skip, plan.batch_size)
     chunks = plan.iter_worker_chunks(ctx.rank, ctx.num_workers, ctx.worker_id, first=first)
     spreader = SeedSpreader(ctx.generators) if ctx.transform is not None else None
@@ -96,23 +101,34 @@ def read_batches(ctx: ReadContext, skip: int = 0) -> Iterator[Any]:
         where = positions.tolist()
         for lo in range(0, len(indices), length):
             batch, pos = indices[lo : lo + length], where[lo : lo + length]
+            started = perf_counter()
             if ctx.columnar:
                 columns, rows = _fetch_columns(ctx, batch), len(batch)
+                clock.read += perf_counter() - started
+                if io_stats is not None:
+                    clock.count(io_stats)
                 if drop:
                     columns = {k: v[drop:] for k, v in columns.items()}
                     rows, drop = rows - drop, 0
+                clock.samples += rows
                 ctx.progress[0] += rows
                 yield columns
                 continue
             samples = _fetch(ctx, getitems, batch, pos)
+            read = perf_counter()
+            clock.read += read - started
+            if io_stats is not None:
+                clock.count(io_stats)
             if spreader is not None and seeds is not None:
                 spreader.prepare(seeds[lo : lo + length])
                 samples = _transform(ctx, spreader, samples, batch, pos)
+                clock.transform += perf_counter() - read
             if drop:
                 samples, batch, drop = samples[drop:], batch[drop:], 0
             if tap is not None:
                 samples = tap(batch, samples)
             ctx.progress[0] += len(samples)
+            clock.samples += len(samples)
             yield samples
 
 

@@ -2,22 +2,23 @@
 default generator, kept apart from the user's own state.
 
 Each sample's 64-bit seed (a function of seed, epoch and position only) is spread into
-one seed per generator, so the three streams are unrelated to each other (Python's
-``random.seed(s)`` and ``numpy.random.seed([lo, hi])`` would otherwise build the same
-Mersenne Twister state):
+one state per generator, so the three streams are unrelated to each other:
 
-- ``random`` gets the full 64-bit seed;
-- NumPy's global generator gets another full 64-bit value (as two 32-bit words:
-  ``np.random.seed`` takes only 32 bits as an integer);
-- torch's CPU generator gets a third; torch's Mersenne Twister keeps only the low 32
-  bits of any seed, so about ``N**2 / 2**33`` pairs of samples of an N-sample epoch share
-  their torch draws (~116 pairs at N = 10**6).  That is torch's limit; if it matters,
-  draw from a ``torch.Generator`` seeded with :func:`evenly.sample_seed`.
+- ``random`` and NumPy's global generator (both Mersenne Twisters) each get a full
+  624-word state hashed from the seed, all of a batch's states computed at once and
+  written straight into the generator (:mod:`evenly.runtime.mtstate`): the same state
+  ``random.setstate`` / ``numpy.random.set_state`` would set, at a fraction of the cost
+  of ``random.seed`` / ``numpy.random.seed``;
+- torch's CPU generator gets another 64-bit value by ``manual_seed``; torch's Mersenne
+  Twister keeps only the low 32 bits of any seed, so about ``N**2 / 2**33`` pairs of
+  samples of an N-sample epoch share their torch draws (~116 pairs at N = 10**6).  That
+  is torch's limit; if it matters, draw from a ``torch.Generator`` seeded with
+  :func:`evenly.sample_seed`.
 
-Seeding costs a few microseconds per sample and generator (``bench/bench_core.py``);
-name only the generators your transform uses (``seed_generators=``), or none and build
-your own generator from :func:`sample_seed`.  The user's state of the seeded generators
-is saved and restored once per batch.
+Seeding costs ~1-2 us per sample and generator (``bench/bench_core.py``); name only the
+generators your transform uses (``seed_generators=``), or none and build your own
+generator from :func:`sample_seed`.  The user's state of the seeded generators is saved
+and restored once per batch.
 
 The seed :func:`sample_seed` returns lives in a :class:`contextvars.ContextVar`, set
 around each call of the transform and reset after it (each thread sees its own).
@@ -34,6 +35,7 @@ import numpy as np
 import numpy.typing as npt
 
 from evenly.core.permutation import mix64
+from evenly.runtime.mtstate import MT_WORDS, global_bit_generator, numpy_writer, python_writer
 
 __all__ = [
     "GENERATORS",
@@ -45,9 +47,15 @@ __all__ = [
 ]
 
 GENERATORS = ("random", "numpy", "torch")
-_MASK32 = 0xFFFFFFFF
-_NUMPY_KEY = np.uint64(0x6A09E667F3BCC909)
 _TORCH_KEY = np.uint64(0xBB67AE8584CAA73B)
+#: one key per 64-bit word of the two Mersenne Twister states (random's, then numpy's)
+_STATE_KEYS = mix64(
+    np.arange(1, MT_WORDS + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    ^ np.uint64(0x6A09E667F3BCC909)
+)
+_HALF = MT_WORDS // 2  # 64-bit words per 624-word state
+_STATE_FACTOR = np.uint64(0xD6E8FEB86659FD93)
+_S32 = np.uint64(32)
 
 #: The seed of the sample being transformed; ``None`` outside a transform call.
 _SAMPLE_SEED: ContextVar[int | None] = ContextVar("evenly.sample_seed", default=None)
@@ -143,26 +151,55 @@ class SeedSpreader:
         self._torch = "torch" in generators
         self._gen = torch.default_generator
         self._py: list[int] = []
-        self._np: list[Any] = []
         self._th: list[int] = []
+        self._keys = np.concatenate(
+            [_STATE_KEYS[:_HALF]] * self._random + [_STATE_KEYS[_HALF:]] * self._numpy
+            or [_STATE_KEYS[:0]]
+        )
+        self._states = np.empty((0, self._keys.size), dtype=np.uint64)
+        self._scratch = self._states.copy()
+        self._base, self._stride = 0, 0
+        self._write_py = python_writer() if self._random else None
+        self._bit_generator: Any = None
+        self._np_dirty = True
 
     def prepare(self, seeds: npt.NDArray[np.uint64]) -> None:
-        """Spread a batch's per-sample seeds into one seed per generator (vectorised)."""
+        """Compute a batch's per-sample states of the chosen generators (vectorised)."""
         self._py = seeds.tolist()
+        if self._keys.size:  # one buffer per spreader, reused batch after batch
+            if len(self._states) < len(seeds):
+                self._states = np.empty((len(seeds), self._keys.size), dtype=np.uint64)
+                self._scratch = np.empty_like(self._states)
+            states, scratch = self._states[: len(seeds)], self._scratch[: len(seeds)]
+            # word j of a sample's states: (seed ^ key_j) * odd, xor-folded (a bijection of
+            # seed ^ key_j; the keys are mixed constants, the seeds already mix64 outputs)
+            np.bitwise_xor(seeds.astype(np.uint64)[:, None], self._keys[None, :], out=states)
+            states *= _STATE_FACTOR
+            np.right_shift(states, _S32, out=scratch)
+            states ^= scratch
+            self._base, self._stride = states.ctypes.data, states.strides[0]
         if self._numpy:
-            spread = _mix(seeds ^ _NUMPY_KEY)
-            words = np.stack([spread & _MASK32, spread >> np.uint64(32)], axis=1)
-            self._np = list(words.astype(np.uint32))
+            bit_generator = global_bit_generator()
+            if bit_generator is not self._bit_generator:  # first batch, or replaced
+                self._bit_generator = bit_generator
+                self._write_np, self._np_touched = numpy_writer()
+            self._np_dirty = True  # the user's state may hold a cached Gaussian
         if self._torch:
             self._th = _mix(seeds ^ _TORCH_KEY).tolist()
 
     def seed(self, i: int) -> None:
         """Seed the chosen generators for sample ``i`` of the prepared batch."""
-        seed = self._py[i]
-        if self._random:
-            random.seed(seed)
+        if not 0 <= i < len(self._py):  # the states are read by address: never past them
+            raise IndexError(f"sample {i} of a prepared batch of {len(self._py)}")
+        row = self._base + i * self._stride
+        if self._write_py is not None:
+            self._write_py(row)
+            row += 4 * MT_WORDS
         if self._numpy:
-            np.random.seed(self._np[i])
+            if self._np_dirty or self._np_touched():
+                np.random.seed(0)  # only to clear the legacy cached Gaussian
+            self._write_np(row)
+            self._np_dirty = False
         if self._torch:
             self._gen.manual_seed(self._th[i])
 

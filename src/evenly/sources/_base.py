@@ -84,6 +84,8 @@ class ShardedSource:
         self._sizes = tuple(int(n) for n in np.diff(self._starts))
         self._handles: OrderedDict[int, Any] = OrderedDict()
         self._pid = os.getpid()
+        #: this process's cumulative I/O counters (``io_stats()``): what a format knows
+        self._io: dict[str, float] = {}
         self._setup(entries)
         #: the manifest entries, if asked for (``evenly.write`` saves them): they can be
         #: large (offsets of every member or line), and ``_setup`` keeps a compact copy
@@ -105,6 +107,18 @@ class ShardedSource:
 
     def _read(self, k: int, handle: Any, rows: npt.NDArray[np.int64]) -> list[Any]:
         raise NotImplementedError
+
+    def _count(self, **values: float) -> None:
+        """Add to this process's I/O counters (``bytes_read``, ``cache_hits`` ...)."""
+        io = self._io
+        for name, value in values.items():
+            io[name] = io.get(name, 0) + value
+
+    def io_stats(self) -> dict[str, float]:
+        """This process's cumulative I/O counters, for ``loader.stats()``: those the
+        format knows of ``bytes_read``, ``bytes_decoded``, ``decode_seconds``,
+        ``cache_hits``, ``cache_misses``."""
+        return dict(self._io)
 
     # ---- the Source protocol -----------------------------------------------------
     def __len__(self) -> int:

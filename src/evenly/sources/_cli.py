@@ -84,7 +84,7 @@ def run_write(args: argparse.Namespace) -> int:
         rows_per_shard=args.rows_per_shard,
         row_group_size=args.row_group_size,
         prefix=args.prefix,
-        progress=not args.no_progress,
+        progress=False if args.no_progress else (True if args.progress else None),
         tokenize=tk,
         text_field=args.text_field,
         keep_fields=args.keep_field,
@@ -122,6 +122,9 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     tok.add_argument("--append-eos", action="store_true", help="end each document with EOS")
     tok.add_argument(
         "--no-special-tokens", action="store_true", help="do not add BOS/special tokens"
+    )
+    parser.add_argument(
+        "--progress", action="store_true", help="show it even when stderr is not a terminal"
     )
     parser.set_defaults(handler=run_write)
     return parser

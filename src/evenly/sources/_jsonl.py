@@ -55,12 +55,14 @@ class JsonlSource(ShardedSource):
         starts, ends = self._lines[k]
         fd = handle.fileno()
         out: list[Any] = [None] * rows.size
+        read = 0
         for pos in np.argsort(rows, kind="stable").tolist():
             row = int(rows[pos])
             lo, hi = int(starts[row]), int(ends[row])
             # with the newline before and after: a cheap check that the line is still there
             head = 1 if lo else 0
             data = os.pread(fd, hi - lo + head + 1, lo - head)
+            read += len(data)
             if len(data) < hi - lo + head:
                 raise RowError(
                     row,
@@ -82,6 +84,7 @@ class JsonlSource(ShardedSource):
                 raise RowError(
                     row, f"line {line} is not valid JSON ({exc}): {body[:80]!r}"
                 ) from None
+        self._count(bytes_read=read)
         return out
 
     @staticmethod

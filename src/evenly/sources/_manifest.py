@@ -34,6 +34,7 @@ import numpy as np
 from fsspec.core import url_to_fs
 
 from evenly.sources._cachedir import default_cache_dir
+from evenly.sources._progress import bar as progress_bar
 
 __all__ = [
     "MANIFEST_NAME",
@@ -53,6 +54,8 @@ MANIFEST_NAME = ".evenly-manifest.json"
 _VERSION = 2
 #: threads that scan new or changed shards at open (remote ones download)
 SCAN_THREADS = 8
+#: a scan of this many shards or more shows a progress bar (on a terminal)
+SCAN_BAR_MIN = 32
 
 
 @dataclass(frozen=True)
@@ -291,19 +294,27 @@ def _scan_all(
     urls: Sequence[str],
     ks: list[int],
 ) -> list[tuple[int, dict[str, Any]]]:
-    """``scan`` each shard in ``ks``, in parallel; results (and the first error) in order."""
-    if len(ks) <= 1 or SCAN_THREADS <= 1:
-        return [scan(k, urls[k]) for k in ks]
-    with ThreadPoolExecutor(
-        max_workers=min(SCAN_THREADS, len(ks)), thread_name_prefix="evenly-scan"
-    ) as pool:
-        futures = [pool.submit(scan, k, urls[k]) for k in ks]
-        try:
-            return [f.result() for f in futures]
-        except BaseException:
-            for f in futures:  # do not start the rest; the running ones finish
-                f.cancel()
-            raise
+    """``scan`` each shard in ``ks``, in parallel; results (and the first error) in order.
+    A progress bar for :data:`SCAN_BAR_MIN` shards or more (on a terminal only)."""
+    show = None if len(ks) >= SCAN_BAR_MIN else False
+    with progress_bar(len(ks), "evenly: scanning shards", "shard", show, leave=False) as bar:
+        if len(ks) <= 1 or SCAN_THREADS <= 1:
+            return [_counted(scan(k, urls[k]), bar) for k in ks]
+        with ThreadPoolExecutor(
+            max_workers=min(SCAN_THREADS, len(ks)), thread_name_prefix="evenly-scan"
+        ) as pool:
+            futures = [pool.submit(scan, k, urls[k]) for k in ks]
+            try:
+                return [_counted(f.result(), bar) for f in futures]
+            except BaseException:
+                for f in futures:  # do not start the rest; the running ones finish
+                    f.cancel()
+                raise
+
+
+def _counted(result: tuple[int, dict[str, Any]], bar: Any) -> tuple[int, dict[str, Any]]:
+    bar.update(1)
+    return result
 
 
 def pack_array(a: Any, dtype: str = "<i8") -> str:

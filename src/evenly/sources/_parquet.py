@@ -22,6 +22,7 @@ True
 from __future__ import annotations
 
 import os
+import time
 import warnings
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -153,10 +154,14 @@ class ParquetSource(ArrowBatchSource):
             self._groups.move_to_end(key)
             if cache is not None:
                 cache.used(self._cache_key(k, g))
+            self._count(cache_hits=1)
             return hit[0]
         if cache is not None:
             rows = self._chunk_rows[k][g]
+            misses = self._io.get("cache_misses", 0)
             table = cache.get(self._cache_key(k, g), rows, lambda: self._decode(k, g, handle))
+            if self._io.get("cache_misses", 0) == misses:  # mapped: decoded by another
+                self._count(cache_hits=1)
             size = 0
         else:
             table = self._decode(k, g, handle)
@@ -175,7 +180,12 @@ class ParquetSource(ArrowBatchSource):
         fingerprint, that the local file is still the one opened)."""
         # one thread: the workers (and ranks) are the parallelism, and Arrow's pool
         # threads would each keep an arena of freed memory
+        started = time.perf_counter()
         table: pa.Table = handle.read_row_group(g, columns=self.columns, use_threads=False)
+        decoded = time.perf_counter() - started
+        self._count(
+            cache_misses=1, bytes_decoded=int(table.get_total_buffer_size()), decode_seconds=decoded
+        )
         expected = self._chunk_rows[k][g]
         changed = table.num_rows != expected
         if not changed and self.decoded_cache is not None and self.cache is None:

@@ -152,6 +152,7 @@ def read_batch(src: WebDatasetSource, idx: npt.NDArray[np.int64]) -> list[Any]:
             _truncated(src, idx, shards, run, sorted_pos, offset, size, at, counts, stop)
         pieces.append(piece)
     buffer = b"".join(pieces)
+    src._count(bytes_read=len(buffer))  # loader.stats()
     # where each member's data and header lie in the buffer
     run_of = sample_run[owner]
     data = into[run_of] + offset - run_lo[run_of]

@@ -33,7 +33,6 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-from tqdm.auto import tqdm
 
 from evenly.errors import check_int
 
@@ -41,6 +40,7 @@ from ._arrow import ArrowSource
 from ._jsonl import JsonlSource
 from ._manifest import save_manifest
 from ._parquet import ParquetSource
+from ._progress import bar as progress_bar
 from ._tokenize import tokenized_rows
 from ._webdataset import WebDatasetSource, check_member_name
 
@@ -265,7 +265,7 @@ def write(
     row_group_size: int | None = None,
     schema: pa.Schema | None = None,
     prefix: str = "shard",
-    progress: bool = True,
+    progress: bool | None = None,
     tokenize: Callable[[list[str]], list[list[int]]] | None = None,
     text_field: str = "text",
     keep_fields: Sequence[str] = (),
@@ -293,7 +293,8 @@ def write(
             ``pa.list_(pa.uint8(), 1024)`` for a fixed-size array that
             ``read_columns`` stacks as ``[B, 1024]``.
         prefix: shard file names are ``{prefix}-{n:05d}{ext}``.
-        progress: show a tqdm progress bar.
+        progress: show a tqdm progress bar: ``None`` (default) on a terminal only
+            (``EVENLY_PROGRESS=1``/``0`` forces it on/off), ``True``/``False`` always/never.
         tokenize: tokenize-and-shard mode: samples are texts (``text_field`` of a dict,
             or the string itself), tokenized ``tokenize_batch`` at a time by
             ``tokenize(texts) -> token ids`` (e.g. :func:`evenly.tokenizer`), and each
@@ -339,7 +340,7 @@ def write(
     fixed = schema is not None
     shard: _Shard | None = None
     written = 0
-    bar = tqdm(total=total, unit="sample", desc=f"evenly.write {format}", disable=not progress)
+    bar = progress_bar(total, f"evenly.write {format}", unit="sample", show=progress)
     try:
         for index, sample in enumerate(it):
             if shard is None:

@@ -1,0 +1,78 @@
+"""A worker's per-batch stage clock for ``loader.stats()``: where a batch's time went
+(read, decode, transform, collate, hand-off), how many samples it holds and what the
+source says it read, decoded and found in its cache.
+
+Each stage is timed once per batch (no per-sample timers); :meth:`StageClock.take` turns
+what was measured since the last call into a small tuple that travels with the batch
+to the main process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from time import perf_counter
+
+__all__ = ["COUNTERS", "STAGES", "StageClock", "perf_counter"]
+
+STAGES = ("read", "decode", "transform", "collate", "handoff")
+#: the counters a source may report through ``io_stats()`` (cumulative, per process)
+COUNTERS = ("bytes_read", "bytes_decoded", "cache_hits", "cache_misses")
+
+
+class StageClock:
+    """Seconds per stage and counts, since the last :meth:`take`.
+
+    >>> clock = StageClock()
+    >>> clock.read += 0.5; clock.samples += 4
+    >>> clock.take()[:6]
+    (4, 0.5, 0.0, 0.0, 0.0, 0.0)
+    >>> clock.take()[0]
+    0
+    """
+
+    __slots__ = ("_last", "_sent", "collate", "decode", "handoff", "read", "samples", "transform")
+
+    def __init__(self) -> None:
+        self.samples = 0
+        self.read = self.decode = self.transform = self.collate = self.handoff = 0.0
+        #: the source's counters at the last :meth:`count`
+        self._last: dict[str, float] = {}
+        #: ... and as the last :meth:`take` sent them
+        self._sent: dict[str, float] = {}
+
+    def start(self, io_stats: Callable[[], Mapping[str, float]] | None) -> None:
+        """Take the source's counters as they are when a pass starts as the zero."""
+        if io_stats is not None:
+            self._last = dict(io_stats())
+            self._sent = dict(self._last)
+
+    def count(self, io_stats: Callable[[], Mapping[str, float]] | None) -> None:
+        """Read the source's counters (after a batch's read); its decode seconds move
+        from the read stage to the decode stage."""
+        if io_stats is None:
+            return
+        now = io_stats()
+        decode = float(now.get("decode_seconds", 0.0)) - self._last.get("decode_seconds", 0.0)
+        self.decode += decode
+        self.read -= decode
+        self._last.update(now)
+
+    def take(self) -> tuple[float, ...]:
+        """(samples, read, decode, transform, collate, handoff) since the last call, then
+        the source's counters (:data:`COUNTERS`, -1 for one it lacks) if it reports any."""
+        out: tuple[float, ...] = (
+            self.samples,
+            self.read,
+            self.decode,
+            self.transform,
+            self.collate,
+            self.handoff,
+        )
+        self.samples = 0
+        self.read = self.decode = self.transform = self.collate = self.handoff = 0.0
+        last = self._last
+        if last:
+            sent = self._sent
+            out += tuple(last[k] - sent.get(k, 0) if k in last else -1 for k in COUNTERS)
+            sent.update(last)
+        return out

@@ -86,7 +86,43 @@ class ConcatRows:
         return block
 
     def pieces(self, rows: I64) -> npt.NDArray[np.void]:
-        """The pieces of the given rows (see :mod:`evenly.core.packing.pieces`)."""
+        """The pieces of the given rows (see :mod:`evenly.core.packing.pieces`), sorted
+        by row then position: vectorised over the documents of the rows' token span
+        (a batch's rows are consecutive), row by row for scattered rows."""
+        r = np.asarray(rows, dtype=np.int64)
+        if r.size and (int(r.min()) < 0 or int(r.max()) >= self.num_rows):
+            bad = int(r[(r < 0) | (r >= self.num_rows)][0])
+            raise IndexError(f"row must lie in [0, {self.num_rows}), got {bad}")
+        if r.size and int(r.max()) - int(r.min()) < 2 * r.size:
+            return self._span_pieces(np.unique(r))
+        return self._row_pieces(r)
+
+    def _span_pieces(self, rows: I64) -> npt.NDArray[np.void]:
+        L = self.seq_len
+        t0, t1 = int(rows[0]) * L, min((int(rows[-1]) + 1) * L, self.total)
+        k0 = int(np.searchsorted(self.cum, t0, side="right")) - 1
+        k1 = int(np.searchsorted(self.cum, t1 - 1, side="right")) - 1
+        blocks = [self._block(k) for k in range(k0, k1 + 1)]
+        first = np.concatenate([b[:-1] for b in blocks])
+        last = np.concatenate([b[1:] for b in blocks])
+        pos = np.arange(k0 * self.stride, k0 * self.stride + first.size, dtype=np.int64)
+        keep = (first < t1) & (last > t0) & (last > first)
+        first, last, pos = first[keep], last[keep], pos[keep]
+        lo_row, hi_row = first // L, (last - 1) // L  # the rows each document touches
+        count = hi_row - lo_row + 1
+        doc = np.repeat(np.arange(pos.size), count)
+        row = np.repeat(lo_row, count) + (
+            np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count)
+        )
+        begin = np.maximum(first[doc], row * L)
+        end = np.minimum(np.minimum(last[doc], (row + 1) * L), self.total)
+        wanted = np.isin(row, rows)
+        row, doc, begin, end = row[wanted], doc[wanted], begin[wanted], end[wanted]
+        order = np.lexsort((pos[doc], row))
+        row, doc, begin, end = row[order], doc[order], begin[order], end[order]
+        return pieces_of(row, pos[doc], begin - first[doc], end - begin)
+
+    def _row_pieces(self, rows: I64) -> npt.NDArray[np.void]:
         out_row: list[I64] = []
         out_pos: list[I64] = []
         out_start: list[I64] = []

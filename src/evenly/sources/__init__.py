@@ -5,7 +5,7 @@ shards, and ``tokenizer`` for text (packing on the fly, ``write(tokenize=...)``)
 
 >>> import evenly.sources as es
 >>> sorted(es.__all__)[:3]
-['ArrowSource', 'JsonlSource', 'ParquetSource']
+['ArrowSource', 'JsonlSource', 'MegatronSource']
 """
 
 from ._arrow import ArrowSource, from_arrow

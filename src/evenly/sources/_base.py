@@ -260,8 +260,6 @@ class ShardedSource:
             path = self.local_path(k)  # evicted by another process just now: fetch again
         if not os.path.exists(path):
             raise FileNotFoundError(f"shard not found: {self.urls[k]}")
-        if self.cache is None:  # a file opened late (a worker, a thread's copy) is the same
-            self._check_shard(k)
         try:
             handle = self._open(k, path)
         except Exception:

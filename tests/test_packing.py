@@ -301,7 +301,7 @@ def test_refusals_name_the_setting_and_the_document():
     with pytest.raises(ValueError, match="pad='mask'"):
         dataset("concat", pad="mask", transform=lambda d: d)
     mix = evenly.Mix({"a": docs(), "b": docs()})
-    with pytest.raises(NotImplementedError, match="unit='tokens'"):
+    with pytest.raises(ValueError, match="unit='tokens'"):
         evenly.Dataset(mix, pack=evenly.Packing(SEQ))
     bad = docs()
     bad[5] = [*bad[5][:2], 0, *bad[5][2:]]

@@ -9,7 +9,6 @@ a pass carries (stream offsets, steps, weight changes) is in the owner's pass st
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -27,7 +26,8 @@ from evenly.core.mix.checkpoint import (
     with_weights,
 )
 from evenly.core.mix.order import MixOrder, TooSmallStep
-from evenly.core.source import SourceView
+from evenly.core.mix.sources import Sources
+from evenly.core.mix.tokens import check_token_state, check_unit, token_shares
 from evenly.errors import StateError, check_int
 
 __all__ = ["Mix"]
@@ -35,7 +35,7 @@ __all__ = ["Mix"]
 I64 = npt.NDArray[np.int64]
 
 
-class Mix:
+class Mix(Sources):
     """Sources mixed by weight: each epoch takes exactly ``c_d`` samples of source ``d``.
 
     ``c_d = w_d / sum(w) * samples_per_epoch`` rounded by largest remainder.  Each source
@@ -61,9 +61,16 @@ class Mix:
         sources: name -> any sized indexable (a list, numpy array, map-style torch
             Dataset, an evenly file source).  ``__getitems__`` and ``prefetch`` of a
             source are used when it has them.
-        weights: name -> weight >= 0 (default: proportional to the lengths).  Proportions
-            are by samples, not tokens.
+        weights: name -> weight >= 0 (default: proportional to the lengths, or under
+            ``unit="tokens"`` to each source's tokens).
         samples_per_epoch: the epoch length (default: the sum of the lengths).
+        unit: ``"samples"`` (the default) or ``"tokens"``: for packing
+            (``evenly.Dataset(mix, pack=evenly.Packing(...))``), the weights are shares of
+            **tokens**, each source's documents cut into ``seq_len`` pieces and merged so
+            that every prefix of the epoch holds each source's share within a bound
+            (``docs/packing.md``; half a row for two sources, under one row for three).
+        tokens_per_epoch: ``unit="tokens"``: the epoch's tokens (default: every source's
+            tokens once); each source is an endless stream of its passes.
         min_step: the smallest global step (``world_size * batch_size``) this run will
             ever use, resumes included (default: each epoch's first step, the tightest
             bound; a resume onto a smaller step raises).  ``min_step=batch_size`` allows
@@ -80,13 +87,14 @@ class Mix:
         samples_per_epoch: int | None = None,
         *,
         min_step: int | None = None,
+        unit: str = "samples",
+        tokens_per_epoch: int | None = None,
     ) -> None:
         if not isinstance(sources, Mapping) or not sources:
             raise TypeError(
                 "evenly.Mix needs a non-empty mapping of name -> source, e.g. "
                 f"evenly.Mix({{'web': web, 'code': code}}); got {type(sources).__name__}"
             )
-        self.names: tuple[str, ...] = tuple(str(name) for name in sources)
         for name, source in sources.items():
             if not (hasattr(source, "__len__") and hasattr(source, "__getitem__")):
                 raise TypeError(
@@ -101,18 +109,19 @@ class Mix:
                 "is not supported (its epochs are planned by weight, not indexed): give all "
                 "the sources to one Mix, with weights multiplied out"
             )
-        self._sources = [sources[name] for name in sources]
-        self._views = [SourceView.of(s) for s in self._sources]  # found once
-        self.lengths: tuple[int, ...] = tuple(len(s) for s in self._sources)
+        super().__init__(sources)
         self.weights = None if weights is None else check_weights(self.names, weights)
         if samples_per_epoch is not None:
             samples_per_epoch = check_int("samples_per_epoch", samples_per_epoch, minimum=1)
         self.samples_per_epoch = samples_per_epoch
         self.min_step = None if min_step is None else check_int("min_step", min_step, minimum=1)
         w = None if self.weights is None else [self.weights[n] for n in self.names]
+        self.unit = check_unit(unit, samples_per_epoch, min_step, tokens_per_epoch)
+        self.tokens_per_epoch = tokens_per_epoch
+        if unit == "tokens":  # the epoch's documents are found once their tokens are known
+            self._counts = self.lengths
+            return
         self._counts = mix_counts(self.lengths, w, samples_per_epoch, names=self.names)
-        self._ends = np.cumsum(np.array(self.lengths, dtype=np.int64))
-        self._base = self._ends - np.array(self.lengths, dtype=np.int64)
 
     # ---- the Source protocol -----------------------------------------------------
     def __len__(self) -> int:
@@ -138,18 +147,6 @@ class Mix:
                  for name, n, v in views]  # fmt: skip
         return "evenly.Mix(" + ", ".join(parts) + ")"
 
-    def source_of(self, indices: npt.ArrayLike) -> I64:
-        """The source number (into ``names``) of each index, e.g. for per-source counts."""
-        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
-        total = int(self._ends[-1])
-        if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= total):
-            bad = int(idx[(idx < 0) | (idx >= total)][0])
-            raise IndexError(
-                f"evenly.Mix: index {bad} is out of range [0, {total}) (the concatenated "
-                f"sources {dict(zip(self.names, self.lengths, strict=True))})"
-            )
-        return np.searchsorted(self._ends, idx, side="right").astype(np.int64)
-
     def __getitem__(self, index: int) -> Any:
         """A Mix is not a sequence: ``len(mix)`` is the samples per epoch, while its
         indices span the concatenated sources, so code that indexes ``range(len(mix))``
@@ -160,52 +157,6 @@ class Mix:
             "indices span the concatenated sources, so indexing it would read only a "
             "prefix; wrap it: evenly.Dataset(mix) (read_one/read_many take global indices)"
         )
-
-    def copy_for_thread(self) -> Mix:
-        """A reader thread's Mix: each source's ``copy_for_thread()`` where it has one."""
-        twin = copy.copy(self)
-        twin._sources = [getattr(s, "copy_for_thread", lambda s=s: s)() for s in self._sources]
-        twin._views = [SourceView.of(s) for s in twin._sources]
-        return twin
-
-    def read_one(self, index: int) -> Any:
-        """The sample at global ``index`` (into the concatenated sources)."""
-        (d,) = self.source_of([index]).tolist()
-        return self._sources[d][int(index) - int(self._base[d])]
-
-    def read_many(self, indices: Sequence[int]) -> list[Any]:
-        """Read a batch: each source once (its own ``__getitems__`` when it has one)."""
-        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
-        src = self.source_of(idx)
-        out: list[Any] = [None] * idx.size
-        for d in np.unique(src).tolist():
-            where = np.flatnonzero(src == d)
-            local = (idx[where] - self._base[d]).tolist()
-            getitems = self._views[d].getitems
-            if getitems is not None:
-                samples = list(getitems(local))
-            else:
-                samples = [self._sources[d][i] for i in local]
-            for pos, sample in zip(where.tolist(), samples, strict=True):
-                out[pos] = sample
-        return out
-
-    def prefetch(self, indices: Sequence[int]) -> None:
-        """Pass a prefetch hint on to the sources that take one."""
-        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
-        src = self.source_of(idx)
-        for d in dict.fromkeys(src.tolist()):
-            prefetch = self._views[d].prefetch
-            if prefetch is not None:
-                prefetch((idx[src == d] - self._base[d]).tolist())
-
-    def locate(self, index: int) -> str:
-        """Where sample ``index`` lives: the source's name and index (and its own locate)."""
-        (d,) = self.source_of([index]).tolist()
-        local = int(index) - int(self._base[d])
-        where = f"source {self.names[d]!r} sample {local}"
-        inner = self._views[d].locate
-        return where + (f" ({inner(local)})" if inner is not None else "")
 
     # ---- planning ----------------------------------------------------------------
     def stream_offsets(self, epoch: int, part: Any = None) -> dict[str, int]:
@@ -272,6 +223,11 @@ class Mix:
         >>> sorted(mix.read_many(order(range(4)).tolist()))
         [0, 1, 10, 11]
         """
+        if self.unit == "tokens":
+            raise ValueError(
+                "an evenly.Mix(unit='tokens') is planned by its packing: read it as "
+                "evenly.Dataset(mix, pack=evenly.Packing(seq_len, ...))"
+            )
         step = check_int("step", step, minimum=1)
         start = check_int("start", start, minimum=0)
         loaded = MixPart.from_json(part)
@@ -307,6 +263,8 @@ class Mix:
         ``position``, the counts, and the steps the epoch was dealt in
         (JSON-serialisable).  ``part`` is what the pass state carries (a loaded state's
         anchor and resume)."""
+        if self.unit == "tokens":
+            return self._token_state()
         loaded = MixPart.from_json(part)
         setup = self._setup(epoch, loaded)
         segments: list[list[int]] = []
@@ -356,7 +314,7 @@ class Mix:
     def carried_part(self, part: Any) -> Any:
         """What of a pass state's ``part`` holds for the owner's later passes (the
         anchor: streams continue from the loaded offsets)."""
-        loaded = MixPart.from_json(part)
+        loaded = None if self.unit == "tokens" else MixPart.from_json(part)
         return None if loaded is None else loaded.carried().to_json()
 
     def load_source_state(self, state: Any, epoch: int, position: int) -> dict[str, Any]:
@@ -367,6 +325,9 @@ class Mix:
         an epoch boundary (``position == 0``) other weights or ``samples_per_epoch`` are
         fine (each stream continues where it stopped); mid-epoch they raise.
         """
+        if self.unit == "tokens" or (isinstance(state, dict) and "unit" in state):
+            check_token_state(state, self._token_state())
+            return {}
         saved, changes = saved_weights(state, len(self.names))
         offsets, segments, hold = check_saved_part(
             state, self.names, self.lengths, self._counts_of(saved, len(self)), epoch, position
@@ -389,10 +350,35 @@ class Mix:
         """The mixture part of a checkpoint (:meth:`source_state`) with ``weights`` from
         its position on (``set_weights``): mid-epoch, a weight change there; at an epoch
         start, the epoch's weights.  Later epochs keep them until changed."""
+        if self.unit == "tokens":
+            raise NotImplementedError(
+                "set_weights on an evenly.Mix(unit='tokens') is not supported yet: build the "
+                "Mix with the new weights and resume at an epoch boundary"
+            )
         checked = check_weights(self.names, weights)
         vector = [checked[n] for n in self.names]
         counts = self._counts_of(tuple(vector), len(self) - state["position"])  # checks them
         return with_weights(state, vector, list(counts))
 
+    # ---- unit="tokens" -------------------------------------------------------------
+    def token_shares(self, totals: Sequence[int]) -> tuple[int, ...]:
+        """``unit="tokens"``: each source's tokens per epoch, given each source's tokens
+        (``totals``, one pass): ``w_d / sum(w) * tokens_per_epoch`` by largest remainder."""
+        w = None if self.weights is None else [self.weights[n] for n in self.names]
+        return token_shares(totals, w, self.tokens_per_epoch, names=self.names)
+
+    def _token_state(self) -> dict[str, Any]:
+        """A token mixture's part of a checkpoint: what its epochs depend on (each
+        stream's offset at epoch ``e`` is ``e`` times its share)."""
+        return {
+            "unit": "tokens",
+            "names": list(self.names),
+            "lengths": list(self.lengths),
+            "weights": None if self.weights is None else list(self.weights.values()),
+            "tokens_per_epoch": self.tokens_per_epoch,
+        }
+
     def __repr__(self) -> str:
+        if self.unit == "tokens":
+            return f"evenly.Mix({self.weights}, unit='tokens', tokens={self.tokens_per_epoch})"
         return f"evenly.Mix({self.counts}, samples_per_epoch={len(self)})"

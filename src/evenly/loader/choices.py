@@ -10,6 +10,7 @@ from torch.utils.data import default_collate
 
 from evenly.dataset import Dataset
 from evenly.loader.threads import thread_safety_problem
+from evenly.runtime.token_mix import is_token_mix
 
 __all__ = ["WORKER_TYPES", "WorkerType", "check_worker_type", "refuse_planned_source",
            "use_columns", "use_threads"]  # fmt: skip
@@ -21,10 +22,11 @@ WORKER_TYPES: tuple[str, ...] = ("auto", "process", "thread")
 
 def refuse_planned_source(dataset: Dataset[Any]) -> None:
     """A source that plans its own epochs (an ``evenly.Mix``) lays its steps out from each
-    epoch's start, which a stream of epochs does not keep: refused until it can."""
+    epoch's start, which a stream of epochs does not keep: refused until it can.  A Mix
+    by tokens is not: its order is planned per epoch whatever the step."""
     if dataset._planner.packer is not None:
         dataset._planner.packer.check_stream()
-    if dataset._planner.view.planned is not None:
+    if dataset._planner.view.planned is not None and not is_token_mix(dataset.source):
         raise ValueError(
             f"evenly.DataLoader(infinite=True) does not support a "
             f"{type(dataset.source).__name__} source yet: its per-step proportions and its "

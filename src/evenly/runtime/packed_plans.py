@@ -31,7 +31,7 @@ from evenly.core.packing.settings import Packing
 from evenly.core.plan import Order
 from evenly.sources._cachedir import cache_subdir, publish
 
-__all__ = ["PlanFiles"]
+__all__ = ["PlanFiles", "prune"]
 
 I64 = npt.NDArray[np.int64]
 _MAGIC = b"EVNPACK1"
@@ -85,11 +85,14 @@ def _open_best_fit(path: str) -> FittedRows:
 class PlanFiles:
     """The epochs' row tables of one dataset in this process (the last few kept open)."""
 
-    def __init__(self, packing: Packing, lengths: Any, lengths_key: str) -> None:
+    def __init__(
+        self, packing: Packing, lengths: Any, lengths_key: str, total: int | None = None
+    ) -> None:
         self.packing = packing
         self.lengths = lengths
         self.lengths_key = lengths_key
-        self.total = int(np.sum(lengths, dtype=np.int64))  # buffered: no int64 copy
+        #: an epoch's tokens (all the documents', or a token mixture's tokens_per_epoch)
+        self.total = int(np.sum(lengths, dtype=np.int64)) if total is None else int(total)
         self._open: dict[tuple[Any, ...], RowTable] = {}
 
     @property
@@ -109,33 +112,40 @@ class PlanFiles:
 
         return at
 
-    def table(self, epoch: int, order_key: tuple[Any, ...], order: Order | None) -> RowTable:
+    def table(
+        self, epoch: int, order_key: tuple[Any, ...], order: Order | None, items: Any = None
+    ) -> RowTable:
         """Epoch ``epoch``'s rows for the document order ``order`` (keyed, besides the
-        epoch, by ``order_key``: seed, shuffle mode ...)."""
+        epoch, by ``order_key``: seed, shuffle mode ...).  ``items``: a token mixture's
+        epoch (:class:`~evenly.runtime.token_mix.TokenItems`), whose positions are
+        pieces of documents with their own lengths."""
         found = self._open.get((epoch, order_key))
         if found is not None:
             return found
-        packing, n = self.packing, self.num_docs
+        packing = self.packing
+        n = self.num_docs if items is None else items.size
         text = f"{self.lengths_key}/{n}/{order_key}/{packing.plan_key()}"
+        if items is not None:
+            text += f"/{items.key}"
         key = hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
         folder = cache_subdir("packing")
         path = os.path.join(folder, f"{key}-e{epoch}.{packing.strategy}")
-        at = self.lengths_at(order)
+        at = self.lengths_at(order) if items is None else items.lengths_at
         for attempt in (1, 2):  # a file removed by a later epoch's pruning is planned again
             try:
-                table = self._publish(path, at)
+                table = self._publish(path, at, n)
                 break
             except FileNotFoundError:
                 if attempt == 2:
                     raise
-        _prune(folder, key, epoch, packing.strategy)
+        prune(folder, key, epoch, packing.strategy)
         if len(self._open) >= 3:
             self._open.pop(next(iter(self._open)))
         self._open[(epoch, order_key)] = table
         return table
 
-    def _publish(self, path: str, at: Lengths) -> RowTable:
-        packing, n = self.packing, self.num_docs
+    def _publish(self, path: str, at: Lengths, n: int) -> RowTable:
+        packing = self.packing
         if packing.strategy == "concat":
             publish(path, lambda tmp: concat_checkpoints(at, n, stride=STRIDE).tofile(tmp))
             blocks = -(-n // STRIDE) + 1
@@ -147,7 +157,7 @@ class PlanFiles:
         return _open_best_fit(path)
 
 
-def _prune(folder: str, key: str, epoch: int, strategy: str) -> None:
+def prune(folder: str, key: str, epoch: int, strategy: str) -> None:
     """Remove this dataset's plans of epochs before ``epoch - 1`` (a process still reading
     one keeps its memory map; one that needs it again plans it again)."""
     prefix, suffix = f"{key}-e", f".{strategy}"

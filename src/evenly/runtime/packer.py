@@ -27,6 +27,7 @@ from evenly.runtime.lengths import document_lengths, document_text, document_tok
 from evenly.runtime.packed_plans import PlanFiles
 from evenly.runtime.reader import ReadContext
 from evenly.runtime.seeds import RngState, SeedSpreader
+from evenly.runtime.token_mix import TokenItems, is_token_mix, mix_lengths, token_items
 
 __all__ = ["Packer", "collate_rows", "read_packed"]
 
@@ -42,6 +43,7 @@ class Packer:
     def __init__(self, packing: Packing) -> None:
         self.packing = packing
         self._files: PlanFiles | None = None
+        self._items: dict[tuple[Any, ...], TokenItems] = {}
 
     @classmethod
     def build(
@@ -52,11 +54,11 @@ class Packer:
             return None
         if not isinstance(pack, Packing):
             raise TypeError(f"pack must be an evenly.Packing, got {type(pack).__name__}")
-        if view.planned is not None:
-            raise NotImplementedError(
-                f"evenly.Dataset(pack=...) over a {type(view.source).__name__} is not "
-                f"supported yet: a Mix with packing apportions its sources by tokens "
-                f"(evenly.Mix(..., unit='tokens')), which is coming; pack each source alone"
+        if view.planned is not None and not is_token_mix(view.source):
+            raise ValueError(
+                f"evenly.Dataset(pack=...) over a {type(view.source).__name__} by samples: "
+                f"a Mix with packing apportions its sources by tokens, build it as "
+                f"evenly.Mix(..., unit='tokens')"
             )
         if on_error != "raise":
             raise ValueError(
@@ -82,21 +84,41 @@ class Packer:
     def reset(self) -> None:
         """The source was replaced: find its lengths again."""
         self._files = None
+        self._items = {}
 
     def files(self, view: SourceView) -> PlanFiles:
         if self._files is None:
-            lengths, key = document_lengths(view, self.packing)
-            self._files = PlanFiles(self.packing, lengths, key)
+            if is_token_mix(view.source):
+                mixed, key = mix_lengths(view.source, self.packing)
+                total = sum(view.source.token_shares(mixed.totals))
+                self._files = PlanFiles(self.packing, mixed, key, total)
+            else:
+                lengths, key = document_lengths(view, self.packing)
+                self._files = PlanFiles(self.packing, lengths, key)
         return self._files
+
+    def items(self, view: SourceView, seed: int, epoch: int, shuffle: bool) -> TokenItems:
+        """A token mixture's epoch ``epoch``: its pieces of documents, in order."""
+        found = self._items.get((seed, epoch, shuffle))
+        if found is None:
+            files = self.files(view)
+            found = token_items(view.source, self.packing, files.lengths, files.lengths_key,
+                                seed=seed, epoch=epoch, shuffle=shuffle)  # fmt: skip
+            if len(self._items) >= 3:
+                self._items.pop(next(iter(self._items)))
+            self._items[(seed, epoch, shuffle)] = found
+        return found
 
     def __getstate__(self) -> dict[str, Any]:
         """A worker maps the node's files again (a memory map is not pickled)."""
         state = self.__dict__.copy()
+        state["_items"] = {}
         files = state["_files"]
         if files is not None and isinstance(files.lengths, np.memmap):
             state["_files"] = None
         elif files is not None:
-            state["_files"] = PlanFiles(files.packing, files.lengths, files.lengths_key)
+            state["_files"] = PlanFiles(files.packing, files.lengths, files.lengths_key,
+                                        files.total)  # fmt: skip
         return state
 
 
@@ -156,6 +178,8 @@ def _rows(
             where = np.unique(pieces["pos"])
             index = where if order is None else np.asarray(order(where), dtype=np.int64)
             tokens = _documents(ctx, packing, files, int(epoch), where, index, spreader)
+            if isinstance(order, TokenItems):  # a token mixture's pieces of documents
+                tokens = order.cut(where, tokens)
             arrays = assemble(
                 wanted,
                 pieces,

@@ -33,6 +33,7 @@ from evenly.runtime.clock import StageClock, perf_counter
 from evenly.runtime.packer import Packer, collate_rows, read_packed
 from evenly.runtime.reader import ReadContext, read_batches
 from evenly.runtime.seeds import check_generators
+from evenly.runtime.token_mix import is_token_mix
 from evenly.transport.slots import plain_collate
 
 __all__ = ["Planner", "ReadTap"]
@@ -124,6 +125,12 @@ class Planner:
         self.generation += 1
 
     def _check_mask(self) -> None:
+        if is_token_mix(self.source) and (self.packer is None or self.transform is not None):
+            raise ValueError(
+                "an evenly.Mix(unit='tokens') is read packed, with no per-document transform"
+                " (its documents are cut into seq_len pieces, each placed on its own): pass "
+                "pack=evenly.Packing(seq_len, ...) and no transform"
+            )
         if self.pad == "mask" and self.transform is None:
             raise ValueError(
                 "pad='mask' needs a transform: it is where each sample learns whether it is "
@@ -147,7 +154,7 @@ class Planner:
             return self.num_samples()
         files = self.packer.files(self.view)
         if self.packer.packing.strategy == "concat":
-            return files.concat_rows()
+            return files.concat_rows()  # the epoch's tokens cut into rows
         return self.epoch_rows(epoch)[0].num_rows
 
     def epoch_rows(self, epoch: int) -> tuple[RowTable, Order | None]:
@@ -155,6 +162,9 @@ class Planner:
         assert self.packer is not None
         n = self.num_samples()
         key = (self.seed, self.shuffle_mode, self.block_shards)
+        if is_token_mix(self.source):  # the order's positions are pieces of documents
+            items = self.packer.items(self.view, self.seed, epoch, self.shuffle_mode != "none")
+            return self.packer.files(self.view).table(epoch, key, items, items), items
         cached = self._orders.get((epoch, n, key))
         if cached is None:
             order = self.order_for(epoch, n, 1, 0)

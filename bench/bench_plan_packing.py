@@ -65,13 +65,16 @@ def _child(lengths_path: str, n: int, strategy: str, seq_len: int) -> None:
     thread = threading.Thread(target=sample, daemon=True)
     thread.start()
     t0, c0 = time.perf_counter(), time.process_time()
-    files = PlanFiles(Packing(seq_len, strategy=strategy), lengths, "bench")
-    table = files.table(0, (0, "global", 8), FeistelPermutation(n, seed=0, epoch=0))
-    rows = table.num_rows
+    if strategy == "mix-tokens":
+        rows, tokens = _plan_mix(lengths, n, seq_len)
+    else:
+        files = PlanFiles(Packing(seq_len, strategy=strategy), lengths, "bench")
+        table = files.table(0, (0, "global", 8), FeistelPermutation(n, seed=0, epoch=0))
+        rows = table.num_rows
+        tokens = int(np.sum(lengths, dtype=np.int64))
     elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
     done.set()
     thread.join()
-    tokens = int(np.sum(lengths, dtype=np.int64))
     print(
         json.dumps(
             {
@@ -86,12 +89,36 @@ def _child(lengths_path: str, n: int, strategy: str, seq_len: int) -> None:
     )
 
 
+def _plan_mix(lengths: np.memmap, n: int, seq_len: int) -> tuple[int, int]:
+    """A Mix by tokens of the two halves (weights 0.7 / 0.3, every token once per epoch
+    on average): the merged order written to the node's file, then its concat rows."""
+    from evenly.core.mix.tokens import ITEM, token_epoch_chunks, token_shares
+    from evenly.core.packing.settings import Packing
+    from evenly.runtime.packed_plans import PlanFiles
+    from evenly.runtime.token_mix import _open_items
+
+    parts = [lengths[: n // 2], lengths[n // 2 :]]
+    totals = [int(np.sum(p, dtype=np.int64)) for p in parts]
+    shares = token_shares(totals, [0.7, 0.3], sum(totals))
+    path = os.path.join(os.environ["EVENLY_CACHE_DIR"], "mix.items")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "wb") as f:
+        for chunk in token_epoch_chunks(parts, shares, seq_len=seq_len, seed=0, epoch=0,
+                                        shuffle=True, names=["a", "b"]):  # fmt: skip
+            chunk.tofile(f)
+    items = _open_items(path, os.path.getsize(path) // ITEM.itemsize, "bench")
+    files = PlanFiles(Packing(seq_len), lengths, "bench", sum(shares))
+    table = files.table(0, (0, "global", 8), items, items)
+    return table.num_rows, sum(shares)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--docs", type=int, default=10**8)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--child", nargs=3)
+    parser.add_argument("--strategies", default="concat,best_fit,mix-tokens")
     args = parser.parse_args()
     if args.child:
         path, n, strategy = args.child
@@ -106,7 +133,9 @@ def main() -> None:
             out[lo:hi] = np.clip(rng.lognormal(np.log(500), 1.0, hi - lo), 1, 2**31 - 1)
         out.flush()
         del out
-        results: dict[str, list[dict[str, float]]] = {"concat": [], "best_fit": []}
+        results: dict[str, list[dict[str, float]]] = {
+            name: [] for name in args.strategies.split(",")
+        }
         for r in range(args.rounds):
             for strategy in results:
                 env = {**os.environ, "EVENLY_CACHE_DIR": os.path.join(tmp, f"cache-{r}-{strategy}")}

@@ -17,7 +17,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import evenly
-from evenly.core.mix.tokens import deviation_bound, token_epoch, token_shares
+from evenly.core.mix.tokens import (
+    deviation_bound,
+    offsets_at,
+    segmented_chunks,
+    token_epoch,
+    token_epoch_chunks,
+    token_segments,
+    token_shares,
+)
 from tests.distributed import in_fresh_process, run_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore:evenly.*pad row:evenly.EvenlyWarning")
@@ -104,6 +112,9 @@ def test_core_every_token_once_before_twice_pieces_and_the_share_bound(
     for epoch in range(3):
         items = token_epoch(arrays, shares, seq_len=seq_len, seed=seed, epoch=epoch,
                             shuffle=shuffle, names=names)  # fmt: skip
+        windowed = token_epoch_chunks(arrays, shares, seq_len=seq_len, seed=seed, epoch=epoch,
+                                      shuffle=shuffle, names=names, chunk=3)  # fmt: skip
+        assert np.concatenate([items[:0], *windowed]).tolist() == items.tolist()
         assert ((items["len"] >= 1) & (items["len"] <= seq_len)).all()
         src = np.searchsorted(bases, items["doc"], side="right") - 1
         per = np.zeros((len(lengths), items.size + 1))
@@ -122,6 +133,61 @@ def test_core_every_token_once_before_twice_pieces_and_the_share_bound(
         if not totals[d]:
             continue
         q, extra = divmod(3 * shares[d], totals[d])
+        counts = [seen[(bases[d] + i, k)] for i, n in enumerate(x) for k in range(n)]
+        assert set(counts) <= {q, q + 1} and counts.count(q + 1) == extra
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    lengths=st.lists(st.lists(st.integers(0, 20), min_size=1, max_size=8), min_size=2, max_size=3),
+    changes=st.lists(
+        st.tuples(st.floats(0.01, 0.99), st.lists(st.integers(0, 5), min_size=3, max_size=3)),
+        max_size=3,
+    ),
+    tokens=st.integers(2, 200),
+    seq_len=st.integers(1, 8),
+)
+def test_core_weight_changes_continue_every_stream_with_the_bound_per_segment(
+    lengths, changes, tokens, seq_len
+):
+    totals = [sum(x) for x in lengths]
+    if not all(totals):
+        return
+    arrays = [np.array(x, dtype=np.int32) for x in lengths]
+    kw = {"seq_len": seq_len, "seed": 1, "shuffle": True, "names": ["a", "b", "c"][: len(lengths)]}
+    segments = token_segments(None, 0, totals, None, tokens)
+    part: dict[str, Any] = {"anchor_epoch": 0, "anchor_offsets": [0] * len(lengths),
+                            "weights": None, "changes": []}  # fmt: skip
+    for frac, w in changes:
+        pos, w = int(frac * tokens), [float(x) for x in w[: len(lengths)]]
+        if not sum(w) or pos <= max([0] + [c[0] for c in part["changes"]]):
+            continue
+        at = offsets_at(arrays, [s for s in segments if s.start < pos][-1], pos, **kw)
+        part["changes"].append([pos, w, list(at)])
+        segments = token_segments(part, 0, totals, None, tokens)
+    bases = np.concatenate([[0], np.cumsum([len(x) for x in lengths])[:-1]])
+    seen: Counter[tuple[int, int]] = Counter()
+    used = np.zeros(len(lengths), dtype=np.int64)
+    for epoch in range(2):
+        segs = token_segments(part, epoch, totals, None, tokens)
+        items = np.concatenate(list(segmented_chunks(arrays, segs, tokens, **kw)))
+        assert int(items["len"].sum()) == tokens
+        src = np.searchsorted(bases, items["doc"], side="right") - 1
+        np.add.at(used, src, items["len"])
+        for doc, start, n in items[["doc", "start", "len"]].tolist():
+            seen.update((doc, start + k) for k in range(n))
+        ends = np.cumsum(items["len"])
+        for i, seg in enumerate(segs):  # the bound, inside each segment
+            stop = segs[i + 1].start if i + 1 < len(segs) else tokens
+            sel = (ends > seg.start) & (ends <= stop)
+            have = np.zeros(len(lengths))
+            bound = deviation_bound(seg.shares, seq_len)
+            for d, n, e in zip(src[sel], items["len"][sel], ends[sel], strict=True):
+                have[d] += n
+                p = np.array(seg.shares) / sum(seg.shares) * (e - seg.start)
+                assert (np.abs(have - p) <= np.array(bound) + 1e-9).all()
+    for d, x in enumerate(lengths):  # each stream read as one prefix: once before twice
+        q, extra = divmod(int(used[d]), totals[d])
         counts = [seen[(bases[d] + i, k)] for i, n in enumerate(x) for k in range(n)]
         assert set(counts) <= {q, q + 1} and counts.count(q + 1) == extra
 
@@ -234,18 +300,99 @@ def test_infinite_concat_streams_the_epochs_and_resumes_by_step():
     assert real(head + tail) == epochs
 
 
-def _ddp_rows(rank: int, world_size: int) -> list[list[int]]:
-    loader = evenly.DataLoader(dataset(), batch_size=2, num_workers=2)
+def _ddp_rows(rank: int, world_size: int) -> dict[str, list[list[int]]]:
+    out = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", evenly.EvenlyWarning)
-        return rows_of(list(loader))
+        out["plain"] = rows_of(list(evenly.DataLoader(dataset(), batch_size=2, num_workers=2)))
+        loader = evenly.DataLoader(dataset(), batch_size=2, num_workers=2)  # one launch
+        it = iter(loader)
+        head = rows_of([next(it) for _ in range(3)])
+        loader.set_weights(NEW)  # on every rank at the same step: agreed
+        out["changed"] = head + rows_of(list(it))
+    return out
 
 
-def test_real_gloo_ranks_read_the_one_process_rows(tmp_path):
+def test_real_gloo_ranks_read_the_one_process_rows_and_change_weights_together(tmp_path):
     env = {"EVENLY_CACHE_DIR": str(tmp_path / "ddp-cache")}
     per_rank = run_ranks(_ddp_rows, 2, env=env)
-    assert len({len(r) for r in per_rank}) == 1
-    assert real(interleave(per_rank, 2)) == real(reference())
+    plain = [r["plain"] for r in per_rank]
+    assert len({len(r) for r in plain}) == 1
+    assert real(interleave(plain, 2)) == real(reference())
+    changed = [r["changed"] for r in per_rank]
+    assert len({len(r) for r in changed}) == 1
+    one, _ = _changed(0, 3, batch=4)  # one process, the same global steps
+    assert real(interleave(changed, 2)) == real(one)
+
+
+NEW = {"web": 0.2, "code": 0.8}
+
+
+def _changed(workers: int, at: int, batch: int = 2) -> tuple[list[list[int]], dict[str, Any]]:
+    """Epoch 0 read with set_weights(NEW) after ``at`` batches; the state at the end."""
+    loader = evenly.DataLoader(dataset(), batch_size=batch, num_workers=workers)
+    rows, it = [], iter(loader)
+    rows += rows_of([next(it) for _ in range(at)])
+    loader.set_weights(NEW)
+    rows += rows_of(list(it))
+    return rows, json.loads(json.dumps(loader.state_dict()))
+
+
+def _check_rest(rows: list[list[int]], start: int, step: int) -> None:
+    """From row ``start`` on, each source within its bound of its share of the rest."""
+    totals = [sum(LENGTHS[n]) for n in LENGTHS]
+    done = Counter(source_of(t) for row in rows[:start] for t in row if t)
+    rest = TOKENS - sum(done.values())
+    shares = token_shares(totals, list(NEW.values()), rest)
+    bound = deviation_bound(shares, SEQ)
+    have: Counter[str] = Counter()
+    for k in range(start, len(rows), step):
+        for row in rows[k : k + step]:
+            have.update(source_of(t) for t in row if t)
+        t = sum(have.values())
+        for name, share, b in zip(LENGTHS, shares, bound, strict=True):
+            assert abs(have[name] - share / rest * t) <= b
+    assert [have[n] for n in LENGTHS] == list(shares)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_set_weights_mid_epoch_keeps_the_rows_read_and_mixes_the_rest_by_the_new_weights(
+    workers,
+):
+    ref = reference()
+    rows, state = _changed(workers, 5)
+    assert rows[:10] == ref[:10]  # what the loop had received stays as it was
+    _check_rest(rows, 10, 2)
+    seen = Counter(t for row in rows for t in row if t)
+    assert max(seen.values()) == 1 or all(  # no token twice unless its stream wrapped
+        source_of(t) == "code" for t, c in seen.items() if c > 1
+    )
+    # the next epoch: every share by the new weights; a fresh loader built with the
+    # original weights continues from the saved state exactly
+    loader = evenly.DataLoader(dataset(), batch_size=2, num_workers=workers)
+    loader.load_state_dict(state)
+    nxt = rows_of(list(loader))
+    have = Counter(source_of(t) for row in nxt for t in row if t)
+    totals = [sum(LENGTHS[n]) for n in LENGTHS]
+    assert [have[n] for n in LENGTHS] == list(token_shares(totals, list(NEW.values()), TOKENS))
+    again, _ = _changed(workers, 5)
+    assert again == rows
+
+
+def test_set_weights_state_mid_epoch_resumes_in_a_fresh_loader_of_another_topology():
+    loader = evenly.DataLoader(dataset(), batch_size=2)
+    it = iter(loader)
+    head = rows_of([next(it) for _ in range(4)])
+    loader.set_weights(NEW)
+    head += rows_of([next(it) for _ in range(3)])
+    state = json.loads(json.dumps(loader.state_dict()))
+    rest = rows_of(list(it))
+    tails = in_fresh_process(_tails, state, 2, 1, 3)
+    assert real(interleave(tails, 3)) == real(rest)
+    best = evenly.DataLoader(dataset(strategy="best_fit"), batch_size=2)
+    next(iter(best))
+    with pytest.raises(ValueError, match="strategy='concat'"):
+        best.set_weights(NEW)
 
 
 def test_refusals_name_the_setting():
@@ -260,6 +407,6 @@ def test_refusals_name_the_setting():
     with pytest.raises(ValueError, match="no tokens but weight"):
         bad = evenly.Mix({"a": [[1]], "b": [[]]}, weights={"a": 1, "b": 1}, unit="tokens")
         list(evenly.DataLoader(evenly.Dataset(bad, pack=evenly.Packing(4)), batch_size=1))
-    loader = evenly.DataLoader(dataset(), batch_size=2)
-    with pytest.raises(NotImplementedError, match="unit='tokens'"):
+    loader = evenly.DataLoader(dataset(), batch_size=2, infinite=True)
+    with pytest.raises(ValueError, match="infinite=True"):
         loader.set_weights({"web": 1.0, "code": 2.0})

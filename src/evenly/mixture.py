@@ -263,8 +263,8 @@ class Mix(Sources):
         ``position``, the counts, and the steps the epoch was dealt in
         (JSON-serialisable).  ``part`` is what the pass state carries (a loaded state's
         anchor and resume)."""
-        if self.unit == "tokens":
-            return self._token_state()
+        if self.unit == "tokens":  # the streams' anchor and weight changes, if any
+            return {**self._token_state(), "part": part or None}
         loaded = MixPart.from_json(part)
         setup = self._setup(epoch, loaded)
         segments: list[list[int]] = []
@@ -314,7 +314,9 @@ class Mix(Sources):
     def carried_part(self, part: Any) -> Any:
         """What of a pass state's ``part`` holds for the owner's later passes (the
         anchor: streams continue from the loaded offsets)."""
-        loaded = None if self.unit == "tokens" else MixPart.from_json(part)
+        if self.unit == "tokens":  # its anchor and changes hold for the later epochs
+            return part or None
+        loaded = MixPart.from_json(part)
         return None if loaded is None else loaded.carried().to_json()
 
     def load_source_state(self, state: Any, epoch: int, position: int) -> dict[str, Any]:
@@ -326,8 +328,7 @@ class Mix(Sources):
         fine (each stream continues where it stopped); mid-epoch they raise.
         """
         if self.unit == "tokens" or (isinstance(state, dict) and "unit" in state):
-            check_token_state(state, self._token_state())
-            return {}
+            return check_token_state(state, self._token_state(), self.names)
         saved, changes = saved_weights(state, len(self.names))
         offsets, segments, hold = check_saved_part(
             state, self.names, self.lengths, self._counts_of(saved, len(self)), epoch, position
@@ -351,10 +352,7 @@ class Mix(Sources):
         its position on (``set_weights``): mid-epoch, a weight change there; at an epoch
         start, the epoch's weights.  Later epochs keep them until changed."""
         if self.unit == "tokens":
-            raise NotImplementedError(
-                "set_weights on an evenly.Mix(unit='tokens') is not supported yet: build the "
-                "Mix with the new weights and resume at an epoch boundary"
-            )
+            raise TypeError("a token mixture is reweighted by its packing (evenly.Dataset)")
         checked = check_weights(self.names, weights)
         vector = [checked[n] for n in self.names]
         counts = self._counts_of(tuple(vector), len(self) - state["position"])  # checks them

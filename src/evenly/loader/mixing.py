@@ -19,7 +19,9 @@ def set_weights(loader: DataLoader, weights: Mapping[str, float]) -> None:
     """See :meth:`evenly.DataLoader.set_weights`."""
     if loader.infinite:
         raise ValueError(
-            "evenly.DataLoader(infinite=True) does not support a Mix, so it has no weights to set"
+            "set_weights is not supported under evenly.DataLoader(infinite=True): a stream of "
+            "epochs keeps the weights it started with (a Mix by samples is not streamed at "
+            "all); train epoch by epoch to change them"
         )
     planner = loader.dataset._planner
     loader._follow_dataset()

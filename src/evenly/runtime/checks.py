@@ -1,6 +1,6 @@
 """What a pass checks and says: the warnings about padding, idle workers and empty epochs
 (in the main process), whether a worker's copy of the dataset is the one the pass was
-planned over, and the sources an endless pass refuses."""
+planned over, the sources an endless pass refuses, and the shuffle mode a setting means."""
 
 from __future__ import annotations
 
@@ -10,12 +10,15 @@ from collections.abc import Callable
 
 from torch.utils.data import get_worker_info
 
+from evenly.core.order import SHUFFLE_MODES
 from evenly.core.plan import EpochPlan
+from evenly.core.source import SourceView
 from evenly.core.spec import PassSpec
 from evenly.errors import EvenlyWarning
 
 __all__ = [
     "check_current",
+    "shuffle_mode",
     "warn_about",
     "warn_skipped",
 ]
@@ -87,3 +90,27 @@ def warn_skipped(skipped: int, plan: EpochPlan) -> None:
             EvenlyWarning,
             stacklevel=4,
         )
+
+
+def shuffle_mode(shuffle: bool | str, view: SourceView) -> str:
+    """'none', 'global' or 'block'; ``True`` takes the source's preferred mode."""
+    source = view.source
+    if shuffle is True:
+        mode: object = view.preferred_shuffle
+        logger.info("evenly: shuffle=True uses the %r shuffle for %s", mode, type(source).__name__)
+    elif shuffle is False:
+        mode = "none"
+    else:
+        mode = shuffle
+    message = view.shuffle_advice(str(mode)) if view.shuffle_advice is not None else None
+    if message:
+        logger.warning(message)
+    if mode not in SHUFFLE_MODES:
+        raise ValueError(f"shuffle must be True, False, 'global' or 'block', got {shuffle!r}")
+    if mode == "block" and view.shard_sizes is None:
+        raise ValueError(
+            f"shuffle='block' needs a sharded source with shard_sizes (evenly.from_parquet, "
+            f"from_webdataset, from_jsonl); {type(source).__name__} has none: use "
+            f"shuffle='global'"
+        )
+    return str(mode)

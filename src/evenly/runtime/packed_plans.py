@@ -119,7 +119,8 @@ class PlanFiles:
         epoch, by ``order_key``: seed, shuffle mode ...).  ``items``: a token mixture's
         epoch (:class:`~evenly.runtime.token_mix.TokenItems`), whose positions are
         pieces of documents with their own lengths."""
-        found = self._open.get((epoch, order_key))
+        opened = (epoch, order_key, None if items is None else items.key)
+        found = self._open.get(opened)
         if found is not None:
             return found
         packing = self.packing
@@ -141,7 +142,7 @@ class PlanFiles:
         prune(folder, key, epoch, packing.strategy)
         if len(self._open) >= 3:
             self._open.pop(next(iter(self._open)))
-        self._open[(epoch, order_key)] = table
+        self._open[opened] = table
         return table
 
     def _publish(self, path: str, at: Lengths, n: int) -> RowTable:

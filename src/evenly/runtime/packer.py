@@ -97,16 +97,19 @@ class Packer:
                 self._files = PlanFiles(self.packing, lengths, key)
         return self._files
 
-    def items(self, view: SourceView, seed: int, epoch: int, shuffle: bool) -> TokenItems:
+    def items(
+        self, view: SourceView, seed: int, epoch: int, shuffle: bool, part: Any = None
+    ) -> TokenItems:
         """A token mixture's epoch ``epoch``: its pieces of documents, in order."""
-        found = self._items.get((seed, epoch, shuffle))
+        key = (seed, epoch, shuffle, repr(part or None))
+        found = self._items.get(key)
         if found is None:
             files = self.files(view)
             found = token_items(view.source, self.packing, files.lengths, files.lengths_key,
-                                seed=seed, epoch=epoch, shuffle=shuffle)  # fmt: skip
+                                seed=seed, epoch=epoch, shuffle=shuffle, part=part)  # fmt: skip
             if len(self._items) >= 3:
                 self._items.pop(next(iter(self._items)))
-            self._items[(seed, epoch, shuffle)] = found
+            self._items[key] = found
         return found
 
     def __getstate__(self) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.utils.data import default_collate, get_worker_info
 
-from evenly.core.order import SHUFFLE_MODES, make_order
+from evenly.core.order import make_order
 from evenly.core.packing.cached import BlockOrder
 from evenly.core.packing.pieces import RowTable
 from evenly.core.packing.settings import Packing
@@ -28,12 +28,12 @@ from evenly.core.spec import PassSpec
 from evenly.core.state import PassState
 from evenly.core.stream import StreamPlan
 from evenly.errors import StateError, check_int
-from evenly.runtime.checks import check_current
+from evenly.runtime.checks import check_current, shuffle_mode
 from evenly.runtime.clock import StageClock, perf_counter
 from evenly.runtime.packer import Packer, collate_rows, read_packed
 from evenly.runtime.reader import ReadContext, read_batches
 from evenly.runtime.seeds import check_generators
-from evenly.runtime.token_mix import is_token_mix
+from evenly.runtime.token_mix import is_token_mix, token_reweighted
 from evenly.transport.slots import plain_collate
 
 __all__ = ["Planner", "ReadTap"]
@@ -43,30 +43,6 @@ logger = logging.getLogger("evenly")
 #: Something that sees every sample a pass reads (the audit): called in the process that
 #: reads, with the batch's source indices and samples, before they are collated.
 ReadTap = Callable[[list[int], list[Any]], list[Any]]
-
-
-def _shuffle_mode(shuffle: bool | str, view: SourceView) -> str:
-    """'none', 'global' or 'block'; ``True`` takes the source's preferred mode."""
-    source = view.source
-    if shuffle is True:
-        mode: object = view.preferred_shuffle
-        logger.info("evenly: shuffle=True uses the %r shuffle for %s", mode, type(source).__name__)
-    elif shuffle is False:
-        mode = "none"
-    else:
-        mode = shuffle
-    message = view.shuffle_advice(str(mode)) if view.shuffle_advice is not None else None
-    if message:
-        logger.warning(message)
-    if mode not in SHUFFLE_MODES:
-        raise ValueError(f"shuffle must be True, False, 'global' or 'block', got {shuffle!r}")
-    if mode == "block" and view.shard_sizes is None:
-        raise ValueError(
-            f"shuffle='block' needs a sharded source with shard_sizes (evenly.from_parquet, "
-            f"from_webdataset, from_jsonl); {type(source).__name__} has none: use "
-            f"shuffle='global'"
-        )
-    return str(mode)
 
 
 class Planner:
@@ -89,7 +65,7 @@ class Planner:
         self.view = SourceView.of(source)
         self.generation = 0
         self.transform = transform
-        self.shuffle_mode = _shuffle_mode(shuffle, self.view)
+        self.shuffle_mode = shuffle_mode(shuffle, self.view)
         self.block_shards = check_int("block_shards", block_shards, minimum=1)
         if on_error not in ("raise", "skip"):
             raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
@@ -157,13 +133,16 @@ class Planner:
             return files.concat_rows()  # the epoch's tokens cut into rows
         return self.epoch_rows(epoch)[0].num_rows
 
-    def epoch_rows(self, epoch: int) -> tuple[RowTable, Order | None]:
-        """Epoch ``epoch``'s packed rows and its document order."""
+    def epoch_rows(self, epoch: int, part: Any = None) -> tuple[RowTable, Order | None]:
+        """Epoch ``epoch``'s packed rows and its document order (``part``: what the pass
+        carries, for a token mixture's weight changes)."""
         assert self.packer is not None
         n = self.num_samples()
         key = (self.seed, self.shuffle_mode, self.block_shards)
         if is_token_mix(self.source):  # the order's positions are pieces of documents
-            items = self.packer.items(self.view, self.seed, epoch, self.shuffle_mode != "none")
+            items = self.packer.items(
+                self.view, self.seed, epoch, self.shuffle_mode != "none", part
+            )
             return self.packer.files(self.view).table(epoch, key, items, items), items
         cached = self._orders.get((epoch, n, key))
         if cached is None:
@@ -302,6 +281,14 @@ class Planner:
                 f"set_weights needs an evenly.Mix source, not {type(self.source).__name__}"
             )
         saved = self.to_state(state, drop_last, order)
+        if is_token_mix(self.source) and self.packer is not None:
+            files = self.packer.files(self.view)
+            saved["source_state"]["part"] = token_reweighted(
+                self.source, self.packer.packing, files.lengths, state.source,
+                epoch=state.epoch, position=state.position, weights=weights, seed=self.seed,
+                shuffle=self.shuffle_mode != "none",
+            )  # fmt: skip
+            return self.from_state(saved, drop_last)
         saved["source_state"] = planned.reweighted(saved["source_state"], weights)
         return self.from_state(saved, drop_last)
 
@@ -372,7 +359,7 @@ class Planner:
         if progress is not None:
             progress[0] = skip
         if self.packer is not None:
-            packed = read_packed(ctx, self.packer, self.epoch_rows, skip)
+            packed = read_packed(ctx, self.packer, lambda e: self.epoch_rows(e, spec.source), skip)
             if collate in (default_collate, plain_collate):
                 collate = collate_rows(self.packer.packing)
             for rows in packed:

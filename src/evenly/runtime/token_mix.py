@@ -5,27 +5,35 @@ document orders, planned once per node and memory-mapped by every process.
   per source, memory-mapped), read by global index through :class:`MixLengths`.
 - Epoch ``e``'s order (:func:`~evenly.core.mix.tokens.token_epoch`): one 16-byte item
   per piece, in ``cache_dir/packing/<key>-e<epoch>.items`` (written once by whichever
-  process of the node comes first).  Planning holds about 60 bytes per item of the
-  epoch in that process; every process then maps the file.
+  process of the node comes first), a window of about half a million items at a time;
+  every process then maps the file.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from evenly.core.mix.tokens import ITEM, token_epoch
+from evenly.core.mix.apportion import check_weights
+from evenly.core.mix.tokens import ITEM, TokenSegment, offsets_at, segmented_chunks, token_segments
 from evenly.core.packing.settings import Packing
 from evenly.runtime.lengths import document_lengths
 from evenly.runtime.packed_plans import prune
 from evenly.sources._cachedir import cache_subdir, publish
 
-__all__ = ["MixLengths", "TokenItems", "is_token_mix", "mix_lengths", "token_items"]
+__all__ = [
+    "MixLengths",
+    "TokenItems",
+    "is_token_mix",
+    "mix_lengths",
+    "token_items",
+    "token_reweighted",
+]
 
 I64 = npt.NDArray[np.int64]
 
@@ -131,6 +139,12 @@ def _open_items(path: str, n: int, key: str) -> TokenItems:
     return TokenItems(np.memmap(path, dtype=ITEM, mode="r", shape=(n,)), key)
 
 
+def _segments(mix: Any, lengths: MixLengths, epoch: int, part: Any) -> list[TokenSegment]:
+    w = None if mix.weights is None else list(mix.weights.values())
+    total = sum(mix.token_shares(lengths.totals))
+    return token_segments(part or None, epoch, lengths.totals, w, total)
+
+
 def token_items(
     mix: Any,
     packing: Packing,
@@ -140,25 +154,23 @@ def token_items(
     seed: int,
     epoch: int,
     shuffle: bool,
+    part: Any = None,
 ) -> TokenItems:
-    """Epoch ``epoch``'s items, planned once per node into ``cache_dir/packing``."""
-    shares = mix.token_shares(lengths.totals)
-    text = f"{lengths_key}/{mix.names}/{shares}/{seed}/{shuffle}/{packing.seq_len}/tokens-mix-v1"
+    """Epoch ``epoch``'s items, planned once per node into ``cache_dir/packing``
+    (``part``: what the pass carries after a loaded state or ``set_weights``)."""
+    segments = _segments(mix, lengths, epoch, part)
+    total = sum(mix.token_shares(lengths.totals))
+    text = f"{lengths_key}/{mix.names}/{segments}/{seed}/{shuffle}/{packing.seq_len}/tokens-v2"
     key = hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
     folder = cache_subdir("packing")
     path = os.path.join(folder, f"{key}-e{epoch}.items")
 
     def plan(tmp: str) -> None:
-        items = token_epoch(
-            lengths.parts,
-            shares,
-            seq_len=packing.seq_len,
-            seed=seed,
-            epoch=epoch,
-            shuffle=shuffle,
-            names=mix.names,
-        )
-        items.tofile(tmp)
+        chunks = segmented_chunks(lengths.parts, segments, total, seq_len=packing.seq_len,
+                                  seed=seed, shuffle=shuffle, names=mix.names)  # fmt: skip
+        with open(tmp, "wb") as f:
+            for chunk in chunks:
+                chunk.tofile(f)
 
     publish(path, plan)
     size = os.path.getsize(path)
@@ -166,3 +178,50 @@ def token_items(
     if size % ITEM.itemsize:
         raise ValueError(f"evenly: {path} is not a complete token-mix plan; remove it")
     return _open_items(path, size // ITEM.itemsize, f"{key}-e{epoch}")
+
+
+def token_reweighted(
+    mix: Any,
+    packing: Packing,
+    lengths: MixLengths,
+    part: Any,
+    *,
+    epoch: int,
+    position: int,
+    weights: Mapping[str, float],
+    seed: int,
+    shuffle: bool,
+) -> dict[str, Any]:
+    """The part a pass carries after ``set_weights(weights)`` at row ``position`` of
+    ``epoch`` (``concat``: the first ``position * seq_len`` tokens stay; from there each
+    stream continues under the new weights, which hold for later epochs)."""
+    if packing.strategy != "concat":
+        raise ValueError(
+            "set_weights on an evenly.Mix(unit='tokens') needs Packing(strategy='concat'): "
+            "best_fit reorders documents inside its windows, so the rows already read "
+            "could not stay; change the weights between epochs (a new Mix, resumed at an "
+            "epoch boundary)"
+        )
+    vector = [check_weights(mix.names, weights)[n] for n in mix.names]
+    segments = _segments(mix, lengths, epoch, part)
+    total = sum(mix.token_shares(lengths.totals))
+    token = position * packing.seq_len
+    start = segments[0]
+    if token >= total:  # the epoch is read: the next one starts with the new weights
+        last = segments[-1]
+        end = [o + s for o, s in zip(last.offsets, last.shares, strict=True)]
+        return {"anchor_epoch": epoch + 1, "anchor_offsets": end, "weights": vector,
+                "changes": []}  # fmt: skip
+    if token == 0:
+        return {"anchor_epoch": epoch, "anchor_offsets": list(start.offsets),
+                "weights": vector, "changes": []}  # fmt: skip
+    kept = [s for s in segments if s.start < token]
+    at = offsets_at(lengths.parts, kept[-1], token, seq_len=packing.seq_len, seed=seed,
+                    shuffle=shuffle, names=mix.names)  # fmt: skip
+    changes = [[s.start, list(s.weights or vector), list(s.offsets)] for s in kept[1:]]
+    return {
+        "anchor_epoch": epoch,
+        "anchor_offsets": list(start.offsets),
+        "weights": None if start.weights is None else list(start.weights),
+        "changes": [*changes, [token, vector, list(at)]],
+    }

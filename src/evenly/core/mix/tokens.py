@@ -40,22 +40,29 @@ row (``seq_len``) for three, and for more whenever ``p_d <= 1 / (D - 2)``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from evenly.core.mix.apportion import mix_counts
-from evenly.core.permutation import derive_keys, keyed_bijection, mix64
+from evenly.core.mix.token_stream import TokenStream
+from evenly.core.permutation import derive_keys
 from evenly.errors import StateError, check_int
 
 __all__ = [
     "ITEM",
+    "TokenSegment",
     "check_token_state",
     "check_unit",
     "deviation_bound",
+    "offsets_at",
+    "segmented_chunks",
     "token_epoch",
+    "token_epoch_chunks",
+    "token_segments",
     "token_shares",
 ]
 
@@ -63,7 +70,8 @@ I64 = npt.NDArray[np.int64]
 #: One item of the epoch's order: tokens ``[start, start + len)`` of global document
 #: ``doc`` (16 bytes, the layout of the node's plan file too).
 ITEM = np.dtype([("doc", "<i8"), ("start", "<i4"), ("len", "<i4")])
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+#: Items per window of the merge (about).
+CHUNK = 1 << 17
 
 
 def token_shares(
@@ -104,16 +112,33 @@ def check_unit(
     return unit
 
 
-def check_token_state(state: Any, mine: dict[str, Any]) -> None:
-    """A token mixture's part of a checkpoint must match the Mix it is loaded into."""
+def check_token_state(state: Any, mine: dict[str, Any], names: Sequence[str]) -> dict[str, Any]:
+    """A token mixture's part of a checkpoint must match the Mix it is loaded into;
+    returns what the pass carries from it (the streams' anchor and weight changes)."""
     for key in ("unit", "names", "lengths", "weights", "tokens_per_epoch"):
         if not isinstance(state, dict) or state.get(key) != mine[key]:
             got = state.get(key) if isinstance(state, dict) else state
             raise StateError(
                 f"evenly.Mix: the state's {key} is {got!r}, this Mix has {mine[key]!r}: a "
                 "token mixture resumes only with the same sources, weights and "
-                "tokens_per_epoch"
+                "tokens_per_epoch (set_weights changes are in the state's part)"
             )
+    part = state.get("part")
+    if part is None:
+        return {}
+    try:
+        check_int("anchor_epoch", part["anchor_epoch"], minimum=0)
+        vectors = [part["anchor_offsets"]] + [c[2] for c in part["changes"]]
+        weights = [w for w in [part["weights"]] + [c[1] for c in part["changes"]] if w]
+        positions = [check_int("change position", c[0], minimum=1) for c in part["changes"]]
+        ok = all(len(v) == len(names) and all(int(x) >= 0 for x in v) for v in vectors)
+        ok = ok and all(len(w) == len(names) and min(w) >= 0 < sum(w) for w in weights)
+        ok = ok and positions == sorted(set(positions))
+    except (KeyError, TypeError, IndexError, ValueError) as exc:
+        raise StateError(f"evenly.Mix: the state's token-mixture part is malformed: {exc}") from exc
+    if not ok:
+        raise StateError(f"evenly.Mix: the state's token-mixture part is malformed: {part!r}")
+    return dict(part)
 
 
 def deviation_bound(shares: Sequence[int], seq_len: int) -> tuple[float, ...]:
@@ -122,47 +147,6 @@ def deviation_bound(shares: Sequence[int], seq_len: int) -> tuple[float, ...]:
     total = sum(int(s) for s in shares)
     d = len(shares)
     return tuple(seq_len / 2 * (1 + int(s) / total * max(d - 2, 0)) for s in shares)
-
-
-def _pass_docs(n: int, key: int, k: int, shuffle: bool) -> I64:
-    docs = np.arange(n, dtype=np.int64)
-    if not shuffle or n < 2:
-        return docs
-    word = mix64(np.array([key], dtype=np.uint64) ^ mix64(np.array([k], np.uint64) * _GOLDEN))
-    keys = np.full(n, word[0], dtype=np.uint64)
-    return keyed_bijection(docs, np.full(n, n, dtype=np.int64), keys)
-
-
-def _source_items(
-    lengths: Any, lo: int, hi: int, *, seq_len: int, key: int, shuffle: bool
-) -> tuple[I64, I64, I64, I64]:
-    """``(doc, start, len, r)`` of the items of tokens ``[lo, hi)`` of one source's
-    stream (``r``: the item's first token counted from ``lo``)."""
-    lens_all = np.asarray(lengths)
-    total = int(lens_all.sum(dtype=np.int64))
-    parts: list[tuple[I64, I64, I64, I64]] = []
-    for k in range(lo // total, (hi - 1) // total + 1):
-        base = k * total
-        a, b = max(lo, base) - base, min(hi, base + total) - base
-        docs = _pass_docs(lens_all.size, key, k, shuffle)
-        lens = lens_all[docs].astype(np.int64)
-        ends = np.cumsum(lens)
-        starts = ends - lens
-        first = int(np.searchsorted(ends, a, side="right"))
-        last = int(np.searchsorted(starts, b, side="left"))
-        sel = slice(first, last)
-        d, st, en = docs[sel], starts[sel], ends[sel]
-        keep = en > st  # documents without tokens hold no item
-        d, st, en = d[keep], st[keep], en[keep]
-        rel_lo, rel_hi = np.maximum(st, a) - st, np.minimum(en, b) - st
-        p_lo, p_hi = rel_lo // seq_len, (rel_hi - 1) // seq_len
-        count = p_hi - p_lo + 1
-        seg = np.repeat(np.arange(d.size), count)
-        piece = p_lo[seg] + np.arange(seg.size) - np.repeat(np.cumsum(count) - count, count)
-        s = np.maximum(rel_lo[seg], piece * seq_len)
-        e = np.minimum(rel_hi[seg], (piece + 1) * seq_len)
-        parts.append((d[seg], s, e - s, st[seg] + s + base - lo))
-    return tuple(np.concatenate([p[i] for p in parts]) for i in range(4))  # type: ignore[return-value]
 
 
 def token_epoch(
@@ -176,28 +160,158 @@ def token_epoch(
     names: Sequence[str],
     offsets: Sequence[int] | None = None,
 ) -> npt.NDArray[np.void]:
-    """Epoch ``epoch``'s items (:data:`ITEM`) in order: ``doc`` is the global index
-    (sources concatenated in ``names`` order).  ``offsets``: each stream's token offset at
-    the epoch start (default ``epoch * share``: the weights never changed)."""
-    total = sum(int(s) for s in shares)
+    """Epoch ``epoch``'s items (:data:`ITEM`) in order (:func:`token_epoch_chunks`, in
+    one array)."""
+    chunks = token_epoch_chunks(lengths, shares, seq_len=seq_len, seed=seed, epoch=epoch,
+                                shuffle=shuffle, names=names, offsets=offsets)  # fmt: skip
+    return np.concatenate([np.empty(0, dtype=ITEM), *chunks])
+
+
+def token_epoch_chunks(
+    lengths: Sequence[Any],
+    shares: Sequence[int],
+    *,
+    seq_len: int,
+    seed: int,
+    epoch: int,
+    shuffle: bool,
+    names: Sequence[str],
+    offsets: Sequence[int] | None = None,
+    chunk: int = CHUNK,
+) -> Iterator[npt.NDArray[np.void]]:
+    """Epoch ``epoch``'s items (:data:`ITEM`) in order, about ``chunk`` at a time (memory:
+    a few times that, whatever the epoch's size).  ``doc`` is the global index (sources
+    concatenated in ``names`` order); ``offsets``: each stream's token offset at the epoch
+    start (default ``epoch * share``: the weights never changed).
+
+    The merge runs over windows of virtual time: an item belongs to the window of its
+    midpoint tag, and each source's items of a window lie in a token range of the
+    window's width (plus one piece), so windows are sorted one by one."""
+    total = sum(int(x) for x in shares)
     if offsets is None:
-        offsets = [epoch * int(s) for s in shares]
+        offsets = [epoch * int(x) for x in shares]
     bases = np.concatenate([[0], np.cumsum([len(x) for x in lengths])[:-1]]).astype(np.int64)
-    cols: list[list[I64]] = [[], [], [], [], []]
-    tags: list[npt.NDArray[np.float64]] = []
-    for d, (lens, share, off) in enumerate(zip(lengths, shares, offsets, strict=True)):
-        if int(share) == 0:
-            continue
+    streams = []
+    for d, lens in enumerate(lengths):
         (key,) = derive_keys(f"mix-tokens/{len(names[d])}:{names[d]}", seed, 0, 1)
-        doc, start, n, r = _source_items(
-            lens, int(off), int(off) + int(share), seq_len=seq_len, key=key, shuffle=shuffle
+        streams.append(TokenStream(lens, seq_len=seq_len, key=key, shuffle=shuffle))
+    pieces = sum(
+        int(x) * st.pieces / st.total for x, st in zip(shares, streams, strict=True) if int(x)
+    )
+    windows = max(1, -(-int(pieces + len(shares)) // chunk))
+    for j in range(windows):
+        lo_t, hi_t = total * j / windows, (total * (j + 1) / windows if j + 1 < windows else np.inf)
+        cols: list[list[I64]] = [[], [], [], [], []]
+        tags: list[npt.NDArray[np.float64]] = []
+        for d, (stream, share, off) in enumerate(zip(streams, shares, offsets, strict=True)):
+            share, off = int(share), int(off)
+            if share == 0:
+                continue
+            p = share / total
+            lo = max(0, int(lo_t * p) - seq_len - 1)
+            hi = share if hi_t == np.inf else min(share, int(hi_t * p) + 2)
+            doc, start, n, s = stream.items(off + lo, off + hi, off, off + share)
+            tag = (2 * (s - off) + n).astype(np.float64) * (total / (2.0 * share))
+            keep = (tag >= lo_t) & (tag < hi_t)
+            tags.append(tag[keep])
+            src = np.full(int(keep.sum()), d, dtype=np.int64)
+            for col, values in zip(cols, (doc + bases[d], start, n, s, src), strict=True):
+                col.append(values[keep] if values is not src else values)
+        doc, start, n, s, src = (np.concatenate(c) for c in cols)
+        order = np.lexsort((s, src, np.concatenate(tags)))
+        out = np.empty(order.size, dtype=ITEM)
+        out["doc"], out["start"], out["len"] = doc[order], start[order], n[order]
+        yield out
+
+
+@dataclass(frozen=True)
+class TokenSegment:
+    """A stretch of an epoch under one set of weights: from token ``start`` of the epoch,
+    each stream continues from ``offsets`` and takes ``shares`` tokens (the rest of the
+    epoch, by ``weights``), until the next segment starts."""
+
+    start: int
+    offsets: tuple[int, ...]
+    shares: tuple[int, ...]
+    weights: tuple[float, ...] | None
+
+
+def token_segments(
+    part: Mapping[str, Any] | None,
+    epoch: int,
+    totals: Sequence[int],
+    weights: Sequence[float] | None,
+    tokens: int,
+) -> list[TokenSegment]:
+    """Epoch ``epoch``'s segments.  ``part`` is what a pass carries after a loaded state
+    or ``set_weights`` (``anchor_epoch``, ``anchor_offsets``: the streams at its start,
+    ``weights`` in force from it, ``changes``: ``[token position, weights, offsets
+    there]`` inside it); without one, epoch ``e`` starts at ``e`` times the shares."""
+
+    def shares(w: Sequence[float] | None, rest: int) -> tuple[int, ...]:
+        return token_shares(totals, w, rest)
+
+    own = shares(weights, tokens)
+    w_own = None if weights is None else tuple(float(x) for x in weights)
+    if not part or epoch < int(part["anchor_epoch"]):
+        return [TokenSegment(0, tuple(epoch * s for s in own), own, w_own)]
+    e0 = int(part["anchor_epoch"])
+    w0 = w_own if part.get("weights") is None else tuple(float(x) for x in part["weights"])
+    offsets = tuple(int(x) for x in part["anchor_offsets"])
+    segments = [TokenSegment(0, offsets, shares(w0, tokens), w0)]
+    for pos, w, offs in part.get("changes", ()):
+        weights_at = tuple(float(x) for x in w)
+        at = tuple(int(x) for x in offs)
+        segments.append(
+            TokenSegment(int(pos), at, shares(weights_at, tokens - int(pos)), weights_at)
         )
-        tags.append((2 * r + n).astype(np.float64) * (total / (2.0 * int(share))))
-        src = np.full(doc.size, d, dtype=np.int64)
-        for col, values in zip(cols, (doc + bases[d], start, n, r, src), strict=True):
-            col.append(values)
-    doc, start, n, r, src = (np.concatenate(c) for c in cols)
-    order = np.lexsort((r, src, np.concatenate(tags)))
-    out = np.empty(order.size, dtype=ITEM)
-    out["doc"], out["start"], out["len"] = doc[order], start[order], n[order]
-    return out
+    if epoch == e0:
+        return segments
+    last = segments[-1]
+    full = shares(last.weights, tokens)
+    start = [
+        o + s + (epoch - e0 - 1) * f
+        for o, s, f in zip(last.offsets, last.shares, full, strict=True)
+    ]
+    return [TokenSegment(0, tuple(start), full, last.weights)]
+
+
+def _segment_chunks(
+    lengths: Sequence[Any], segment: TokenSegment, budget: int, **kwargs: Any
+) -> Iterator[npt.NDArray[np.void]]:
+    """The first ``budget`` tokens of a segment's items (the last item cut there)."""
+    for chunk in token_epoch_chunks(lengths, segment.shares, offsets=segment.offsets, epoch=0,
+                                    **kwargs):  # fmt: skip
+        if budget <= 0:
+            return
+        cum = np.cumsum(chunk["len"], dtype=np.int64)
+        if cum.size and int(cum[-1]) >= budget:
+            k = int(np.searchsorted(cum, budget, side="left"))
+            out = chunk[: k + 1].copy()
+            out["len"][-1] -= int(cum[k]) - budget
+            yield out
+            return
+        budget -= int(cum[-1]) if cum.size else 0
+        yield chunk
+
+
+def segmented_chunks(
+    lengths: Sequence[Any], segments: Sequence[TokenSegment], tokens: int, **kwargs: Any
+) -> Iterator[npt.NDArray[np.void]]:
+    """An epoch's items, segment after segment (each cut where the next starts)."""
+    ends = [s.start for s in segments[1:]] + [tokens]
+    for segment, end in zip(segments, ends, strict=True):
+        yield from _segment_chunks(lengths, segment, end - segment.start, **kwargs)
+
+
+def offsets_at(
+    lengths: Sequence[Any], segment: TokenSegment, position: int, **kwargs: Any
+) -> tuple[int, ...]:
+    """Each stream's offset after the epoch's first ``position`` tokens (inside
+    ``segment``): what a weight change there continues from."""
+    bases = np.concatenate([[0], np.cumsum([len(x) for x in lengths])]).astype(np.int64)
+    used = np.zeros(len(lengths), dtype=np.int64)
+    for chunk in _segment_chunks(lengths, segment, position - segment.start, **kwargs):
+        src = np.searchsorted(bases, chunk["doc"], side="right") - 1
+        np.add.at(used, src, chunk["len"].astype(np.int64))
+    return tuple(int(o + u) for o, u in zip(segment.offsets, used.tolist(), strict=True))

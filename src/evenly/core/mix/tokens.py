@@ -150,21 +150,11 @@ def deviation_bound(shares: Sequence[int], seq_len: int) -> tuple[float, ...]:
 
 
 def token_epoch(
-    lengths: Sequence[Any],
-    shares: Sequence[int],
-    *,
-    seq_len: int,
-    seed: int,
-    epoch: int,
-    shuffle: bool,
-    names: Sequence[str],
-    offsets: Sequence[int] | None = None,
+    lengths: Sequence[Any], shares: Sequence[int], **kwargs: Any
 ) -> npt.NDArray[np.void]:
-    """Epoch ``epoch``'s items (:data:`ITEM`) in order (:func:`token_epoch_chunks`, in
-    one array)."""
-    chunks = token_epoch_chunks(lengths, shares, seq_len=seq_len, seed=seed, epoch=epoch,
-                                shuffle=shuffle, names=names, offsets=offsets)  # fmt: skip
-    return np.concatenate([np.empty(0, dtype=ITEM), *chunks])
+    """Epoch ``epoch``'s items (:data:`ITEM`) in order, in one array (the keywords of
+    :func:`token_epoch_chunks`)."""
+    return np.concatenate([np.empty(0, dtype=ITEM), *token_epoch_chunks(lengths, shares, **kwargs)])
 
 
 def token_epoch_chunks(

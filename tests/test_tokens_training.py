@@ -3,7 +3,9 @@ HF tokenizer trained here, packed by ``evenly.Packing``, and a tiny causal LM
 (``transformers`` ``LlamaForCausalLM``, built from a config: no download) trained through
 Lightning under 2 real gloo ranks with an ``evenly.DataLoader`` (2 workers each).  Each
 epoch every token of every document reaches exactly one rank exactly once, both ranks run
-the same number of steps, and the loss is finite."""
+the same number of steps, and the loss is finite.  The same launch then trains on an
+``evenly.Mix(unit="tokens")`` of the shards twice (equal weights): every token of each
+source once per epoch."""
 
 from __future__ import annotations
 
@@ -27,8 +29,9 @@ pytestmark = [
 SEQ_LEN, BATCH, EPOCHS = 64, 4, 2
 
 
-def train_ranks(rank: int, world: int, shards: str, vocab: int) -> list[dict[str, Any]]:
-    """One rank: fit the tiny LM for ``EPOCHS`` epochs, recording every step's batch."""
+def train_ranks(rank: int, world: int, shards: str, vocab: int) -> list[list[dict[str, Any]]]:
+    """One rank: fit the tiny LM for ``EPOCHS`` epochs, recording every step's batch, on
+    the shards, then (the same launch) on a Mix by tokens of the shards twice."""
     import lightning as L
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -73,23 +76,28 @@ def train_ranks(rank: int, world: int, shards: str, vocab: int) -> list[dict[str
             return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
     pack = evenly.Packing(SEQ_LEN, document_ids=True)
-    ds = evenly.Dataset(evenly.from_arrow(shards), shuffle=True, seed=0, pack=pack)
-    loader = evenly.DataLoader(ds, batch_size=BATCH, num_workers=2)
-    module = TinyLM()
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=world,
-        strategy="ddp",
-        max_epochs=EPOCHS,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        num_sanity_val_steps=0,
-        default_root_dir=str(Path(shards).parent / f"rank{rank}"),
-    )
-    trainer.fit(module, loader)
-    return module.steps
+    mix = evenly.Mix({"a": evenly.from_arrow(shards), "b": evenly.from_arrow(shards)},
+                     weights={"a": 1, "b": 1}, unit="tokens")  # fmt: skip
+    out = []
+    for source in (evenly.from_arrow(shards), mix):
+        ds = evenly.Dataset(source, shuffle=True, seed=0, pack=pack)
+        loader = evenly.DataLoader(ds, batch_size=BATCH, num_workers=2)
+        module = TinyLM()
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=world,
+            strategy="ddp",
+            max_epochs=EPOCHS,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=False,
+            num_sanity_val_steps=0,
+            default_root_dir=str(Path(shards).parent / f"rank{rank}"),
+        )
+        trainer.fit(module, loader)
+        out.append(module.steps)
+    return out
 
 
 def test_a_tiny_llama_trains_on_packed_rows_every_token_once_per_epoch(tmp_path: Path) -> None:
@@ -109,6 +117,14 @@ def test_a_tiny_llama_trains_on_packed_rows_every_token_once_per_epoch(tmp_path:
         timeout=300,
     )
     want = Counter((doc, t) for doc, ids in enumerate(tk(texts)) for t in ids)
+    _check_every_token_once(want, [r[0] for r in ranks])
+    # the Mix by tokens of the shards twice (equal weights, every token of each once)
+    n = len(texts)
+    twice = want + Counter({(doc + n, t): c for (doc, t), c in want.items()})
+    _check_every_token_once(twice, [r[1] for r in ranks])
+
+
+def _check_every_token_once(want: Counter[tuple[int, int]], ranks: list[Any]) -> None:
     orders = []
     for epoch in range(EPOCHS):
         steps = [[s for s in r if s["epoch"] == epoch] for r in ranks]

@@ -148,7 +148,9 @@ class Planner:
         if cached is None:
             order = self.order_for(epoch, n, 1, 0)
             cached = None if order is None else BlockOrder(order, n)
-            self._orders = {(epoch, n, key): cached}  # the epoch being read
+            if len(self._orders) >= 2:  # the epochs being read (a stream's batch spans two)
+                self._orders.pop(next(iter(self._orders)))
+            self._orders[(epoch, n, key)] = cached
         return self.packer.files(self.view).table(epoch, key, cached), cached
 
     def source_fingerprint(self) -> int:

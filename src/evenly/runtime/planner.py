@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
-from torch.utils.data import default_collate, get_worker_info
+from torch.utils.data import get_worker_info
 
 from evenly.core.order import SHUFFLE_MODES, make_order
 from evenly.core.packing.cached import BlockOrder
@@ -30,10 +30,9 @@ from evenly.core.stream import StreamPlan
 from evenly.errors import StateError, check_int
 from evenly.runtime.checks import check_current
 from evenly.runtime.clock import StageClock, perf_counter
-from evenly.runtime.packer import Packer, collate_rows, read_packed
+from evenly.runtime.packer import Packer, packed_items
 from evenly.runtime.reader import ReadContext, read_batches
 from evenly.runtime.seeds import check_generators
-from evenly.transport.slots import plain_collate
 
 __all__ = ["Planner", "ReadTap"]
 
@@ -362,14 +361,7 @@ class Planner:
         if progress is not None:
             progress[0] = skip
         if self.packer is not None:
-            packed = read_packed(ctx, self.packer, self.epoch_rows, skip)
-            if collate in (default_collate, plain_collate):
-                collate = collate_rows(self.packer.packing)
-            for rows in packed:
-                if collate is None:
-                    yield from rows
-                else:
-                    yield collate(rows)
+            yield from packed_items(ctx, self.packer, self.epoch_rows, skip, collate)
             return
         batches = read_batches(ctx, skip)
         if ctx.columnar:

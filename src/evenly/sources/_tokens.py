@@ -64,13 +64,20 @@ def list_tokens(source: Any, indices: Sequence[int], field: str) -> list[npt.NDA
     chunk = np.searchsorted(source._cstarts, rows, side="right") - 1
     local = (rows - source._cstarts[chunk]).tolist()
     views: dict[int, TokenViews] = {}
+    # each file opened (and checked unchanged) once per call, where all stay open
+    handles: dict[int, Any] | None = {} if len(source.urls) <= source.max_open_files else None
     out: list[npt.NDArray[Any]] = []
     for j, (c, i) in enumerate(zip(chunk.tolist(), local, strict=True)):
         found = views.get(c)
         if found is None:
             k, g = int(source._cshard[c]), int(source._clocal[c])
             try:
-                found = source._token_views(k, g, source._handle(k), field)
+                handle = None if handles is None else handles.get(k)
+                if handle is None:
+                    handle = source._handle(k)
+                    if handles is not None:
+                        handles[k] = handle
+                found = source._token_views(k, g, handle, field)
             except Exception as exc:
                 raise source._error(exc, int(samples[j])) from exc
             views[c] = found

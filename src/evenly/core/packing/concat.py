@@ -116,10 +116,13 @@ class ConcatRows:
         )
         begin = np.maximum(first[doc], row * L)
         end = np.minimum(np.minimum(last[doc], (row + 1) * L), self.total)
-        wanted = np.isin(row, rows)
+        if int(rows[-1]) - int(rows[0]) + 1 == rows.size:  # consecutive rows (a batch)
+            wanted = (row >= rows[0]) & (row <= rows[-1])
+        else:
+            wanted = np.isin(row, rows)
         row, doc, begin, end = row[wanted], doc[wanted], begin[wanted], end[wanted]
-        order = np.lexsort((pos[doc], row))
-        row, doc, begin, end = row[order], doc[order], begin[order], end[order]
+        # already sorted by (row, pos): documents follow each other in the token stream,
+        # so a document's last row is at most the next one's first
         return pieces_of(row, pos[doc], begin - first[doc], end - begin)
 
     def _row_pieces(self, rows: I64) -> npt.NDArray[np.void]:

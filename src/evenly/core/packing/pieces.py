@@ -24,7 +24,16 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["IGNORE", "PIECE", "Lengths", "RowTable", "assemble", "pieces_of"]
+__all__ = [
+    "IGNORE",
+    "PIECE",
+    "Lengths",
+    "RowTable",
+    "assemble",
+    "piece_tokens",
+    "pieces_of",
+    "place",
+]
 
 I64 = npt.NDArray[np.int64]
 #: One piece of a document in a row (24 bytes, the layout of the plan files too).
@@ -56,6 +65,21 @@ def pieces_of(
     return out
 
 
+def piece_tokens(
+    pieces: npt.NDArray[np.void], tokens: Mapping[int, npt.NDArray[np.integer]]
+) -> I64:
+    """The tokens of every piece, one after the other (int64): one copy of each token."""
+    if not pieces.size:
+        return np.zeros(0, dtype=np.int64)
+    parts = [
+        tokens[pos][start : start + n]
+        for pos, start, n in zip(
+            pieces["pos"].tolist(), pieces["start"].tolist(), pieces["len"].tolist(), strict=True
+        )
+    ]
+    return np.concatenate(parts, dtype=np.int64, casting="unsafe")
+
+
 def assemble(
     rows: I64,
     pieces: npt.NDArray[np.void],
@@ -72,29 +96,51 @@ def assemble(
     document at position ``pos``, ``doc_index[pos]`` its source index.  A row without
     pieces (a pad row) is all ``pad_id``.
     """
+    flat = piece_tokens(pieces, tokens)
+    index = np.asarray([doc_index[p] for p in pieces["pos"].tolist()], dtype=np.int64)
+    return place(rows, pieces, flat, seq_len=seq_len, pad_id=pad_id, doc_index=index)
+
+
+def place(
+    rows: I64,
+    pieces: npt.NDArray[np.void],
+    flat: I64,
+    *,
+    seq_len: int,
+    pad_id: int,
+    doc_index: I64 | None = None,
+) -> dict[str, I64]:
+    """:func:`assemble` from the pieces' tokens already gathered (``flat``, from
+    :func:`piece_tokens`) and each piece's source index (``doc_index``; ``None``: no
+    ``document_ids``): vectorised over the pieces, one slice copy per row."""
     count = len(rows)
-    input_ids = np.full((count, seq_len), pad_id, dtype=np.int64)
-    position_ids = np.zeros((count, seq_len), dtype=np.int64)
-    document_ids = np.zeros((count, seq_len), dtype=np.int64)
-    slot = np.searchsorted(rows, pieces["row"])
-    fill = np.zeros(count, dtype=np.int64)
-    ramp = np.arange(seq_len, dtype=np.int64)
-    for b, pos, start, n in zip(
-        slot.tolist(),
-        pieces["pos"].tolist(),
-        pieces["start"].tolist(),
-        pieces["len"].tolist(),
-        strict=True,
-    ):
-        at = int(fill[b])
-        input_ids[b, at : at + n] = tokens[pos][start : start + n]
-        position_ids[b, at : at + n] = ramp[:n]
-        document_ids[b, at : at + n] = doc_index[pos] + 1
-        fill[b] = at + n
-    labels = np.where(position_ids == 0, IGNORE, input_ids)
-    return {
-        "input_ids": input_ids,
-        "position_ids": position_ids,
-        "labels": labels,
-        "document_ids": document_ids,
-    }
+    lens = pieces["len"].astype(np.int64)
+    ends = np.cumsum(lens)
+    begins = ends - lens  # where each piece starts in flat
+    slot = np.searchsorted(rows, pieces["row"])  # the output row of each piece
+    new_row = np.ones(slot.size, dtype=np.bool_)
+    new_row[1:] = slot[1:] != slot[:-1]
+    first = np.flatnonzero(new_row)  # each row's first piece
+    row_lo, row_hi = begins[first], np.append(begins[first[1:]], flat.size)
+    # within each piece: 0, 1, ... (the row's first token is a piece start too)
+    ramp = np.arange(flat.size, dtype=np.int64) - np.repeat(begins, lens)
+    columns = {"input_ids": (flat, pad_id), "position_ids": (ramp, 0)}
+    if doc_index is not None:
+        columns["document_ids"] = (np.repeat(doc_index + 1, lens), 0)
+    out: dict[str, I64] = {}
+    full = flat.size == count * seq_len  # then every row holds seq_len tokens
+    filled = slot[first].tolist()
+    for key, (values, fill) in columns.items():
+        if full:  # the gathered tokens are the rows
+            out[key] = values.reshape(count, seq_len)
+            continue
+        array = np.full((count, seq_len), fill, dtype=np.int64)
+        for b, lo, hi in zip(filled, row_lo.tolist(), row_hi.tolist(), strict=True):
+            array[b, : hi - lo] = values[lo:hi]
+        out[key] = array
+    labels = out["input_ids"].copy()
+    labels[out["position_ids"] == 0] = IGNORE
+    ordered = {"input_ids": out["input_ids"], "position_ids": out["position_ids"], "labels": labels}
+    if "document_ids" in out:
+        ordered["document_ids"] = out["document_ids"]
+    return ordered

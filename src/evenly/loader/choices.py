@@ -68,7 +68,8 @@ def use_threads(
 ) -> bool:
     """Whether reader threads read this pass: asked for (``"thread"``: raises if the
     per-sample seeding makes it unsafe), or ``"auto"`` where it is safe and the reads
-    release the GIL (columnar: no per-sample Python) and nothing else needs processes."""
+    release the GIL (columnar: no per-sample Python; packing over a source that reads token
+    ids, without a transform) and nothing else needs processes."""
     if num_workers == 0 or worker_type == "process":
         return False
     planner = dataset._planner
@@ -79,4 +80,17 @@ def use_threads(
         if problem is not None:
             raise ValueError(f"evenly.DataLoader(worker_type='thread'): {problem}")
         return True
-    return problem is None and columnar and planner.tap is None
+    return problem is None and (columnar or _direct_packing(dataset)) and planner.tap is None
+
+
+def _direct_packing(dataset: Dataset[Any]) -> bool:
+    """A packed pass whose reads are token gathers (a source that reads token ids, no
+    transform, no tokenizer): numpy and memory-map copies that need no process each."""
+    planner = dataset._planner
+    packer = planner.packer
+    return (
+        packer is not None
+        and packer.packing.tokenize is None
+        and planner.transform is None
+        and planner.view.read_tokens is not None
+    )

@@ -19,6 +19,7 @@ import contextlib
 import hashlib
 import os
 import struct
+import threading
 from typing import Any
 
 import numpy as np
@@ -91,6 +92,17 @@ class PlanFiles:
         self.lengths_key = lengths_key
         self.total = int(np.sum(lengths, dtype=np.int64))  # buffered: no int64 copy
         self._open: dict[tuple[Any, ...], RowTable] = {}
+        self._lock = threading.Lock()  # reader threads share it; no reliance on the GIL
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        del state["_lock"]
+        state["_open"] = {}  # memory maps are mapped again
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
 
     @property
     def num_docs(self) -> int:
@@ -112,7 +124,8 @@ class PlanFiles:
     def table(self, epoch: int, order_key: tuple[Any, ...], order: Order | None) -> RowTable:
         """Epoch ``epoch``'s rows for the document order ``order`` (keyed, besides the
         epoch, by ``order_key``: seed, shuffle mode ...)."""
-        found = self._open.get((epoch, order_key))
+        with self._lock:
+            found = self._open.get((epoch, order_key))
         if found is not None:
             return found
         packing, n = self.packing, self.num_docs
@@ -129,9 +142,10 @@ class PlanFiles:
                 if attempt == 2:
                     raise
         _prune(folder, key, epoch, packing.strategy)
-        if len(self._open) >= 3:
-            self._open.pop(next(iter(self._open)))
-        self._open[(epoch, order_key)] = table
+        with self._lock:
+            if len(self._open) >= 3:
+                self._open.pop(next(iter(self._open)))
+            self._open[(epoch, order_key)] = table
         return table
 
     def _publish(self, path: str, at: Lengths) -> RowTable:

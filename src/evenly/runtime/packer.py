@@ -39,6 +39,8 @@ Row = dict[str, torch.Tensor]
 Arrays = dict[str, I64]
 #: epoch -> (its rows, its document order)
 EpochRows = Callable[[int], tuple[RowTable, Order | None]]
+#: Rows read together (whole batches): the per-read Python is paid once per group.
+GROUP_ROWS = 32
 
 
 class Packer:
@@ -129,15 +131,17 @@ def read_packed(
     files = packer.files(ctx.view)
     chunks = plan.iter_worker_chunks(ctx.rank, ctx.num_workers, ctx.worker_id, first=first)
     for positions, length in chunks:
-        for lo in range(0, positions.size, length):
-            batch = positions[lo : lo + length]
-            arrays = _rows(ctx, packer.packing, files, epoch_rows, batch, spreader)
-            if drop:
-                arrays, drop = {k: v[drop:] for k, v in arrays.items()}, 0
-            count = arrays["input_ids"].shape[0]
-            ctx.progress[0] += count
-            clock.samples += count
-            yield arrays
+        step = max(1, GROUP_ROWS // length) * length  # whole batches per read
+        for lo in range(0, positions.size, step):
+            group = _rows(
+                ctx, packer.packing, files, epoch_rows, positions[lo : lo + step], spreader
+            )
+            for at in range(0, group["input_ids"].shape[0], length):
+                arrays = {k: v[at + drop : at + length] for k, v in group.items()}
+                count, drop = arrays["input_ids"].shape[0], 0
+                ctx.progress[0] += count
+                clock.samples += count
+                yield arrays
 
 
 def packed_items(

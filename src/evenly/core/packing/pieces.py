@@ -112,35 +112,45 @@ def place(
 ) -> dict[str, I64]:
     """:func:`assemble` from the pieces' tokens already gathered (``flat``, from
     :func:`piece_tokens`) and each piece's source index (``doc_index``; ``None``: no
-    ``document_ids``): vectorised over the pieces, one slice copy per row."""
+    ``document_ids``): one pass over each output array, no Python per token."""
     count = len(rows)
     lens = pieces["len"].astype(np.int64)
-    ends = np.cumsum(lens)
-    begins = ends - lens  # where each piece starts in flat
-    slot = np.searchsorted(rows, pieces["row"])  # the output row of each piece
-    new_row = np.ones(slot.size, dtype=np.bool_)
-    new_row[1:] = slot[1:] != slot[:-1]
-    first = np.flatnonzero(new_row)  # each row's first piece
-    row_lo, row_hi = begins[first], np.append(begins[first[1:]], flat.size)
-    # within each piece: 0, 1, ... (the row's first token is a piece start too)
-    ramp = np.arange(flat.size, dtype=np.int64) - np.repeat(begins, lens)
-    columns = {"input_ids": (flat, pad_id), "position_ids": (ramp, 0)}
+    begins = np.cumsum(lens) - lens  # where each piece starts in flat
+    ramp = _ramp(seq_len)
+    position = np.concatenate([ramp[:n] for n in lens.tolist()] or [ramp[:0]])
+    columns = {"input_ids": (flat, pad_id), "position_ids": (position, 0), "labels": (flat, IGNORE)}
     if doc_index is not None:
         columns["document_ids"] = (np.repeat(doc_index + 1, lens), 0)
-    out: dict[str, I64] = {}
-    full = flat.size == count * seq_len  # then every row holds seq_len tokens
-    filled = slot[first].tolist()
-    for key, (values, fill) in columns.items():
-        if full:  # the gathered tokens are the rows
-            out[key] = values.reshape(count, seq_len)
-            continue
-        array = np.full((count, seq_len), fill, dtype=np.int64)
-        for b, lo, hi in zip(filled, row_lo.tolist(), row_hi.tolist(), strict=True):
-            array[b, : hi - lo] = values[lo:hi]
-        out[key] = array
-    labels = out["input_ids"].copy()
-    labels[out["position_ids"] == 0] = IGNORE
-    ordered = {"input_ids": out["input_ids"], "position_ids": out["position_ids"], "labels": labels}
-    if "document_ids" in out:
-        ordered["document_ids"] = out["document_ids"]
-    return ordered
+    slot = np.searchsorted(rows, pieces["row"])  # the output row of each piece
+    if flat.size == count * seq_len:  # every row full: the gathered tokens are the rows
+        starts = begins
+        out = {k: v.reshape(count, seq_len) for k, (v, _) in columns.items()}
+        out["labels"] = out["labels"].copy()
+    else:
+        new_row = np.ones(slot.size, dtype=np.bool_)
+        new_row[1:] = slot[1:] != slot[:-1]
+        first = np.flatnonzero(new_row)  # each row's first piece
+        filled = slot[first].tolist()
+        lo = begins[first]
+        spans = list(zip(filled, lo.tolist(), np.append(lo[1:], flat.size).tolist(), strict=True))
+        out = {}
+        for key, (values, fill) in columns.items():
+            array = np.full((count, seq_len), fill, dtype=np.int64)
+            for b, start, end in spans:
+                array[b, : end - start] = values[start:end]
+            out[key] = array
+        starts = slot * seq_len + begins - np.repeat(lo, np.diff(np.append(first, slot.size)))
+    out["labels"].reshape(-1)[starts[lens > 0]] = IGNORE  # every piece's first token
+    return out
+
+
+_RAMPS: dict[int, I64] = {}
+
+
+def _ramp(seq_len: int) -> I64:
+    """``0, 1, ..., seq_len - 1`` (made once per ``seq_len``)."""
+    found = _RAMPS.get(seq_len)
+    if found is None:
+        found = _RAMPS[seq_len] = np.arange(seq_len, dtype=np.int64)
+        found.flags.writeable = False
+    return found

@@ -132,7 +132,7 @@ def place(
         first = np.flatnonzero(new_row)  # each row's first piece
         filled = slot[first].tolist()
         lo = begins[first]
-        spans = list(zip(filled, lo.tolist(), np.append(lo[1:], flat.size).tolist(), strict=True))
+        spans = list(zip(filled, lo.tolist(), np.append(lo, flat.size)[1:].tolist(), strict=True))
         out = {}
         for key, (values, fill) in columns.items():
             array = np.full((count, seq_len), fill, dtype=np.int64)

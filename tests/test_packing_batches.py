@@ -237,3 +237,28 @@ def test_the_pad_token_is_found_in_a_later_piece_and_named(tmp_path):
     )
     with pytest.raises(ValueError, match=r"document 0 .* holds 31 tokens, but 30"):
         _batches(evenly.DataLoader(grow, batch_size=1))
+
+
+def test_infinite_best_fit_in_worker_processes_and_threads_is_the_in_process_stream(tmp_path):
+    """Epochs of different row counts, read ahead by workers across an epoch boundary."""
+    pack = evenly.Packing(SEQ, strategy="best_fit", open_rows=2, window=16)
+    ds = evenly.Dataset(_arrow(tmp_path, _docs()), shuffle=True, seed=4, pack=pack)
+    lengths = []
+    for e in range(3):
+        epoch = evenly.DataLoader(ds, batch_size=1)
+        epoch.set_epoch(e)
+        lengths.append(len(epoch))
+    assert len(set(lengths)) > 1
+
+    def stream(**kwargs: Any) -> list[list[int]]:
+        loader = evenly.DataLoader(ds, batch_size=4, infinite=True, **kwargs)
+        it = iter(loader)
+        steps = (sum(lengths) - 1) // 4  # into the last row of epoch 2
+        rows = [row for _ in range(steps) for row in next(it)["input_ids"].tolist()]
+        assert loader.state_dict()["epoch"] == 2
+        return rows
+
+    alone = stream()
+    assert stream(num_workers=2, worker_type="thread") == alone
+    assert stream(num_workers=2, worker_type="process") == alone
+    assert stream(num_workers=1, multiprocessing_context="spawn") == alone

@@ -22,8 +22,6 @@ WORKER_TYPES: tuple[str, ...] = ("auto", "process", "thread")
 def refuse_planned_source(dataset: Dataset[Any]) -> None:
     """A source that plans its own epochs (an ``evenly.Mix``) lays its steps out from each
     epoch's start, which a stream of epochs does not keep: refused until it can."""
-    if dataset._planner.packer is not None:
-        dataset._planner.packer.check_stream()
     if dataset._planner.view.planned is not None:
         raise ValueError(
             f"evenly.DataLoader(infinite=True) does not support a "

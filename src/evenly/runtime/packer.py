@@ -77,15 +77,6 @@ class Packer:
             )
         return cls(pack)
 
-    def check_stream(self) -> None:
-        """Refuse what training by steps (``infinite=True``) cannot do yet."""
-        if self.packing.strategy == "best_fit":
-            raise ValueError(
-                "evenly.DataLoader(infinite=True) with Packing(strategy='best_fit') is not "
-                "supported yet: its row count differs between epochs, which a stream of "
-                "epochs would have to plan ahead; use strategy='concat' to train by steps"
-            )
-
     def reset(self) -> None:
         """The source was replaced: find its lengths again."""
         self._files = None
@@ -184,7 +175,7 @@ def _rows(
     documents its rows touch and one gather of their pieces' tokens."""
     plan = ctx.plan
     if isinstance(plan, StreamPlan):
-        epochs, rows = np.divmod(positions, plan.num_samples)
+        epochs, rows = plan.split(positions)
     else:
         epochs, rows = np.full(positions.size, plan.epoch, dtype=np.int64), positions
     parts: list[tuple[I64, I64, Arrays]] = []  # (batch slots, slots in arrays, arrays)

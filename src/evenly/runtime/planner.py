@@ -158,7 +158,8 @@ class Planner:
         if cached is None:
             order = self.order_for(epoch, n, 1, 0)
             cached = None if order is None else BlockOrder(order, n)
-            self._orders = {(epoch, n, key): cached}  # the epoch being read
+            kept = list(self._orders.items())[-1:]  # the epochs being read (a stream: two)
+            self._orders = {**dict(kept), (epoch, n, key): cached}
         return self.packer.files(self.view).table(epoch, key, cached), cached
 
     def source_fingerprint(self) -> int:
@@ -204,8 +205,9 @@ class Planner:
         of every epoch's rows, packed from the document order already)."""
         step = spec.world_size * spec.batch_size
         packed = self.packer is not None
+        varied = self.varied_epochs()  # then spec.start counts from epoch spec.epoch
         return StreamPlan(
-            num_samples=self.units(0) if packed else spec.num_samples,
+            num_samples=self.units(spec.epoch if varied else 0) if packed else spec.num_samples,
             world_size=spec.world_size,
             batch_size=spec.batch_size,
             seed=self.seed,
@@ -213,7 +215,20 @@ class Planner:
             orders=(lambda epoch: None)
             if packed
             else (lambda epoch: self.order_for(epoch, spec.num_samples, step, 0)),
+            lengths=self.units if varied else None,
+            first_epoch=spec.epoch if varied else 0,
         )
+
+    def pass_start(self, epoch: int, position: int, infinite: bool) -> int:
+        """A pass's ``spec.start`` from a state: the position in the epoch, or for a stream
+        over epochs of one length, the stream position (else counted from ``epoch``)."""
+        flat = infinite and not self.varied_epochs()
+        u = self.units(0 if flat else epoch)  # rows under packing
+        return (epoch * u if flat else 0) + min(position, u)
+
+    def varied_epochs(self) -> bool:
+        """Whether epochs differ in units (packed rows under ``best_fit``)."""
+        return self.packer is not None and self.packer.packing.strategy == "best_fit"
 
     def order_for(
         self, epoch: int, num_samples: int, step: int, start: int, part: Any = None

@@ -263,7 +263,9 @@ def _documents(
         samples = _transformed(ctx, spreader, samples, epoch, positions, wanted)
     if packing.tokenize is not None:
         texts = [document_text(s, packing, i) for s, i in zip(samples, wanted, strict=True)]
-        arrays = [np.asarray(t, dtype=np.int64) for t in tokenized(packing, texts, wanted[0])]
+        arrays = [
+            np.asarray(t, dtype=np.int64) for t in tokenized(packing.tokenize, texts, wanted[0])
+        ]
     else:
         arrays = [
             s if type(s) is np.ndarray and s.ndim == 1 and s.dtype.kind in "iu"  # no copy

@@ -82,7 +82,8 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
             own copy of the source (same batches, same order; for reads that release
             the GIL; refused with per-sample seeding of the global generators or a
             ``worker_init_fn``).  ``"auto"`` (default): threads for columnar passes
-            where safe, processes otherwise.
+            and packed passes over a token-reading source with no transform, where
+            safe; processes otherwise.
 
     >>> loader = evenly.DataLoader(evenly.Dataset(list(range(5))), batch_size=2,
     ...                            infinite=True)

@@ -18,7 +18,7 @@ import numpy.typing as npt
 import torch
 from torch.utils.data import default_collate
 
-from evenly.core.packing.pieces import IGNORE, RowTable, piece_tokens, place
+from evenly.core.packing.pieces import IGNORE, RowTable, distinct, piece_tokens, place
 from evenly.core.packing.settings import Packing
 from evenly.core.permutation import sample_seeds
 from evenly.core.plan import Order
@@ -176,24 +176,25 @@ def _rows(
     plan = ctx.plan
     if isinstance(plan, StreamPlan):
         epochs, rows = plan.split(positions)
+        groups = distinct(epochs)[0].tolist()
     else:
-        epochs, rows = np.full(positions.size, plan.epoch, dtype=np.int64), positions
+        epochs, rows, groups = None, positions, [plan.epoch]
     parts: list[tuple[I64, I64, Arrays]] = []  # (batch slots, slots in arrays, arrays)
-    for epoch in np.unique(epochs).tolist():
-        sel = np.flatnonzero(epochs == epoch)
+    for epoch in groups:
+        sel = np.arange(positions.size) if epochs is None else np.flatnonzero(epochs == epoch)
         table, order = epoch_rows(int(epoch))
         mine = rows[sel]
         real = mine < table.num_rows
-        wanted = np.unique(mine[real])
+        wanted = distinct(mine[real])[0]
         if not wanted.size:
             continue
         started = perf_counter()
         pieces = table.pieces(wanted)
-        where, inverse = np.unique(pieces["pos"], return_inverse=True)
+        where, inverse = distinct(pieces["pos"])
         index = where if order is None else np.asarray(order(where), dtype=np.int64)
         tokens = _documents(ctx, packing, files, int(epoch), where, index, spreader)
         flat = piece_tokens(pieces, tokens)
-        _check_pads(flat, pieces, index[inverse], packing, int(epoch))
+        _check_pads(flat, pieces, (index, inverse), packing, int(epoch))
         doc_index = index[inverse] if packing.document_ids else None
         arrays = place(
             wanted, pieces, flat, seq_len=packing.seq_len, pad_id=packing.pad_id,
@@ -212,10 +213,11 @@ def _rows(
 
 
 def _check_pads(
-    flat: I64, pieces: npt.NDArray[np.void], index: I64, packing: Packing, epoch: int
+    flat: I64, pieces: npt.NDArray[np.void], docs: tuple[I64, I64], packing: Packing, epoch: int
 ) -> None:
     """Raise if a token of the rows is ``pad_id`` (one vectorised check per batch: every
-    token of the epoch is in one piece, so each is checked once), naming the document."""
+    token of the epoch is in one piece, so each is checked once), naming the document
+    (``docs``: the source index of each distinct position, and each piece's position)."""
     pad_id = packing.pad_id
     if not flat.size or not bool((flat == pad_id).any()):
         return
@@ -223,11 +225,12 @@ def _check_pads(
     ends = np.cumsum(pieces["len"].astype(np.int64))
     k = int(np.searchsorted(ends, at, side="right"))
     offset = int(pieces["start"][k]) + at - (int(ends[k]) - int(pieces["len"][k]))
+    doc, pos = int(docs[0][docs[1][k]]), int(pieces["pos"][k])
     raise ValueError(
-        f"evenly: packing: document {int(index[k])} (position {int(pieces['pos'][k])} of "
-        f"epoch {epoch}) uses the pad token pad_id={pad_id} (at token {offset}): pads "
-        f"would be indistinguishable from its tokens; choose a pad_id no document uses "
-        f"(Packing(pad_id=...), e.g. the tokenizer's pad id)"
+        f"evenly: packing: document {doc} (position {pos} of epoch {epoch}) uses the pad "
+        f"token pad_id={pad_id} (at token {offset}): pads would be indistinguishable from "
+        f"its tokens; choose a pad_id no document uses (Packing(pad_id=...), e.g. the "
+        f"tokenizer's pad id)"
     )
 
 

@@ -25,7 +25,7 @@ import threading
 import numpy as np
 import numpy.typing as npt
 
-from evenly.core.packing.pieces import Lengths, pieces_of
+from evenly.core.packing.pieces import Lengths, distinct, pieces_of
 
 __all__ = ["STRIDE", "ConcatRows", "concat_checkpoints"]
 
@@ -94,7 +94,7 @@ class ConcatRows:
         """The pieces of the given rows (see :mod:`evenly.core.packing.pieces`), sorted
         by row then position: vectorised over the rows and the documents of the blocks
         their tokens fall in (any set of rows: a batch, or a worker's scattered ones)."""
-        r = np.unique(np.asarray(rows, dtype=np.int64))
+        r = distinct(rows)[0]
         if r.size and (int(r[0]) < 0 or int(r[-1]) >= self.num_rows):
             bad = int(r[(r < 0) | (r >= self.num_rows)][0])
             raise IndexError(f"row must lie in [0, {self.num_rows}), got {bad}")
@@ -104,7 +104,7 @@ class ConcatRows:
         t0, t1 = r * L, np.minimum((r + 1) * L, self.total)  # each row's token span
         k0 = np.searchsorted(self.cum, t0, side="right") - 1
         k1 = np.searchsorted(self.cum, t1 - 1, side="right") - 1
-        blocks = np.unique(_ranges(k0, k1 - k0 + 1)).tolist()
+        blocks = distinct(_ranges(k0, k1 - k0 + 1))[0].tolist()
         offsets = [self._block(k) for k in blocks]
         first = np.concatenate([b[:-1] for b in offsets])  # each document's first token
         last = np.concatenate([b[1:] for b in offsets])  # ... and its end

@@ -30,6 +30,7 @@ __all__ = [
     "Lengths",
     "RowTable",
     "assemble",
+    "distinct",
     "piece_tokens",
     "pieces_of",
     "place",
@@ -63,6 +64,22 @@ def pieces_of(
     out = np.empty(rows.shape[0], dtype=PIECE)
     out["row"], out["pos"], out["start"], out["len"] = rows, pos, start, length
     return out
+
+
+def distinct(values: npt.ArrayLike) -> tuple[I64, I64]:
+    """``np.unique(values, return_inverse=True)`` for a 1-D array, with no sort where the
+    values come non-decreasing already (a batch's rows, ``concat``'s pieces).
+
+    >>> [a.tolist() for a in distinct([3, 3, 5, 9, 9])], distinct([2, 1, 2])[0].tolist()
+    ([[3, 5, 9], [0, 0, 1, 2, 2]], [1, 2])
+    """
+    v = np.asarray(values, dtype=np.int64).reshape(-1)
+    if v.size > 1 and not bool((v[1:] >= v[:-1]).all()):
+        found, inverse = np.unique(v, return_inverse=True)
+        return found, inverse.reshape(-1)
+    new = np.ones(v.size, dtype=np.bool_)
+    np.not_equal(v[1:], v[:-1], out=new[1:])
+    return v[new], np.cumsum(new) - 1
 
 
 def piece_tokens(

@@ -222,12 +222,14 @@ def test_every_share_exact_and_the_same_rows_for_every_topology(strategy):
     if strategy == "concat":
         assert len(real(ref)) == -(-TOKENS // SEQ)
     _check_shares(ref, 1, strategy)
-    for world, workers, batch, context in [(2, 2, 3, None), (3, 0, 2, None), (1, 2, 4, "spawn")]:
+    rows = [(2, 2, 3, "fork", "process"), (3, 0, 2, None, "auto"), (1, 2, 4, "spawn", "process"),
+            (2, 2, 2, None, "thread")]  # fmt: skip
+    for world, workers, batch, context, kind in rows:
         per_rank = []
         for rank in range(world):
             ds = dataset(rank, world, strategy)
-            loader = evenly.DataLoader(ds, batch_size=batch, num_workers=workers,
-                                       multiprocessing_context=context)  # fmt: skip
+            kwargs = {"multiprocessing_context": context, "worker_type": kind}
+            loader = evenly.DataLoader(ds, batch_size=batch, num_workers=workers, **kwargs)
             expected = len(loader)  # before the pass (best_fit: rows may differ by epoch)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", evenly.EvenlyWarning)

@@ -40,8 +40,13 @@ def _cache(tmp_path, monkeypatch):
     monkeypatch.setenv("EVENLY_CACHE_DIR", str(tmp_path / "cache"))
 
 
+#: best_fit settings under which the epochs of the corpus pack into 87, 86, 88 rows
+VARIED = {"open_rows": 2, "window": 16}
+
+
 def dataset(strategy: str, rank: int = 0, world_size: int = 1, **kwargs: Any) -> evenly.Dataset:
-    pack = evenly.Packing(SEQ, strategy=strategy, document_ids=True)
+    varied = VARIED if kwargs.pop("varied", False) else {}
+    pack = evenly.Packing(SEQ, strategy=strategy, document_ids=True, **varied)
     return evenly.Dataset(
         docs(), shuffle=True, seed=3, rank=rank, world_size=world_size, pack=pack, **kwargs
     )
@@ -51,9 +56,9 @@ def rows_of(batches: list[dict[str, torch.Tensor]]) -> list[list[int]]:
     return [row for b in batches for row in b["input_ids"].tolist()]
 
 
-def reference(strategy: str, epoch: int = 0) -> list[list[int]]:
+def reference(strategy: str, epoch: int = 0, varied: bool = False) -> list[list[int]]:
     """The epoch's rows as one process reads them (batch 1, no workers)."""
-    loader = evenly.DataLoader(dataset(strategy), batch_size=1)
+    loader = evenly.DataLoader(dataset(strategy, varied=varied), batch_size=1)
     loader.set_epoch(epoch)
     return rows_of(list(loader))
 
@@ -180,7 +185,8 @@ def test_a_late_resume_counts_rows_not_documents():
 def _packed_stream(strategy: str, world: int, batch: int, steps: int, state=None):
     per_rank, states = [], []
     for rank in range(world):
-        loader = evenly.DataLoader(dataset(strategy, rank, world), batch_size=batch, infinite=True)
+        ds = dataset(strategy, rank, world, varied=True)
+        loader = evenly.DataLoader(ds, batch_size=batch, infinite=True)
         if state is not None:
             loader.load_state_dict(state)
         it = iter(loader)
@@ -189,16 +195,22 @@ def _packed_stream(strategy: str, world: int, batch: int, steps: int, state=None
     return per_rank, states
 
 
-def test_infinite_concat_every_epoch_once_and_resume_by_step():
-    epochs = reference("concat", 0) + reference("concat", 1)
-    per_rank, states = _packed_stream("concat", 2, 2, 7)
-    first = interleave(per_rank, 2)[:28]
-    assert states[0] == states[1] and states[0]["position"] == 28
-    rest, _ = _packed_stream("concat", 1, 4, 36, json.loads(json.dumps(states[0])))
+@pytest.mark.parametrize("strategy", ["concat", "best_fit"])
+def test_infinite_packing_every_epoch_once_and_resume_by_step(strategy):
+    """Steps over three epochs (under best_fit each of its own row count), resumed at an
+    epoch boundary's other side onto another world size and batch size."""
+    epochs = [reference(strategy, e, varied=True) for e in range(3)]
+    if strategy == "best_fit":
+        assert len({len(rows) for rows in epochs}) == 3  # epochs of different lengths
+    per_rank, states = _packed_stream(strategy, 2, 2, 25)  # 100 rows: into epoch 1
+    first = interleave(per_rank, 2)[:100]
+    assert states[0] == states[1]
+    assert (states[0]["epoch"], states[0]["position"]) == (1, 100 - len(epochs[0]))
+    rest, _ = _packed_stream(strategy, 1, 4, 36, json.loads(json.dumps(states[0])))
     stream = first + interleave(rest, 4)[:144]
-    assert len(epochs) < len(stream) and stream[: len(epochs)] == epochs  # no pad rows
-    with pytest.raises(ValueError, match="best_fit"):
-        evenly.DataLoader(dataset("best_fit"), batch_size=2, infinite=True)
+    whole = [row for rows in epochs for row in rows]
+    assert len(epochs[0]) + len(epochs[1]) < len(stream) <= len(whole)
+    assert stream == whole[: len(stream)]  # no pad rows, every epoch once, in order
 
 
 def test_best_fit_len_is_true_every_epoch_and_documents_that_fit_stay_whole():

@@ -6,6 +6,7 @@ real workers (fork and spawn)."""
 
 from __future__ import annotations
 
+import threading
 from collections import defaultdict
 from pathlib import Path
 from typing import Any, ClassVar
@@ -14,8 +15,10 @@ import numpy as np
 import pytest
 
 import evenly
+import evenly.runtime.lengths as lengths_module
 import evenly.sources as es
 from evenly.sources._megatron import MegatronSource, write_megatron
+from evenly.sources._tokenize import Tokenizer
 from tests.tokens_helpers import corpus, fast_tokenizer, tiny_tokenizer
 
 #: the epoch's tail is pad rows (reported by a warning): what these tests check is the
@@ -149,3 +152,70 @@ def test_shards_from_evenly_write_tokenize_pack_with_lengths_from_the_column(
     pack = evenly.Packing(64, document_ids=True)
     seen = documents_seen(loader_of(src, pack, num_workers=2))
     assert seen == dict(enumerate(tk(texts)))
+
+
+class ThreadNoting(Tokenizer):
+    """``evenly.tokenizer(tok)`` that notes the thread of each call (and of each copy)."""
+
+    threads: ClassVar[list[str]] = []
+    #: the first two calls wait for each other: they must run at once, in two threads
+    meet: ClassVar[threading.Barrier | None] = None
+
+    def __call__(self, texts: list[str]) -> list[list[int]]:
+        noted = type(self).threads
+        noted.append(threading.current_thread().name)
+        if self.meet is not None and len(noted) <= 2:
+            self.meet.wait()
+        return super().__call__(texts)
+
+
+@pytest.mark.parametrize("kind", ["tokenizers", "transformers"])
+def test_the_tokenize_lengths_pass_runs_in_threads_and_equals_the_sequential_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    monkeypatch.setattr(lengths_module, "BATCH", 25)  # 12 batches over 3 threads
+    monkeypatch.setattr(lengths_module, "THREADS", 3)
+    texts = corpus(300, seed=4)
+    tok = tiny_tokenizer(texts)
+    tk = ThreadNoting(tok if kind == "tokenizers" else fast_tokenizer(tok),
+                      add_special_tokens=True, append_eos=False)  # fmt: skip
+    es.write([{"text": t} for t in texts], tmp_path / "raw", "jsonl", 70, progress=False)
+    src = es.from_jsonl(tmp_path / "raw")
+    ThreadNoting.threads = []
+    ThreadNoting.meet = threading.Barrier(2, timeout=60)  # a lone thread: BrokenBarrierError
+    ds = evenly.Dataset(src, pack=evenly.Packing(32, tokenize=tk))
+    rows = len(ds)
+    ThreadNoting.meet = None
+    names = set(ThreadNoting.threads)
+    assert len(ThreadNoting.threads) == 12 and all(n.startswith("evenly-lengths") for n in names)
+    assert len(names) > 1  # two calls ran at once (each thread with its own source copy)
+    sequential = evenly.Packing(32, tokenize=lambda t: tk(t), tokenizer_id="same-but-serial")
+    assert len(evenly.Dataset(src, pack=sequential)) == rows
+    lengths = ds._planner.packer.files(ds._planner.view).lengths
+    assert np.asarray(lengths).tolist() == [len(ids) for ids in tk(texts)]
+    if kind == "transformers":  # a transformers tokenizer is copied for each thread
+        assert tk.for_thread().tok is not tk.tok
+    else:
+        assert tk.for_thread() is tk
+    ThreadNoting.threads = []  # cached per tokenizer id: a new dataset does not tokenize
+    assert (
+        len(evenly.Dataset(es.from_jsonl(tmp_path / "raw"), pack=evenly.Packing(32, tokenize=tk)))
+        == rows
+    )
+    assert ThreadNoting.threads == []
+
+
+def test_a_failing_document_in_a_threaded_lengths_pass_is_named_in_the_main_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(lengths_module, "BATCH", 10)
+    monkeypatch.setattr(lengths_module, "THREADS", 2)
+    texts = corpus(60, seed=5)
+    rows = [{"text": t} for t in texts]
+    rows[47] = {"body": "no text"}
+    es.write(rows, tmp_path / "raw", "jsonl")
+    tk = evenly.tokenizer(tiny_tokenizer(texts))
+    ds = evenly.Dataset(es.from_jsonl(tmp_path / "raw"), pack=evenly.Packing(32, tokenize=tk))
+    with pytest.raises(TypeError, match="document 47 has no text to tokenize"):
+        len(ds)
+    assert not list((tmp_path / "cache" / "lengths").glob("*.i32"))  # nothing half-written

@@ -7,6 +7,11 @@ epoch boundary), each epoch is still read exactly once, and what all ranks consu
 a prefix of the stream: a checkpoint is one integer, resumable under any topology.
 Per-sample seeds are those of (epoch, position in the epoch), as in epoch mode.
 
+Epochs of different lengths (packed rows under ``best_fit``: each epoch packs into its
+own row count): given ``lengths(e)``, positions count from the start of epoch
+``first_epoch`` (a checkpoint is then (epoch, position in it), as in epoch mode), and an
+epoch's length is asked for only when the stream reaches it.
+
 Pure numpy: no torch, no I/O, nothing of size N.
 
 >>> from evenly.core.permutation import FeistelPermutation
@@ -16,10 +21,14 @@ Pure numpy: no torch, no I/O, nothing of size N.
 [[0, 1, 4, 5], [2, 3, 6, 7]]
 >>> plan.indices([4, 5, 6, 7]).tolist(), plan.epochs_of([4, 5]).tolist()
 ([4, 0, 1, 2], [0, 1])
+>>> varied = StreamPlan(num_samples=3, start=1, lengths=lambda e: 3 + e, first_epoch=2)
+>>> varied.locate(varied.consumed_after(5)), varied.epochs_of([4, 5, 11]).tolist()
+((3, 1), [2, 3, 4])
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from itertools import count
@@ -47,7 +56,14 @@ class StreamPlan:
     seed: int = 0
     start: int = 0
     orders: Callable[[int], Order | None] = field(default=lambda e: None, compare=False)
+    #: epoch -> its length, where epochs differ (None: every epoch has ``num_samples``)
+    lengths: Callable[[int], int] | None = field(default=None, compare=False)
+    #: with ``lengths``: the epoch whose start is stream position 0
+    first_epoch: int = 0
     _cache: dict[int, Order | None] = field(default_factory=dict, compare=False, repr=False)
+    #: with ``lengths``: the stream positions where epochs first_epoch, ... start
+    _starts: list[int] = field(default_factory=lambda: [0], compare=False, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         check_int("num_samples", self.num_samples, minimum=1)
@@ -58,7 +74,36 @@ class StreamPlan:
     @property
     def epoch(self) -> int:
         """The epoch the plan starts in."""
-        return self.start // self.num_samples
+        return self.locate(self.start)[0]
+
+    def split(self, positions: npt.ArrayLike) -> tuple[I64, I64]:
+        """(epoch, position in it) of each stream position."""
+        pos = as_int64(positions)
+        if self.lengths is None:
+            epochs, within = np.divmod(pos, self.num_samples)
+            return epochs, within
+        starts = self._starts_to(int(pos.max()) if pos.size else 0)
+        k = np.searchsorted(starts, pos, side="right") - 1
+        return k + self.first_epoch, pos - starts[k]
+
+    def locate(self, position: int) -> tuple[int, int]:
+        """(epoch, position in it) of one stream position (a checkpoint's)."""
+        epochs, within = self.split([position])
+        return int(epochs[0]), int(within[0])
+
+    def _starts_to(self, position: int) -> I64:
+        """Epoch starts, asking the lengths of epochs up to the one holding ``position``
+        (each once; reader threads share the plan: no reliance on the GIL)."""
+        assert self.lengths is not None
+        with self._lock:
+            starts = self._starts
+            while starts[-1] <= position:
+                epoch = self.first_epoch + len(starts) - 1
+                n = int(self.lengths(epoch))
+                if n < 1:
+                    raise ValueError(f"evenly: epoch {epoch} of the stream has no samples")
+                starts.append(starts[-1] + n)
+            return np.asarray(starts, dtype=np.int64)
 
     @property
     def step_size(self) -> int:
@@ -90,7 +135,7 @@ class StreamPlan:
 
     def epochs_of(self, positions: npt.ArrayLike) -> I64:
         """The epoch of each stream position."""
-        return as_int64(positions) // self.num_samples
+        return self.split(positions)[0]
 
     def _order(self, epoch: int) -> Order | None:
         if epoch not in self._cache:
@@ -101,8 +146,7 @@ class StreamPlan:
 
     def indices(self, positions: npt.ArrayLike) -> I64:
         """Sample indices at the given stream positions (same shape back)."""
-        pos = as_int64(positions)
-        epochs, within = np.divmod(pos, self.num_samples)
+        epochs, within = self.split(positions)
         out = within.copy()
         for e in np.unique(epochs).tolist():
             order = self._order(int(e))
@@ -117,9 +161,8 @@ class StreamPlan:
 
     def seeds(self, positions: npt.ArrayLike) -> npt.NDArray[np.uint64]:
         """Per-sample seeds: those of (epoch, position in the epoch)."""
-        pos = as_int64(positions)
-        epochs, within = np.divmod(pos, self.num_samples)
-        out = np.empty(pos.shape, dtype=np.uint64)
+        epochs, within = self.split(positions)
+        out = np.empty(within.shape, dtype=np.uint64)
         for e in np.unique(epochs).tolist():
             sel = epochs == e
             out[sel] = sample_seeds(self.seed, int(e), within[sel])

@@ -24,8 +24,6 @@ def refuse_planned_source(dataset: Dataset[Any]) -> None:
     """A source that plans its own epochs (an ``evenly.Mix``) lays its steps out from each
     epoch's start, which a stream of epochs does not keep: refused until it can.  A Mix
     by tokens is not: its order is planned per epoch whatever the step."""
-    if dataset._planner.packer is not None:
-        dataset._planner.packer.check_stream()
     if dataset._planner.view.planned is not None and not is_token_mix(dataset.source):
         raise ValueError(
             f"evenly.DataLoader(infinite=True) does not support a "
@@ -70,7 +68,8 @@ def use_threads(
 ) -> bool:
     """Whether reader threads read this pass: asked for (``"thread"``: raises if the
     per-sample seeding makes it unsafe), or ``"auto"`` where it is safe and the reads
-    release the GIL (columnar: no per-sample Python) and nothing else needs processes."""
+    release the GIL (columnar: no per-sample Python; packing over a source that reads token
+    ids, without a transform) and nothing else needs processes."""
     if num_workers == 0 or worker_type == "process":
         return False
     planner = dataset._planner
@@ -81,4 +80,17 @@ def use_threads(
         if problem is not None:
             raise ValueError(f"evenly.DataLoader(worker_type='thread'): {problem}")
         return True
-    return problem is None and columnar and planner.tap is None
+    return problem is None and (columnar or _direct_packing(dataset)) and planner.tap is None
+
+
+def _direct_packing(dataset: Dataset[Any]) -> bool:
+    """A packed pass whose reads are token gathers (a source that reads token ids, no
+    transform, no tokenizer): numpy and memory-map copies that need no process each."""
+    planner = dataset._planner
+    packer = planner.packer
+    return (
+        packer is not None
+        and packer.packing.tokenize is None
+        and planner.transform is None
+        and planner.view.read_tokens is not None
+    )

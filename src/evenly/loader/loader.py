@@ -82,7 +82,8 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
             own copy of the source (same batches, same order; for reads that release
             the GIL; refused with per-sample seeding of the global generators or a
             ``worker_init_fn``).  ``"auto"`` (default): threads for columnar passes
-            where safe, processes otherwise.
+            and packed passes over a token-reading source with no transform, where
+            safe; processes otherwise.
 
     >>> loader = evenly.DataLoader(evenly.Dataset(list(range(5))), batch_size=2,
     ...                            infinite=True)
@@ -214,10 +215,9 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
     def _spec(self, start: PassState, infinite: bool = False) -> PassSpec:
         topo = self.dataset.topology()
         n = self.dataset._planner.num_samples()  # a pass is planned over the length it has
-        u = self.dataset._planner.units(0 if infinite else start.epoch)  # rows under packing
         return PassSpec(
             epoch=start.epoch,
-            start=start.epoch * u + min(start.position, u) if infinite else min(start.position, u),
+            start=self.dataset._planner.pass_start(start.epoch, start.position, infinite),
             num_samples=n,
             batch_size=self._plan_batch,
             drop_last=self._drop and not infinite,
@@ -366,7 +366,7 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         stream = self.dataset._planner.stream_plan_for(spec)
 
         def locate(received: int) -> PassState:
-            return PassState(*divmod(stream.consumed_after(received), n))
+            return PassState(*stream.locate(stream.consumed_after(received)))
 
         return self._start(spec, stream, Pass(locate(0), None, locate))
 

@@ -5,7 +5,8 @@ tokenizer id), memory-mapped and shared by every process of the node.
 A source that knows its lengths says so (``token_lengths(field)``,
 :class:`~evenly.core.source.TokenLengthsSource`: Arrow, Parquet, HF ``datasets`` from the
 list offsets); any other is read once, document by document (with ``tokenize``: one
-batched tokenizer call per 1024 documents).  A source without a fingerprint (an
+batched tokenizer call per 1024 documents, from several threads for an
+``evenly.tokenizer``).  A source without a fingerprint (an
 in-memory list) has its lengths computed in the process, with no file.
 """
 
@@ -13,20 +14,25 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from evenly.core.packing.settings import Packing
+from evenly.core.packing.settings import Packing, Tokenize
 from evenly.core.source import SourceView
 from evenly.sources._cachedir import cache_subdir, publish
+from evenly.sources._tokenize import Tokenizer
 
 __all__ = ["document_lengths", "document_text", "document_tokens", "tokenized"]
 
 I32 = npt.NDArray[np.int32]
 #: Documents read per call in a lengths pass.
 BATCH = 1024
+#: Threads of a lengths pass under ``Packing(tokenize=evenly.tokenizer(...))``.
+THREADS = max(1, min(4, os.cpu_count() or 1))
 
 
 def document_tokens(sample: Any, packing: Packing, index: int) -> npt.NDArray[np.int64]:
@@ -61,10 +67,10 @@ def document_text(sample: Any, packing: Packing, index: int) -> str:
     return value
 
 
-def tokenized(packing: Packing, texts: list[str], first: int) -> list[list[int]]:
-    """``packing.tokenize(texts)``, checked: one list of ids per text."""
-    assert packing.tokenize is not None
-    out = packing.tokenize(texts)
+def tokenized(tokenize: Tokenize | None, texts: list[str], first: int) -> list[list[int]]:
+    """``tokenize(texts)`` (``Packing.tokenize``), checked: one list of ids per text."""
+    assert tokenize is not None
+    out = tokenize(texts)
     if len(out) != len(texts):
         raise ValueError(
             f"evenly: Packing(tokenize=...) returned {len(out)} token lists for {len(texts)} "
@@ -93,20 +99,65 @@ def _read_lengths(view: SourceView, packing: Packing) -> I32:
             )
         return given.astype(np.int32, copy=False)  # no private copy of a mapped int32 array
     out = np.empty(n, dtype=np.int32)
+    if packing.tokenize is not None:
+        _tokenized_lengths(view, packing, out)
+        return out
     for lo in range(0, n, BATCH):
         indices = list(range(lo, min(lo + BATCH, n)))
-        if view.getitems is not None:
-            samples = list(view.getitems(indices))
-        else:
-            samples = [view.read_one(i) for i in indices]
-        if packing.tokenize is not None:
-            texts = [document_text(s, packing, i) for s, i in zip(samples, indices, strict=True)]
-            out[lo : lo + len(indices)] = [len(t) for t in tokenized(packing, texts, lo)]
-        else:
-            out[lo : lo + len(indices)] = [
-                _count(s, packing, i) for s, i in zip(samples, indices, strict=True)
-            ]
+        samples = _read(view, indices)
+        out[lo : lo + len(indices)] = [
+            _count(s, packing, i) for s, i in zip(samples, indices, strict=True)
+        ]
     return out
+
+
+def _read(view: SourceView, indices: list[int]) -> list[Any]:
+    if view.getitems is not None:
+        return list(view.getitems(indices))
+    return [view.read_one(i) for i in indices]
+
+
+def _tokenized_lengths(view: SourceView, packing: Packing, out: I32) -> None:
+    """``out[i]``: document ``i``'s token count under ``packing.tokenize``, one batch of
+    ``BATCH`` documents per call.  An ``evenly.tokenizer`` (whose HF calls release the
+    GIL) is called from ``THREADS`` threads, each reading its batches from its own copy of
+    the source, ``BATCH`` documents in flight per thread; any other function from this
+    thread alone (it may not be safe to call from several)."""
+    n, tokenize = out.size, packing.tokenize
+    threads = THREADS if isinstance(tokenize, Tokenizer) and n > BATCH else 1
+    local = threading.local()
+
+    def count(lo: int) -> None:
+        mine, call = view, tokenize
+        if isinstance(tokenize, Tokenizer) and threads > 1:
+            if not hasattr(local, "view"):  # this thread's source and tokenizer
+                twin = getattr(view.source, "copy_for_thread", None)
+                local.view = SourceView.of(twin()) if callable(twin) else view
+                local.tokenize = tokenize.for_thread()
+            mine, call = local.view, local.tokenize
+        indices = list(range(lo, min(lo + BATCH, n)))
+        samples = _read(mine, indices)
+        texts = [document_text(s, packing, i) for s, i in zip(samples, indices, strict=True)]
+        out[lo : lo + len(indices)] = [len(t) for t in tokenized(call, texts, lo)]
+
+    if threads == 1:
+        for lo in range(0, n, BATCH):
+            count(lo)
+        return
+    with ThreadPoolExecutor(threads, thread_name_prefix="evenly-lengths") as pool:
+        running: set[Future[None]] = set()
+        try:
+            for lo in range(0, n, BATCH):
+                if len(running) >= 2 * threads:  # a bounded window: nothing of size N
+                    done, running = wait(running, return_when=FIRST_COMPLETED)
+                    for future in done:
+                        future.result()
+                running.add(pool.submit(count, lo))
+            for future in running:
+                future.result()
+        finally:
+            for future in running:
+                future.cancel()
 
 
 def document_lengths(

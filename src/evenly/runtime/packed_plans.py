@@ -19,6 +19,7 @@ import contextlib
 import hashlib
 import os
 import struct
+import threading
 from typing import Any
 
 import numpy as np
@@ -94,6 +95,17 @@ class PlanFiles:
         #: an epoch's tokens (all the documents', or a token mixture's tokens_per_epoch)
         self.total = int(np.sum(lengths, dtype=np.int64)) if total is None else int(total)
         self._open: dict[tuple[Any, ...], RowTable] = {}
+        self._lock = threading.Lock()  # reader threads share it; no reliance on the GIL
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        del state["_lock"]
+        state["_open"] = {}  # memory maps are mapped again
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
 
     @property
     def num_docs(self) -> int:
@@ -120,7 +132,8 @@ class PlanFiles:
         epoch (:class:`~evenly.runtime.token_mix.TokenItems`), whose positions are
         pieces of documents with their own lengths."""
         opened = (epoch, order_key, None if items is None else items.key)
-        found = self._open.get(opened)
+        with self._lock:
+            found = self._open.get(opened)
         if found is not None:
             return found
         packing = self.packing
@@ -140,9 +153,10 @@ class PlanFiles:
                 if attempt == 2:
                     raise
         prune(folder, key, epoch, packing.strategy)
-        if len(self._open) >= 3:
-            self._open.pop(next(iter(self._open)))
-        self._open[opened] = table
+        with self._lock:
+            if len(self._open) >= 3:
+                self._open.pop(next(iter(self._open)))
+            self._open[opened] = table
         return table
 
     def _publish(self, path: str, at: Lengths, n: int) -> RowTable:

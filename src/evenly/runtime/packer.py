@@ -16,25 +16,32 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 import torch
+from torch.utils.data import default_collate
 
-from evenly.core.packing.pieces import IGNORE, RowTable, assemble
+from evenly.core.packing.pieces import IGNORE, RowTable, distinct, piece_tokens, place
 from evenly.core.packing.settings import Packing
 from evenly.core.permutation import sample_seeds
 from evenly.core.plan import Order
 from evenly.core.source import SourceView
 from evenly.core.stream import StreamPlan
+from evenly.runtime.clock import perf_counter
 from evenly.runtime.lengths import document_lengths, document_text, document_tokens, tokenized
 from evenly.runtime.packed_plans import PlanFiles
 from evenly.runtime.reader import ReadContext
 from evenly.runtime.seeds import RngState, SeedSpreader
 from evenly.runtime.token_mix import TokenItems, is_token_mix, mix_lengths, token_items
+from evenly.transport.slots import plain_collate
 
-__all__ = ["Packer", "collate_rows", "read_packed"]
+__all__ = ["Packer", "collate_arrays", "packed_items", "read_packed"]
 
 I64 = npt.NDArray[np.int64]
 Row = dict[str, torch.Tensor]
+#: a batch of packed rows: ``[rows, seq_len]`` int64 arrays by name
+Arrays = dict[str, I64]
 #: epoch -> (its rows, its document order)
 EpochRows = Callable[[int], tuple[RowTable, Order | None]]
+#: Rows read together (whole batches): the per-read Python is paid once per group.
+GROUP_ROWS = 32
 
 
 class Packer:
@@ -71,15 +78,6 @@ class Packer:
                 "marked (labels -100); use the default pad, or pad='none' for evaluation"
             )
         return cls(pack)
-
-    def check_stream(self) -> None:
-        """Refuse what training by steps (``infinite=True``) cannot do yet."""
-        if self.packing.strategy == "best_fit":
-            raise ValueError(
-                "evenly.DataLoader(infinite=True) with Packing(strategy='best_fit') is not "
-                "supported yet: its row count differs between epochs, which a stream of "
-                "epochs would have to plan ahead; use strategy='concat' to train by steps"
-            )
 
     def reset(self) -> None:
         """The source was replaced: find its lengths again."""
@@ -125,36 +123,68 @@ class Packer:
         return state
 
 
-def _pad_row(packing: Packing) -> Row:
-    n = packing.seq_len
-    row = {
-        "input_ids": torch.full((n,), packing.pad_id, dtype=torch.int64),
-        "position_ids": torch.zeros(n, dtype=torch.int64),
-        "labels": torch.full((n,), IGNORE, dtype=torch.int64),
+def _pad_rows(packing: Packing, count: int) -> Arrays:
+    """``count`` pad rows: all ``pad_id``, position_ids 0, labels -100 (document_ids 0)."""
+    shape = (count, packing.seq_len)
+    out = {
+        "input_ids": np.full(shape, packing.pad_id, dtype=np.int64),
+        "position_ids": np.zeros(shape, dtype=np.int64),
+        "labels": np.full(shape, IGNORE, dtype=np.int64),
     }
     if packing.document_ids:
-        row["document_ids"] = torch.zeros(n, dtype=torch.int64)
-    return row
+        out["document_ids"] = np.zeros(shape, dtype=np.int64)
+    return out
 
 
 def read_packed(
     ctx: ReadContext, packer: Packer, epoch_rows: EpochRows, skip: int
-) -> Iterator[list[Row]]:
-    """This worker's batches of packed rows, in order, from its row ``skip`` on."""
-    plan = ctx.plan
+) -> Iterator[Arrays]:
+    """This worker's batches of packed rows, in order, from its row ``skip`` on: one
+    dict of ``[rows, seq_len]`` int64 arrays per plan batch."""
+    plan, clock = ctx.plan, ctx.clock
     first, drop = divmod(skip, plan.batch_size)
     spreader = SeedSpreader(ctx.generators) if ctx.transform is not None else None
     files = packer.files(ctx.view)
     chunks = plan.iter_worker_chunks(ctx.rank, ctx.num_workers, ctx.worker_id, first=first)
     for positions, length in chunks:
-        for lo in range(0, positions.size, length):
-            rows = _rows(
-                ctx, packer.packing, files, epoch_rows, positions[lo : lo + length], spreader
+        step = max(1, GROUP_ROWS // length) * length  # whole batches per read
+        for lo in range(0, positions.size, step):
+            group = _rows(
+                ctx, packer.packing, files, epoch_rows, positions[lo : lo + step], spreader
             )
-            if drop:
-                rows, drop = rows[drop:], 0
-            ctx.progress[0] += len(rows)
-            yield rows
+            for at in range(0, group["input_ids"].shape[0], length):
+                arrays = {k: v[at + drop : at + length] for k, v in group.items()}
+                count, drop = arrays["input_ids"].shape[0], 0
+                ctx.progress[0] += count
+                clock.samples += count
+                yield arrays
+
+
+def packed_items(
+    ctx: ReadContext,
+    packer: Packer,
+    epoch_rows: EpochRows,
+    skip: int,
+    collate: Callable[[list[Row]], Any] | None,
+) -> Iterator[Any]:
+    """What a packed pass yields: batches of the default collate (``collate`` is
+    torch's or evenly's default: the arrays as tensors, built in the worker, no
+    ``torch.stack``), ``collate(rows)`` for the user's own, or single rows (``None``)."""
+    batches = read_packed(ctx, packer, epoch_rows, skip)
+    if collate in (default_collate, plain_collate):
+        for arrays in batches:
+            yield collate_arrays(packer.packing, arrays)
+        return
+    for arrays in batches:
+        tensors = {k: torch.from_numpy(v) for k, v in arrays.items()}
+        rows = [{k: v[b] for k, v in tensors.items()} for b in range(len(tensors["input_ids"]))]
+        if collate is None:
+            yield from rows
+        else:
+            started = perf_counter()
+            collated = collate(rows)
+            ctx.clock.collate += perf_counter() - started
+            yield collated
 
 
 def _rows(
@@ -164,43 +194,71 @@ def _rows(
     epoch_rows: EpochRows,
     positions: I64,
     spreader: SeedSpreader | None,
-) -> list[Row]:
+) -> Arrays:
+    """The ``[len(positions), seq_len]`` arrays of the rows at ``positions``, in their
+    order (a position past its epoch's rows is a pad row): per epoch one read of the
+    documents its rows touch and one gather of their pieces' tokens."""
     plan = ctx.plan
     if isinstance(plan, StreamPlan):
-        epochs, rows = np.divmod(positions, plan.num_samples)
+        epochs, rows = plan.split(positions)
+        groups = distinct(epochs)[0].tolist()
     else:
-        epochs, rows = np.full(positions.size, plan.epoch, dtype=np.int64), positions
-    out: list[Row | None] = [None] * positions.size
-    for epoch in np.unique(epochs).tolist():
-        sel = np.flatnonzero(epochs == epoch)
+        epochs, rows, groups = None, positions, [plan.epoch]
+    parts: list[tuple[I64, I64, Arrays]] = []  # (batch slots, slots in arrays, arrays)
+    for epoch in groups:
+        sel = np.arange(positions.size) if epochs is None else np.flatnonzero(epochs == epoch)
         table, order = epoch_rows(int(epoch))
         mine = rows[sel]
-        wanted = np.unique(mine[mine < table.num_rows])
-        if wanted.size:
-            pieces = table.pieces(wanted)
-            where = np.unique(pieces["pos"])
-            index = where if order is None else np.asarray(order(where), dtype=np.int64)
-            tokens = _documents(ctx, packing, files, int(epoch), where, index, spreader)
-            if isinstance(order, TokenItems):  # a token mixture's pieces of documents
-                tokens = order.cut(where, tokens)
-            arrays = assemble(
-                wanted,
-                pieces,
-                tokens,
-                seq_len=packing.seq_len,
-                pad_id=packing.pad_id,
-                doc_index=dict(zip(where.tolist(), index.tolist(), strict=True)),
-            )
-            if not packing.document_ids:
-                del arrays["document_ids"]
-            tensors = {k: torch.from_numpy(v) for k, v in arrays.items()}
-        for i, r in zip(sel.tolist(), mine.tolist(), strict=True):
-            if r >= table.num_rows:
-                out[i] = _pad_row(packing)
-            else:
-                b = int(np.searchsorted(wanted, r))
-                out[i] = {k: v[b] for k, v in tensors.items()}
-    return [row for row in out if row is not None]
+        real = mine < table.num_rows
+        wanted = distinct(mine[real])[0]
+        if not wanted.size:
+            continue
+        started = perf_counter()
+        pieces = table.pieces(wanted)
+        where, inverse = distinct(pieces["pos"])
+        index = where if order is None else np.asarray(order(where), dtype=np.int64)
+        tokens = _documents(ctx, packing, files, int(epoch), where, index, spreader)
+        if isinstance(order, TokenItems):  # a token mixture's pieces of documents
+            tokens = order.cut(where, tokens)
+        flat = piece_tokens(pieces, tokens)
+        _check_pads(flat, pieces, (index, inverse), packing, int(epoch))
+        doc_index = index[inverse] if packing.document_ids else None
+        arrays = place(
+            wanted, pieces, flat, seq_len=packing.seq_len, pad_id=packing.pad_id,
+            doc_index=doc_index,
+        )  # fmt: skip
+        if sel.size == positions.size and np.array_equal(wanted, mine):
+            ctx.clock.collate += perf_counter() - started
+            return arrays  # the common case: a batch of consecutive rows of one epoch
+        parts.append((sel[real], np.searchsorted(wanted, mine[real]), arrays))
+        ctx.clock.collate += perf_counter() - started
+    out = _pad_rows(packing, positions.size)
+    for slots, at, arrays in parts:
+        for key, array in out.items():
+            array[slots] = arrays[key][at]
+    return out
+
+
+def _check_pads(
+    flat: I64, pieces: npt.NDArray[np.void], docs: tuple[I64, I64], packing: Packing, epoch: int
+) -> None:
+    """Raise if a token of the rows is ``pad_id`` (one vectorised check per batch: every
+    token of the epoch is in one piece, so each is checked once), naming the document
+    (``docs``: the source index of each distinct position, and each piece's position)."""
+    pad_id = packing.pad_id
+    if not flat.size or not bool((flat == pad_id).any()):
+        return
+    at = int(np.flatnonzero(flat == pad_id)[0])
+    ends = np.cumsum(pieces["len"].astype(np.int64))
+    k = int(np.searchsorted(ends, at, side="right"))
+    offset = int(pieces["start"][k]) + at - (int(ends[k]) - int(pieces["len"][k]))
+    doc, pos = int(docs[0][docs[1][k]]), int(pieces["pos"][k])
+    raise ValueError(
+        f"evenly: packing: document {doc} (position {pos} of epoch {epoch}) uses the pad "
+        f"token pad_id={pad_id} (at token {offset}): pads would be indistinguishable from "
+        f"its tokens; choose a pad_id no document uses (Packing(pad_id=...), e.g. the "
+        f"tokenizer's pad id)"
+    )
 
 
 def _documents(
@@ -211,12 +269,14 @@ def _documents(
     positions: I64,
     index: I64,
     spreader: SeedSpreader | None,
-) -> dict[int, npt.NDArray[np.int64]]:
-    """The tokens of the documents at ``positions`` (source ``index``) of ``epoch``."""
+) -> dict[int, npt.NDArray[np.integer]]:
+    """The tokens of the documents at ``positions`` (source ``index``) of ``epoch``,
+    each checked against its planned length."""
     view = ctx.view
     wanted = index.tolist()
     # a source that reads token ids directly (no transform, no tokenizer): no row dicts
     direct = view.read_tokens is not None and spreader is None and packing.tokenize is None
+    started = perf_counter()
     try:
         if direct:
             assert view.read_tokens is not None
@@ -228,39 +288,31 @@ def _documents(
     except Exception as exc:
         ctx.note(exc, f"documents {wanted[:8]}{'...' if len(wanted) > 8 else ''}")
         raise
+    ctx.clock.read += perf_counter() - started
     if spreader is not None:
         samples = _transformed(ctx, spreader, samples, epoch, positions, wanted)
     if packing.tokenize is not None:
         texts = [document_text(s, packing, i) for s, i in zip(samples, wanted, strict=True)]
-        arrays = [np.asarray(t, dtype=np.int64) for t in tokenized(packing, texts, wanted[0])]
+        arrays = [
+            np.asarray(t, dtype=np.int64) for t in tokenized(packing.tokenize, texts, wanted[0])
+        ]
     else:
-        arrays = [document_tokens(s, packing, i) for s, i in zip(samples, wanted, strict=True)]
-    planned = np.asarray(files.lengths[index], dtype=np.int64).tolist()
-    sizes = [a.size for a in arrays]
-    clean = sizes == planned and not (
-        arrays and bool((np.concatenate(arrays) == packing.pad_id).any())
-    )
-    if clean:  # one vectorised check for the batch; the loop below names a culprit
-        return dict(zip(positions.tolist(), arrays, strict=True))
-    out = {}
-    for pos, i, tokens, n in zip(positions.tolist(), wanted, arrays, planned, strict=True):
-        if tokens.size != n:
-            raise ValueError(
-                f"evenly: packing: document {i} (position {pos} of epoch {epoch}) holds "
-                f"{tokens.size} tokens, but {n} when its lengths were computed: the transform "
-                f"must keep each document's token count (or the source changed since; its "
-                f"cached lengths are in cache_dir/lengths)"
-            )
-        hit = np.flatnonzero(tokens == packing.pad_id)
-        if hit.size:
-            raise ValueError(
-                f"evenly: packing: document {i} (position {pos} of epoch {epoch}) uses the pad "
-                f"token pad_id={packing.pad_id} (at token {int(hit[0])}): pads would be "
-                f"indistinguishable from its tokens; choose a pad_id no document uses "
-                f"(Packing(pad_id=...), e.g. the tokenizer's pad id)"
-            )
-        out[pos] = tokens
-    return out
+        arrays = [
+            s if type(s) is np.ndarray and s.ndim == 1 and s.dtype.kind in "iu"  # no copy
+            else document_tokens(s, packing, i)
+            for s, i in zip(samples, wanted, strict=True)
+        ]  # fmt: skip
+    planned = files.lengths[index]
+    sizes = np.fromiter((a.size for a in arrays), dtype=np.int64, count=len(arrays))
+    if not np.array_equal(sizes, planned):  # one vectorised check; then name the culprit
+        bad = int(np.flatnonzero(sizes != planned)[0])
+        raise ValueError(
+            f"evenly: packing: document {wanted[bad]} (position {int(positions[bad])} of "
+            f"epoch {epoch}) holds {int(sizes[bad])} tokens, but {int(planned[bad])} when "
+            f"its lengths were computed: the transform must keep each document's token "
+            f"count (or the source changed since; its cached lengths are in cache_dir/lengths)"
+        )
+    return dict(zip(positions.tolist(), arrays, strict=True))
 
 
 def _transformed(
@@ -290,19 +342,15 @@ def _transformed(
     return out
 
 
-def collate_rows(packing: Packing) -> Callable[[list[Row]], dict[str, Any]]:
-    """The default collate of packed rows: ``[B, seq_len]`` tensors (and, on request,
-    ``cu_seqlens``: int32 starts of every segment of the flattened batch, a segment
-    beginning wherever ``position_ids == 0``, with ``max_seqlen``)."""
-
-    def collate(rows: list[Row]) -> dict[str, Any]:
-        batch: dict[str, Any] = {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
-        if packing.cu_seqlens:
-            flat = batch["position_ids"].reshape(-1)
-            starts = torch.nonzero(flat == 0).reshape(-1)
-            cu = torch.cat([starts, torch.tensor([flat.numel()])]).to(torch.int32)
-            batch["cu_seqlens"] = cu
-            batch["max_seqlen"] = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
-        return batch
-
-    return collate
+def collate_arrays(packing: Packing, arrays: Arrays) -> dict[str, Any]:
+    """The default collate of packed rows, from a batch's ``[B, seq_len]`` arrays:
+    tensors over them (no copy) and, on request, ``cu_seqlens`` (int32 starts of every
+    segment of the flattened batch, a segment beginning wherever ``position_ids == 0``,
+    and the end) with ``max_seqlen``."""
+    batch: dict[str, Any] = {k: torch.from_numpy(v) for k, v in arrays.items()}
+    if packing.cu_seqlens:
+        flat = arrays["position_ids"].reshape(-1)
+        cu = np.append(np.flatnonzero(flat == 0), flat.size).astype(np.int32)
+        batch["cu_seqlens"] = torch.from_numpy(cu)
+        batch["max_seqlen"] = int(np.diff(cu).max()) if cu.size > 1 else 0
+    return batch

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
-from torch.utils.data import default_collate, get_worker_info
+from torch.utils.data import get_worker_info
 
 from evenly.core.order import make_order
 from evenly.core.packing.cached import BlockOrder
@@ -30,11 +30,10 @@ from evenly.core.stream import StreamPlan
 from evenly.errors import StateError, check_int
 from evenly.runtime.checks import check_current, shuffle_mode
 from evenly.runtime.clock import StageClock, perf_counter
-from evenly.runtime.packer import Packer, collate_rows, read_packed
+from evenly.runtime.packer import Packer, packed_items
 from evenly.runtime.reader import ReadContext, read_batches
 from evenly.runtime.seeds import check_generators
 from evenly.runtime.token_mix import is_token_mix, token_reweighted
-from evenly.transport.slots import plain_collate
 
 __all__ = ["Planner", "ReadTap"]
 
@@ -148,9 +147,8 @@ class Planner:
         if cached is None:
             order = self.order_for(epoch, n, 1, 0)
             cached = None if order is None else BlockOrder(order, n)
-            if len(self._orders) >= 2:  # the epochs being read (a stream's batch spans two)
-                self._orders.pop(next(iter(self._orders)))
-            self._orders[(epoch, n, key)] = cached
+            kept = list(self._orders.items())[-1:]  # the epochs being read (a stream: two)
+            self._orders = {**dict(kept), (epoch, n, key): cached}
         return self.packer.files(self.view).table(epoch, key, cached), cached
 
     def source_fingerprint(self) -> int:
@@ -196,8 +194,9 @@ class Planner:
         of every epoch's rows, packed from the document order already)."""
         step = spec.world_size * spec.batch_size
         packed = self.packer is not None
+        varied = self.varied_epochs()  # then spec.start counts from epoch spec.epoch
         return StreamPlan(
-            num_samples=self.units(0) if packed else spec.num_samples,
+            num_samples=self.units(spec.epoch if varied else 0) if packed else spec.num_samples,
             world_size=spec.world_size,
             batch_size=spec.batch_size,
             seed=self.seed,
@@ -205,7 +204,20 @@ class Planner:
             orders=(lambda epoch: None)
             if packed
             else (lambda epoch: self.order_for(epoch, spec.num_samples, step, 0)),
+            lengths=self.units if varied else None,
+            first_epoch=spec.epoch if varied else 0,
         )
+
+    def pass_start(self, epoch: int, position: int, infinite: bool) -> int:
+        """A pass's ``spec.start`` from a state: the position in the epoch, or for a stream
+        over epochs of one length, the stream position (else counted from ``epoch``)."""
+        flat = infinite and not self.varied_epochs()
+        u = self.units(0 if flat else epoch)  # rows under packing
+        return (epoch * u if flat else 0) + min(position, u)
+
+    def varied_epochs(self) -> bool:
+        """Whether epochs differ in units (packed rows under ``best_fit``)."""
+        return self.packer is not None and self.packer.packing.strategy == "best_fit"
 
     def order_for(
         self, epoch: int, num_samples: int, step: int, start: int, part: Any = None
@@ -361,14 +373,8 @@ class Planner:
         if progress is not None:
             progress[0] = skip
         if self.packer is not None:
-            packed = read_packed(ctx, self.packer, lambda e: self.epoch_rows(e, spec.source), skip)
-            if collate in (default_collate, plain_collate):
-                collate = collate_rows(self.packer.packing)
-            for rows in packed:
-                if collate is None:
-                    yield from rows
-                else:
-                    yield collate(rows)
+            rows_of = lambda e: self.epoch_rows(e, spec.source)  # noqa: E731
+            yield from packed_items(ctx, self.packer, rows_of, skip, collate)
             return
         batches = read_batches(ctx, skip)
         if ctx.columnar:

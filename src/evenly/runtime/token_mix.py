@@ -118,8 +118,8 @@ class TokenItems:
         return np.asarray(self.items["start"][positions], dtype=np.int64)
 
     def cut(
-        self, positions: I64, tokens: dict[int, npt.NDArray[np.int64]]
-    ) -> dict[int, npt.NDArray[np.int64]]:
+        self, positions: I64, tokens: dict[int, npt.NDArray[np.integer]]
+    ) -> dict[int, npt.NDArray[np.integer]]:
         """Each position's piece of the whole document read for it."""
         starts, lens = self.starts(positions).tolist(), self.lengths_at(positions).tolist()
         return {

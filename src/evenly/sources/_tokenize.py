@@ -20,6 +20,7 @@ True
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -82,6 +83,16 @@ class Tokenizer:
         settings = f"/special={self.add_special_tokens}/eos={self.eos_id}"
         digest = hashlib.sha256((definition + settings).encode()).hexdigest()[:16]
         return f"{self.kind}:{digest}"
+
+    def for_thread(self) -> Tokenizer:
+        """The tokenizer one of several threads calls: this one for a ``tokenizers``
+        tokenizer (its batch calls only read it), a copy for a ``transformers`` one (its
+        calls set truncation and padding on the backend: "Already borrowed" when shared)."""
+        if self.kind == "tokenizers":
+            return self
+        twin = copy.copy(self)
+        twin.tok = copy.deepcopy(self.tok)
+        return twin
 
     def __repr__(self) -> str:
         return f"evenly.tokenizer({type(self.tok).__name__}, id={self.tokenizer_id!r})"

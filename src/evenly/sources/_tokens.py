@@ -37,17 +37,34 @@ def token_views(chunk: pa.RecordBatch | pa.Table, field: str) -> TokenViews:
         offsets = np.arange(0, (len(column) + 1) * size, size, dtype=np.int64)
     elif pa.types.is_list(kind) or pa.types.is_large_list(kind):
         values = column.values
-        offsets = np.asarray(column.offsets, dtype=np.int64)
+        offsets = column.offsets
     else:
         raise TypeError(f"column {field!r} is {kind}, not a list of token ids")
-    valid = None
-    if column.null_count or values.null_count:
-        valid = np.asarray(column.is_valid(), dtype=np.bool_)
-        if values.null_count:  # a document holding a null token is no list of ids either
-            nulls = np.concatenate([[0], np.cumsum(np.asarray(values.is_null()))])
-            valid &= nulls[offsets[1:]] == nulls[offsets[:-1]]
-        values = values.fill_null(0)
-    return np.asarray(values.to_numpy(zero_copy_only=False)), offsets, valid
+    if isinstance(offsets, pa.Array):
+        offsets = _numpy(offsets).astype(np.int64)
+    if not column.null_count and not values.null_count:
+        return _numpy(values), offsets, None
+    valid = np.asarray(column.is_valid(), dtype=np.bool_)
+    if values.null_count:  # a document holding a null token is no list of ids either
+        nulls = np.concatenate([[0], np.cumsum(np.asarray(values.is_null()))])
+        valid &= nulls[offsets[1:]] == nulls[offsets[:-1]]
+    return _numpy(values.fill_null(0)), offsets, valid
+
+
+def _numpy(array: pa.Array) -> npt.NDArray[Any]:
+    """An Arrow array as numpy: an integer one without nulls as a view of its data buffer
+    (no copy; and pyarrow's ``to_numpy`` imports pandas on its first call, a third of a
+    second in each worker's first packed batch)."""
+    kind = array.type
+    if array.null_count or not pa.types.is_integer(kind):
+        return np.asarray(array.to_numpy(zero_copy_only=False))
+    signed = "i" if pa.types.is_signed_integer(kind) else "u"
+    dtype = np.dtype(f"{signed}{kind.bit_width // 8}")
+    data = array.buffers()[1]
+    if data is None or not len(array):
+        return np.zeros(0, dtype=dtype)
+    start = array.offset * dtype.itemsize
+    return np.frombuffer(data, dtype=dtype, count=len(array), offset=start)
 
 
 def list_tokens(source: Any, indices: Sequence[int], field: str) -> list[npt.NDArray[Any]]:
@@ -64,13 +81,20 @@ def list_tokens(source: Any, indices: Sequence[int], field: str) -> list[npt.NDA
     chunk = np.searchsorted(source._cstarts, rows, side="right") - 1
     local = (rows - source._cstarts[chunk]).tolist()
     views: dict[int, TokenViews] = {}
+    # each file opened (and checked unchanged) once per call, where all stay open
+    handles: dict[int, Any] | None = {} if len(source.urls) <= source.max_open_files else None
     out: list[npt.NDArray[Any]] = []
     for j, (c, i) in enumerate(zip(chunk.tolist(), local, strict=True)):
         found = views.get(c)
         if found is None:
             k, g = int(source._cshard[c]), int(source._clocal[c])
             try:
-                found = source._token_views(k, g, source._handle(k), field)
+                handle = None if handles is None else handles.get(k)
+                if handle is None:
+                    handle = source._handle(k)
+                    if handles is not None:
+                        handles[k] = handle
+                found = source._token_views(k, g, handle, field)
             except Exception as exc:
                 raise source._error(exc, int(samples[j])) from exc
             views[c] = found

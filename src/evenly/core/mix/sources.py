@@ -9,7 +9,7 @@ batched reads that ask each source once (no torch, no I/O of its own).
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
@@ -83,18 +83,20 @@ class Sources:
                 out[pos] = sample
         return out
 
-    def read_tokens(self, indices: Sequence[int], field: str) -> list[Any]:
-        """Packing's reads: each source's ``read_tokens`` where it has one, else its
-        samples (whose ``field`` packing takes)."""
+    @property
+    def read_tokens(self) -> Callable[[Sequence[int], str], list[Any]] | None:
+        """Packing's direct reads (each source's ``read_tokens``), where every source has
+        them; else ``None`` (packing then reads the samples)."""
+        if all(v.read_tokens is not None for v in self._views):
+            return self._read_tokens
+        return None
+
+    def _read_tokens(self, indices: Sequence[int], field: str) -> list[Any]:
         out: list[Any] = [None] * len(indices)
         for d, where, local in self._per_source(indices):
             read = self._views[d].read_tokens
-            samples = (
-                list(read(local, field))
-                if read is not None
-                else self.read_many((np.asarray(local, dtype=np.int64) + self._base[d]).tolist())
-            )
-            for pos, sample in zip(where.tolist(), samples, strict=True):
+            assert read is not None
+            for pos, sample in zip(where.tolist(), read(local, field), strict=True):
                 out[pos] = sample
         return out
 

@@ -20,10 +20,12 @@ Pure numpy: no torch, no I/O.
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import numpy.typing as npt
 
-from evenly.core.packing.pieces import Lengths, pieces_of
+from evenly.core.packing.pieces import Lengths, distinct, pieces_of
 
 __all__ = ["STRIDE", "ConcatRows", "concat_checkpoints"]
 
@@ -64,6 +66,7 @@ class ConcatRows:
         self.stride = stride
         self.total = int(cum[-1]) if cum.size else 0
         self._blocks: dict[int, I64] = {}
+        self._lock = threading.Lock()  # reader threads share it; no reliance on the GIL
 
     @property
     def num_rows(self) -> int:
@@ -72,7 +75,8 @@ class ConcatRows:
     def _block(self, k: int) -> I64:
         """Token offsets of block ``k``'s documents: entry ``i`` is the first token of
         position ``k * stride + i``, the last entry the block's end."""
-        block = self._blocks.get(k)
+        with self._lock:
+            block = self._blocks.get(k)
         if block is None:
             lo, hi = k * self.stride, min((k + 1) * self.stride, self.num_docs)
             lengths = np.asarray(self.lengths_at(np.arange(lo, hi, dtype=np.int64)), np.int64)
@@ -80,77 +84,48 @@ class ConcatRows:
             block[0] = self.cum[k]
             np.cumsum(lengths, out=block[1:])
             block[1:] += self.cum[k]
-            if len(self._blocks) >= 8:
-                self._blocks.clear()
-            self._blocks[k] = block
+            with self._lock:
+                if len(self._blocks) >= 8:
+                    self._blocks.clear()
+                self._blocks[k] = block
         return block
 
     def pieces(self, rows: I64) -> npt.NDArray[np.void]:
         """The pieces of the given rows (see :mod:`evenly.core.packing.pieces`), sorted
-        by row then position: vectorised over the documents of the rows' token span
-        (a batch's rows are consecutive), row by row for scattered rows."""
-        r = np.asarray(rows, dtype=np.int64)
-        if r.size and (int(r.min()) < 0 or int(r.max()) >= self.num_rows):
+        by row then position: vectorised over the rows and the documents of the blocks
+        their tokens fall in (any set of rows: a batch, or a worker's scattered ones)."""
+        r = distinct(rows)[0]
+        if r.size and (int(r[0]) < 0 or int(r[-1]) >= self.num_rows):
             bad = int(r[(r < 0) | (r >= self.num_rows)][0])
             raise IndexError(f"row must lie in [0, {self.num_rows}), got {bad}")
-        if r.size and int(r.max()) - int(r.min()) < 2 * r.size:
-            return self._span_pieces(np.unique(r))
-        return self._row_pieces(r)
-
-    def _span_pieces(self, rows: I64) -> npt.NDArray[np.void]:
+        if not r.size:
+            return pieces_of([], [], [], [])
         L = self.seq_len
-        t0, t1 = int(rows[0]) * L, min((int(rows[-1]) + 1) * L, self.total)
-        k0 = int(np.searchsorted(self.cum, t0, side="right")) - 1
-        k1 = int(np.searchsorted(self.cum, t1 - 1, side="right")) - 1
-        blocks = [self._block(k) for k in range(k0, k1 + 1)]
-        first = np.concatenate([b[:-1] for b in blocks])
-        last = np.concatenate([b[1:] for b in blocks])
-        pos = np.arange(k0 * self.stride, k0 * self.stride + first.size, dtype=np.int64)
-        keep = (first < t1) & (last > t0) & (last > first)
-        first, last, pos = first[keep], last[keep], pos[keep]
-        lo_row, hi_row = first // L, (last - 1) // L  # the rows each document touches
-        count = hi_row - lo_row + 1
-        doc = np.repeat(np.arange(pos.size), count)
-        row = np.repeat(lo_row, count) + (
-            np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count)
+        t0, t1 = r * L, np.minimum((r + 1) * L, self.total)  # each row's token span
+        k0 = np.searchsorted(self.cum, t0, side="right") - 1
+        k1 = np.searchsorted(self.cum, t1 - 1, side="right") - 1
+        blocks = distinct(_ranges(k0, k1 - k0 + 1))[0].tolist()
+        offsets = [self._block(k) for k in blocks]
+        first = np.concatenate([b[:-1] for b in offsets])  # each document's first token
+        last = np.concatenate([b[1:] for b in offsets])  # ... and its end
+        pos = _ranges(
+            np.asarray(blocks, dtype=np.int64) * self.stride, [b.size - 1 for b in offsets]
         )
+        # the documents of each row: those ending after its start, starting before its end
+        d0 = np.searchsorted(last, t0, side="right")
+        d1 = np.searchsorted(first, t1, side="left")
+        count = d1 - d0
+        doc = _ranges(d0, count)
+        row = np.repeat(r, count)
         begin = np.maximum(first[doc], row * L)
-        end = np.minimum(np.minimum(last[doc], (row + 1) * L), self.total)
-        wanted = np.isin(row, rows)
-        row, doc, begin, end = row[wanted], doc[wanted], begin[wanted], end[wanted]
-        order = np.lexsort((pos[doc], row))
-        row, doc, begin, end = row[order], doc[order], begin[order], end[order]
+        end = np.minimum(last[doc], np.repeat(t1, count))
+        keep = end > begin  # empty documents hold no piece
+        row, doc, begin, end = row[keep], doc[keep], begin[keep], end[keep]
         return pieces_of(row, pos[doc], begin - first[doc], end - begin)
 
-    def _row_pieces(self, rows: I64) -> npt.NDArray[np.void]:
-        out_row: list[I64] = []
-        out_pos: list[I64] = []
-        out_start: list[I64] = []
-        out_len: list[I64] = []
-        for r in np.asarray(rows, dtype=np.int64).tolist():
-            if not 0 <= r < self.num_rows:
-                raise IndexError(f"row must lie in [0, {self.num_rows}), got {r}")
-            t0, t1 = r * self.seq_len, min((r + 1) * self.seq_len, self.total)
-            k = int(np.searchsorted(self.cum, t0, side="right")) - 1
-            while True:
-                offsets = self._block(k)
-                first, last = offsets[:-1], offsets[1:]
-                hit = np.flatnonzero((first < t1) & (last > t0) & (last > first))
-                if hit.size:
-                    start = np.maximum(t0 - first[hit], 0)
-                    end = np.minimum(t1, last[hit]) - first[hit]
-                    out_row.append(np.full(hit.size, r, dtype=np.int64))
-                    out_pos.append(hit + k * self.stride)
-                    out_start.append(start)
-                    out_len.append(end - start)
-                if int(offsets[-1]) >= t1:
-                    break
-                k += 1
-        if not out_row:
-            return pieces_of([], [], [], [])
-        return pieces_of(
-            np.concatenate(out_row),
-            np.concatenate(out_pos),
-            np.concatenate(out_start),
-            np.concatenate(out_len),
-        )
+
+def _ranges(starts: npt.ArrayLike, counts: npt.ArrayLike) -> I64:
+    """``starts[i], starts[i] + 1, ...`` (``counts[i]`` values) for each ``i``, in order."""
+    lo, n = np.asarray(starts, dtype=np.int64), np.asarray(counts, dtype=np.int64)
+    total = int(n.sum())
+    return np.repeat(lo - (np.cumsum(n) - n), n) + np.arange(total, dtype=np.int64)

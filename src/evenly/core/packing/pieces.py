@@ -24,7 +24,17 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["IGNORE", "PIECE", "Lengths", "RowTable", "assemble", "pieces_of"]
+__all__ = [
+    "IGNORE",
+    "PIECE",
+    "Lengths",
+    "RowTable",
+    "assemble",
+    "distinct",
+    "piece_tokens",
+    "pieces_of",
+    "place",
+]
 
 I64 = npt.NDArray[np.int64]
 #: One piece of a document in a row (24 bytes, the layout of the plan files too).
@@ -56,6 +66,37 @@ def pieces_of(
     return out
 
 
+def distinct(values: npt.ArrayLike) -> tuple[I64, I64]:
+    """``np.unique(values, return_inverse=True)`` for a 1-D array, with no sort where the
+    values come non-decreasing already (a batch's rows, ``concat``'s pieces).
+
+    >>> [a.tolist() for a in distinct([3, 3, 5, 9, 9])], distinct([2, 1, 2])[0].tolist()
+    ([[3, 5, 9], [0, 0, 1, 2, 2]], [1, 2])
+    """
+    v = np.asarray(values, dtype=np.int64).reshape(-1)
+    if v.size > 1 and not bool((v[1:] >= v[:-1]).all()):
+        found, inverse = np.unique(v, return_inverse=True)
+        return found, inverse.reshape(-1)
+    new = np.ones(v.size, dtype=np.bool_)
+    np.not_equal(v[1:], v[:-1], out=new[1:])
+    return v[new], np.cumsum(new) - 1
+
+
+def piece_tokens(
+    pieces: npt.NDArray[np.void], tokens: Mapping[int, npt.NDArray[np.integer]]
+) -> I64:
+    """The tokens of every piece, one after the other (int64): one copy of each token."""
+    if not pieces.size:
+        return np.zeros(0, dtype=np.int64)
+    parts = [
+        tokens[pos][start : start + n]
+        for pos, start, n in zip(
+            pieces["pos"].tolist(), pieces["start"].tolist(), pieces["len"].tolist(), strict=True
+        )
+    ]
+    return np.concatenate(parts, dtype=np.int64, casting="unsafe")
+
+
 def assemble(
     rows: I64,
     pieces: npt.NDArray[np.void],
@@ -72,29 +113,61 @@ def assemble(
     document at position ``pos``, ``doc_index[pos]`` its source index.  A row without
     pieces (a pad row) is all ``pad_id``.
     """
+    flat = piece_tokens(pieces, tokens)
+    index = np.asarray([doc_index[p] for p in pieces["pos"].tolist()], dtype=np.int64)
+    return place(rows, pieces, flat, seq_len=seq_len, pad_id=pad_id, doc_index=index)
+
+
+def place(
+    rows: I64,
+    pieces: npt.NDArray[np.void],
+    flat: I64,
+    *,
+    seq_len: int,
+    pad_id: int,
+    doc_index: I64 | None = None,
+) -> dict[str, I64]:
+    """:func:`assemble` from the pieces' tokens already gathered (``flat``, from
+    :func:`piece_tokens`) and each piece's source index (``doc_index``; ``None``: no
+    ``document_ids``): one pass over each output array, no Python per token."""
     count = len(rows)
-    input_ids = np.full((count, seq_len), pad_id, dtype=np.int64)
-    position_ids = np.zeros((count, seq_len), dtype=np.int64)
-    document_ids = np.zeros((count, seq_len), dtype=np.int64)
-    slot = np.searchsorted(rows, pieces["row"])
-    fill = np.zeros(count, dtype=np.int64)
-    ramp = np.arange(seq_len, dtype=np.int64)
-    for b, pos, start, n in zip(
-        slot.tolist(),
-        pieces["pos"].tolist(),
-        pieces["start"].tolist(),
-        pieces["len"].tolist(),
-        strict=True,
-    ):
-        at = int(fill[b])
-        input_ids[b, at : at + n] = tokens[pos][start : start + n]
-        position_ids[b, at : at + n] = ramp[:n]
-        document_ids[b, at : at + n] = doc_index[pos] + 1
-        fill[b] = at + n
-    labels = np.where(position_ids == 0, IGNORE, input_ids)
-    return {
-        "input_ids": input_ids,
-        "position_ids": position_ids,
-        "labels": labels,
-        "document_ids": document_ids,
-    }
+    lens = pieces["len"].astype(np.int64)
+    begins = np.cumsum(lens) - lens  # where each piece starts in flat
+    ramp = _ramp(seq_len)
+    position = np.concatenate([ramp[:n] for n in lens.tolist()] or [ramp[:0]])
+    columns = {"input_ids": (flat, pad_id), "position_ids": (position, 0), "labels": (flat, IGNORE)}
+    if doc_index is not None:
+        columns["document_ids"] = (np.repeat(doc_index + 1, lens), 0)
+    slot = np.searchsorted(rows, pieces["row"])  # the output row of each piece
+    if flat.size == count * seq_len:  # every row full: the gathered tokens are the rows
+        starts = begins
+        out = {k: v.reshape(count, seq_len) for k, (v, _) in columns.items()}
+        out["labels"] = out["labels"].copy()
+    else:
+        new_row = np.ones(slot.size, dtype=np.bool_)
+        new_row[1:] = slot[1:] != slot[:-1]
+        first = np.flatnonzero(new_row)  # each row's first piece
+        filled = slot[first].tolist()
+        lo = begins[first]
+        spans = list(zip(filled, lo.tolist(), np.append(lo, flat.size)[1:].tolist(), strict=True))
+        out = {}
+        for key, (values, fill) in columns.items():
+            array = np.full((count, seq_len), fill, dtype=np.int64)
+            for b, start, end in spans:
+                array[b, : end - start] = values[start:end]
+            out[key] = array
+        starts = slot * seq_len + begins - np.repeat(lo, np.diff(np.append(first, slot.size)))
+    out["labels"].reshape(-1)[starts[lens > 0]] = IGNORE  # every piece's first token
+    return out
+
+
+_RAMPS: dict[int, I64] = {}
+
+
+def _ramp(seq_len: int) -> I64:
+    """``0, 1, ..., seq_len - 1`` (made once per ``seq_len``)."""
+    found = _RAMPS.get(seq_len)
+    if found is None:
+        found = _RAMPS[seq_len] = np.arange(seq_len, dtype=np.int64)
+        found.flags.writeable = False
+    return found

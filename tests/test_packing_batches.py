@@ -1,0 +1,264 @@
+"""Packed batches built a batch at a time: the vectorised assembly equals a token-by-token
+reference, concat locates any set of rows as row by row, reader threads give the batches
+worker processes give (and are what ``worker_type="auto"`` picks for a token-reading
+source without a transform), a resume lands inside a read group exactly, and the pad
+token and planned-length checks still name the document.
+
+Documents hold tokens that name them: document ``i``'s token ``t`` is ``1000 * (i + 1) + t``.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import threading
+import warnings
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import evenly
+from evenly.core.packing.concat import ConcatRows, concat_checkpoints
+from evenly.core.packing.pieces import IGNORE, PIECE, piece_tokens, place
+
+pytestmark = pytest.mark.filterwarnings("ignore:evenly.*pad row:evenly.EvenlyWarning")
+SEQ = 16
+LENGTHS = [int(n) for n in np.random.default_rng(11).integers(1, 45, size=150)]
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("EVENLY_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def _docs(lengths: list[int] = LENGTHS) -> list[list[int]]:
+    return [[1000 * (i + 1) + t for t in range(n)] for i, n in enumerate(lengths)]
+
+
+def _arrow(tmp_path: Any, docs: list[list[int]]) -> Any:
+    path = tmp_path / "docs.arrow"
+    table = pa.table({"input_ids": pa.array(docs, type=pa.list_(pa.int32()))})
+    with pa.ipc.new_file(str(path), table.schema) as writer:
+        for lo in range(0, table.num_rows, 40):  # several record batches
+            writer.write_table(table.slice(lo, 40))
+    return evenly.from_arrow(str(path))
+
+
+def _concat(lengths: np.ndarray, seq_len: int, stride: int) -> ConcatRows:
+    at = lambda p: lengths[p]  # noqa: E731
+    cum = concat_checkpoints(at, lengths.size, stride=stride, chunk=stride * 2)
+    return ConcatRows(cum, at, lengths.size, seq_len=seq_len, stride=stride)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.integers(0, 30), min_size=1, max_size=80),
+    st.integers(1, 13),
+    st.integers(1, 5),
+    st.data(),
+)
+def test_concat_pieces_of_any_rows_equal_those_located_row_by_row(lengths, seq_len, stride, data):
+    arr = np.array(lengths, dtype=np.int64)
+    table = _concat(arr, seq_len, stride)
+    if table.num_rows == 0:
+        return
+    rows = data.draw(st.sets(st.integers(0, table.num_rows - 1), min_size=1))
+    wanted = np.array(sorted(rows), dtype=np.int64)
+    one_by_one = np.concatenate([_concat(arr, seq_len, stride).pieces(wanted[i : i + 1])
+                                 for i in range(wanted.size)])  # fmt: skip
+    got = table.pieces(wanted[::-1])  # any order asked: sorted by row, then position
+    assert got.tolist() == one_by_one.tolist()
+
+
+def _reference_rows(rows, pieces, tokens, seq_len, pad_id, doc_index):
+    """Token by token: each row's pieces one after the other, then pads."""
+    out = {k: [] for k in ("input_ids", "position_ids", "labels", "document_ids")}
+    for r in rows:
+        ids, pos, doc = [], [], []
+        for p in pieces[pieces["row"] == r]:
+            for i in range(int(p["len"])):
+                ids.append(int(tokens[int(p["pos"])][int(p["start"]) + i]))
+                pos.append(i)
+                doc.append(doc_index[int(p["pos"])] + 1)
+        pad = seq_len - len(ids)
+        out["input_ids"].append(ids + [pad_id] * pad)
+        out["position_ids"].append(pos + [0] * pad)
+        labels = [IGNORE if q == 0 else t for t, q in zip(ids, pos, strict=True)]
+        out["labels"].append(labels + [IGNORE] * pad)
+        out["document_ids"].append(doc + [0] * pad)
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.integers(1, 6), max_size=4), min_size=1, max_size=6), st.data())
+def test_place_equals_a_token_by_token_reference(layout, data):
+    """Rows of pieces (lengths per row; an empty list is a pad row), seq_len of the
+    longest row or more: short rows, full rows and pad rows side by side."""
+    seq_len = max(sum(r) for r in layout) + data.draw(st.integers(0, 3)) or 1
+    base = data.draw(st.integers(0, 5))
+    rows = np.arange(base, base + len(layout), dtype=np.int64)
+    cols: list[tuple[int, int, int, int]] = []
+    tokens: dict[int, np.ndarray] = {}
+    for r, lens in zip(rows.tolist(), layout, strict=True):
+        for n in lens:
+            pos = len(tokens)
+            start = data.draw(st.integers(0, 3))
+            tokens[pos] = np.arange(start + n, dtype=np.int32) + 1000 * (pos + 1)
+            cols.append((r, pos, start, n))
+    pieces = np.array(cols, dtype=PIECE)
+    doc_index = {p: 7 * p + 2 for p in tokens}
+    index = np.array([doc_index[p] for p in pieces["pos"].tolist()], dtype=np.int64)
+    flat = piece_tokens(pieces, tokens)
+    got = place(rows, pieces, flat, seq_len=seq_len, pad_id=0, doc_index=index)
+    want = _reference_rows(rows.tolist(), pieces, tokens, seq_len, 0, doc_index)
+    assert list(got) == ["input_ids", "position_ids", "labels", "document_ids"]
+    assert {k: v.tolist() for k, v in got.items()} == want
+    assert all(v.dtype == np.int64 and v.shape == (len(layout), seq_len) for v in got.values())
+
+
+def _batches(loader: Any) -> list[dict[str, Any]]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", evenly.EvenlyWarning)
+        return [
+            {k: v.tolist() if isinstance(v, torch.Tensor) else v for k, v in b.items()}
+            for b in loader
+        ]
+
+
+def test_reader_threads_give_the_batches_of_worker_processes_and_auto_picks_them(tmp_path):
+    source = _arrow(tmp_path, _docs())
+    pack = evenly.Packing(SEQ, document_ids=True, cu_seqlens=True)
+    ds = evenly.Dataset(source, shuffle=True, seed=5, pack=pack)
+    seen: list[tuple[bool, int]] = []
+
+    class Watch:
+        """Sees, at each batch, whether reader threads run and how many child processes."""
+
+        def __init__(self, loader: Any) -> None:
+            self.loader = loader
+
+        def __iter__(self) -> Any:
+            for batch in self.loader:
+                names = [t.name for t in threading.enumerate()]
+                seen.append((any(n.startswith("evenly-reader") for n in names),
+                             len(multiprocessing.active_children())))  # fmt: skip
+                yield batch
+
+    auto = _batches(Watch(evenly.DataLoader(ds, batch_size=3, num_workers=2)))
+    assert seen[0][0] and all(children == 0 for _, children in seen)  # readers finish early
+    fork = _batches(evenly.DataLoader(ds, batch_size=3, num_workers=2, worker_type="process"))
+    spawn = _batches(
+        evenly.DataLoader(
+            ds, batch_size=3, num_workers=2, worker_type="process", multiprocessing_context="spawn"
+        )
+    )
+    plain = _batches(evenly.DataLoader(ds, batch_size=3))
+    assert auto == fork == spawn
+    # the rows are those of one process (the order of batches differs: dealt to workers)
+    key = lambda b: b["input_ids"]  # noqa: E731
+    assert sorted(auto, key=key) == sorted(plain, key=key)
+    tokens = sorted(t for b in auto for row in b["input_ids"] for t in row if t)
+    assert tokens == sorted(t for d in _docs() for t in d)  # every token once
+    for b in auto:  # cu_seqlens: where position_ids is 0, then the end
+        flat = np.array(b["position_ids"]).reshape(-1)
+        assert b["cu_seqlens"] == [*np.flatnonzero(flat == 0).tolist(), flat.size]
+
+
+def test_a_custom_collate_gets_the_rows_of_the_default_batches(tmp_path):
+    ds = evenly.Dataset(_arrow(tmp_path, _docs()), shuffle=True, seed=5, pack=evenly.Packing(SEQ))
+    got: list[list[dict[str, torch.Tensor]]] = []
+
+    def collate(rows: list[dict[str, torch.Tensor]]) -> int:
+        got.append(rows)
+        return len(rows)
+
+    sizes = list(evenly.DataLoader(ds, batch_size=4, collate_fn=collate))
+    default = _batches(evenly.DataLoader(ds, batch_size=4))
+    assert sizes == [4] * len(default)
+    for rows, batch in zip(got, default, strict=True):
+        assert all(r["input_ids"].shape == (SEQ,) for r in rows)
+        for key, value in batch.items():
+            assert [r[key].tolist() for r in rows] == value
+
+
+@pytest.mark.parametrize("worker_type", ["thread", "process"])
+def test_a_resume_inside_a_read_group_continues_exactly(tmp_path, worker_type):
+    """Rows are read 32 at a time: a state saved after 7 batches of 3 (row 21) resumes
+    under 1 worker and batches of 5 with the rows the uninterrupted run had left."""
+    ds = evenly.Dataset(_arrow(tmp_path, _docs()), shuffle=True, seed=2, pack=evenly.Packing(SEQ))
+    loader = evenly.DataLoader(ds, batch_size=3, num_workers=2, worker_type=worker_type)
+    whole = [row for b in _batches(loader) for row in b["input_ids"]]
+    loader = evenly.DataLoader(ds, batch_size=3, num_workers=2, worker_type=worker_type)
+    it = iter(loader)  # the same epoch 0, interrupted
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", evenly.EvenlyWarning)
+        before = [row for _ in range(7) for row in next(it)["input_ids"].tolist()]
+    state = loader.state_dict()
+    del it
+    other = evenly.DataLoader(ds, batch_size=5, num_workers=1, worker_type=worker_type)
+    other.load_state_dict(state)
+    after = [row for b in _batches(other) for row in b["input_ids"]]
+    real = [r for r in whole if any(r)]
+    assert before + [r for r in after if any(r)] == real
+
+
+def test_a_worker_restored_inside_a_read_group_skips_exactly_its_rows(tmp_path):
+    """A restored worker skips ``skip`` rows of its share (rows are read 32 at a time, in
+    whole batches): what it yields is its share from row ``skip`` on, for any skip."""
+    from evenly.core.spec import PassSpec
+
+    ds = evenly.Dataset(_arrow(tmp_path, _docs()), shuffle=True, seed=2, pack=evenly.Packing(SEQ))
+    planner = ds._planner
+    spec = PassSpec(epoch=0, start=0, num_samples=len(LENGTHS), batch_size=3, handoff=True)
+
+    def share(skip: int) -> list[list[int]]:
+        items = planner.read(spec, 1, 2, skip=skip, collate=torch.utils.data.default_collate)
+        return [row for b in items for row in b["input_ids"].tolist()]
+
+    whole = share(0)
+    assert len(whole) > 40
+    for skip in (1, 2, 3, 31, 32, 33, 34, 40):
+        assert share(skip) == whole[skip:]
+
+
+def test_the_pad_token_is_found_in_a_later_piece_and_named(tmp_path):
+    lengths = [30, 5, 7]
+    docs = _docs(lengths)
+    docs[0][20] = 0  # in document 0's second row (seq_len 16)
+    ds = evenly.Dataset(_arrow(tmp_path, docs), pack=evenly.Packing(SEQ, pad_id=0))
+    with pytest.raises(ValueError, match=r"document 0 \(position 0 of epoch 0\).*at token 20"):
+        _batches(evenly.DataLoader(ds, batch_size=1))
+    grow = evenly.Dataset(
+        _docs(lengths), transform=lambda d: [*d, 9], pack=evenly.Packing(SEQ), shuffle=False
+    )
+    with pytest.raises(ValueError, match=r"document 0 .* holds 31 tokens, but 30"):
+        _batches(evenly.DataLoader(grow, batch_size=1))
+
+
+def test_infinite_best_fit_in_worker_processes_and_threads_is_the_in_process_stream(tmp_path):
+    """Epochs of different row counts, read ahead by workers across an epoch boundary."""
+    pack = evenly.Packing(SEQ, strategy="best_fit", open_rows=2, window=16)
+    ds = evenly.Dataset(_arrow(tmp_path, _docs()), shuffle=True, seed=4, pack=pack)
+    lengths = []
+    for e in range(3):
+        epoch = evenly.DataLoader(ds, batch_size=1)
+        epoch.set_epoch(e)
+        lengths.append(len(epoch))
+    assert len(set(lengths)) > 1
+
+    def stream(**kwargs: Any) -> list[list[int]]:
+        loader = evenly.DataLoader(ds, batch_size=4, infinite=True, **kwargs)
+        it = iter(loader)
+        steps = (sum(lengths) - 1) // 4  # into the last row of epoch 2
+        rows = [row for _ in range(steps) for row in next(it)["input_ids"].tolist()]
+        assert loader.state_dict()["epoch"] == 2
+        return rows
+
+    alone = stream()
+    assert stream(num_workers=2, worker_type="thread") == alone
+    assert stream(num_workers=2, worker_type="process") == alone
+    assert stream(num_workers=1, multiprocessing_context="spawn") == alone

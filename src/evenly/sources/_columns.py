@@ -28,7 +28,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ._base import ShardedSource
-from ._gather import LIST_VALUES, ColumnViews, chunk_views, gatherable
+from ._gather import LIST_VALUES, ChunkLookup, ColumnViews, chunk_views, gatherable
 from ._manifest import FileEntry
 from ._rowviews import RowAccess
 
@@ -191,9 +191,10 @@ class ArrowBatchSource(ShardedSource):
         self._index_chunks()
 
     def _index_chunks(self) -> None:
-        """Global chunk starts (one searchsorted finds every sample's chunk)."""
+        """Global chunk starts, and the lookup that finds every sample's chunk."""
         sizes = [n for rows in self._chunk_rows for n in rows]
         self._cstarts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)]).astype(np.int64)
+        self._chunk_of = ChunkLookup(self._cstarts)
         self._cshard = np.repeat(
             np.arange(len(self._chunk_rows), dtype=np.int64), [len(r) for r in self._chunk_rows]
         )
@@ -275,7 +276,7 @@ class ArrowBatchSource(ShardedSource):
         rows = self._rows(samples)
         if not rows.size:
             return self.schema.empty_table()
-        chunk = np.searchsorted(self._cstarts, rows, side="right") - 1
+        chunk = self._chunk_of.of(rows)
         order = np.argsort(chunk, kind="stable")
         present, first = np.unique(chunk[order], return_index=True)
         if present.size > 1:
@@ -307,7 +308,7 @@ class ArrowBatchSource(ShardedSource):
         one Arrow ``take`` per chunk present)."""
         samples = self._check_indices(indices)
         rows = self._rows(samples)
-        chunk = np.searchsorted(self._cstarts, rows, side="right") - 1
+        chunk = self._chunk_of.of(rows)
         present = np.unique(chunk)
         if present.size > 1:
             self._prefetch_shards(np.unique(self._cshard[present]).tolist())
@@ -350,7 +351,7 @@ class ArrowBatchSource(ShardedSource):
 
     def _gather(self, samples: npt.NDArray[np.int64]) -> dict[str, npt.NDArray[Any]] | None:
         rows = self._rows(samples)
-        chunk = np.searchsorted(self._cstarts, rows, side="right") - 1
+        chunk = self._chunk_of.of(rows)
         present = np.unique(chunk)
         if not present.size:
             return None

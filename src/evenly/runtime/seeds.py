@@ -57,10 +57,9 @@ _HALF = MT_WORDS // 2  # 64-bit words per 624-word state
 _STATE_FACTOR = np.uint64(0xD6E8FEB86659FD93)
 _S32 = np.uint64(32)
 
-#: The seed of the sample being transformed; ``None`` outside a transform call.
-_SAMPLE_SEED: ContextVar[int | None] = ContextVar("evenly.sample_seed", default=None)
-#: Whether the sample being transformed is padding; ``None`` outside a transform call.
-_PADDING: ContextVar[bool | None] = ContextVar("evenly.is_padding", default=None)
+#: The seed of the sample being transformed and whether it is padding (one variable:
+#: one set and one reset per call); ``None`` outside a transform call.
+_SAMPLE: ContextVar[tuple[int, bool] | None] = ContextVar("evenly.sample", default=None)
 R = TypeVar("R")
 
 
@@ -78,12 +77,12 @@ def sample_seed() -> int:
     >>> len(list(ds))
     4
     """
-    seed = _SAMPLE_SEED.get()
-    if seed is None:
+    current = _SAMPLE.get()
+    if current is None:
         raise RuntimeError(
             "evenly.sample_seed() is only available inside an evenly.Dataset transform"
         )
-    return seed
+    return current[0]
 
 
 def is_padding() -> bool:
@@ -106,12 +105,12 @@ def is_padding() -> bool:
     >>> epoch(0), epoch(1)
     ([(0, 1.0), (2, 1.0)], [(1, 1.0), (0, 0.0)])
     """
-    padding = _PADDING.get()
-    if padding is None:
+    current = _SAMPLE.get()
+    if current is None:
         raise RuntimeError(
             "evenly.is_padding() is only available inside an evenly.Dataset transform"
         )
-    return padding
+    return current[1]
 
 
 def check_generators(names: Iterable[str]) -> tuple[str, ...]:
@@ -214,13 +213,11 @@ class SeedSpreader:
         ('a', 7)
         """
         self.seed(i)
-        token = _SAMPLE_SEED.set(self._py[i])
-        marked = _PADDING.set(padding)
+        token = _SAMPLE.set((self._py[i], padding))
         try:
             return fn(sample)
         finally:
-            _PADDING.reset(marked)
-            _SAMPLE_SEED.reset(token)
+            _SAMPLE.reset(token)
 
 
 class RngState:

@@ -310,20 +310,21 @@ class ArrowBatchSource(ShardedSource):
         rows = self._rows(samples)
         chunk = self._chunk_of.of(rows)
         present = np.unique(chunk)
-        if present.size > 1:
+        if present.size > 1 and self.cache is not None:
             self._prefetch_shards(np.unique(self._cshard[present]).tolist())
-        access: dict[int, RowAccess] = {}
-        for c in present.tolist():
-            k, g = int(self._cshard[c]), int(self._clocal[c])
+        row_of: dict[int, Any] = {}  # chunk -> its accessors' row()
+        ks, gs = self._cshard[present].tolist(), self._clocal[present].tolist()
+        where = zip(present.tolist(), ks, gs, strict=True)
+        for c, k, g in where:
             try:
                 found = self._row_access(k, g, self._handle(k))
             except Exception as exc:
                 raise self._error(exc, int(samples[int(np.argmax(chunk == c))])) from exc
             if found is None:
                 return to_rows(self.take(samples))
-            access[c] = found
+            row_of[c] = found.row
         local = (rows - self._cstarts[chunk]).tolist()
-        return [access[c].row(i) for c, i in zip(chunk.tolist(), local, strict=True)]
+        return [row_of[c](i) for c, i in zip(chunk.tolist(), local, strict=True)]
 
     def _row_access(self, k: int, g: int, handle: Any) -> RowAccess | None:
         """The per-row accessors of chunk ``g`` of shard ``k`` (subclasses keep them with

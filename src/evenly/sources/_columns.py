@@ -315,9 +315,12 @@ class ArrowBatchSource(ShardedSource):
         row_of: dict[int, Any] = {}  # chunk -> its accessors' row()
         ks, gs = self._cshard[present].tolist(), self._clocal[present].tolist()
         where = zip(present.tolist(), ks, gs, strict=True)
+        handle, last = None, -1  # a shard's chunks are consecutive: its handle once
         for c, k, g in where:
             try:
-                found = self._row_access(k, g, self._handle(k))
+                if k != last:
+                    handle, last = self._handle(k), k
+                found = self._row_access(k, g, handle)
             except Exception as exc:
                 raise self._error(exc, int(samples[int(np.argmax(chunk == c))])) from exc
             if found is None:

@@ -1,9 +1,9 @@
 """``loader.stats()``: per epoch, what the loader delivered and where the time went.
 
 Workers time each batch's stages (``runtime/clock.py``) and send the figures with the
-batch; the main process adds how long the training loop waited in ``next()``.  What is
-recorded costs a few clock reads and one small tuple per batch (``bench/bench_stats.py``
-measures it).
+batch (with no workers, the main process's clock is read when the stats are); the main
+process adds how long the training loop waited in ``next()``.  What is recorded costs a
+few clock reads and one small tuple per batch (``bench/bench_stats.py`` measures it).
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """What ``loader.stats()`` costs: a paired micro-benchmark, not an end-to-end run.
 
 Per batch, the stats add a fixed set of operations: clock reads and sums in the worker
-(read, transform, collate, hand-off), one ``StageClock.take()`` tuple that travels with
-the batch (pickled with it through torch's queue), and in the main process
+(read, collate, and the hand-off with workers; a transform would add its own), one
+``StageClock.take()`` tuple that travels with the batch (pickled with it through
+torch's queue; with no workers the clock itself goes with it), and in the main process
 ``PassRecorder.add``.  This script times exactly those operations on the real
 objects, paired round by round with the same loop without them, and divides by the time
 of a batch on the cheapest real workload (in-memory integers, default collate): the
@@ -17,6 +18,7 @@ import argparse
 import pickle
 import statistics
 import time
+from typing import Any
 
 import evenly
 from evenly.loader.stats import StatsLog
@@ -24,33 +26,34 @@ from evenly.runtime.clock import StageClock, perf_counter
 
 
 def stats_ops(n: int, pickled: bool) -> float:
-    """Seconds for ``n`` batches' worth of the stats' own operations (``pickled``: the
-    batch crosses a process, as with workers)."""
+    """Seconds for ``n`` batches' worth of the stats' own operations on the workload
+    timed below (no transform, default collate); ``pickled``: the batch crosses a
+    process in a slot, as with workers (the hand-off is timed, and the copy-out)."""
     clock, recorder = StageClock(), StatsLog().begin(0)
     item = ("a batch's slot descriptor", 0, 3)
     started_all = time.perf_counter()
     for _ in range(n):
-        # reader: fetch, then the transform
+        # reader: fetch (a transform would be timed too: this workload has none)
         started = perf_counter()
-        read = perf_counter()
-        clock.read += read - started
-        clock.transform += perf_counter() - read
+        clock.read += perf_counter() - started
         clock.samples += 256
         # planner: collate
         started = perf_counter()
         clock.collate += perf_counter() - started
-        # feed: the hand-off into the slot; the times travel with the batch
-        started = perf_counter()
-        clock.handoff += perf_counter() - started
-        payload = (item, clock.take())
+        # feed: the hand-off into the slot (workers only); the times travel with the batch
         if pickled:
+            started = perf_counter()
+            clock.handoff += perf_counter() - started
+            payload: tuple[Any, Any] = (item, clock.take())
             payload = pickle.loads(pickle.dumps(payload, pickle.HIGHEST_PROTOCOL))
+        else:  # read in the main process: the clock itself goes with the batch
+            payload = (item, clock)
         # main process
         begun = perf_counter()
         if recorder.started is None:
             recorder.started = begun
         got = perf_counter()
-        recorder.add(payload[1], begun, got)
+        recorder.add(payload[1], begun, got, pickled)
     return time.perf_counter() - started_all
 
 

@@ -21,6 +21,7 @@ __all__ = [
     "BatchedSource",
     "CheckedSource",
     "ColumnarSource",
+    "GroupedColumnarSource",
     "IdentifiedSource",
     "LocatingSource",
     "PlannedSource",
@@ -73,6 +74,15 @@ class ColumnarSource(Protocol):
     """Reads a batch column by column (no per-sample Python objects)."""
 
     def read_columns(self, indices: Sequence[int]) -> dict[str, Any]: ...
+
+
+@runtime_checkable
+class GroupedColumnarSource(Protocol):
+    """Reads several batches column by column in one call (one lookup and one check of
+    its files for all of them): ``read_column_batches(batches)[j]`` equals
+    ``read_columns(batches[j])``."""
+
+    def read_column_batches(self, batches: Sequence[Sequence[int]]) -> list[dict[str, Any]]: ...
 
 
 @runtime_checkable
@@ -174,6 +184,8 @@ class SourceView:
     #: mapping with any of ``bytes_read``, ``bytes_decoded``, ``decode_seconds``,
     #: ``cache_hits``, ``cache_misses``
     io_stats: Callable[[], Mapping[str, float]] | None = None
+    #: several batches' columns in one read (``GroupedColumnarSource``), or None
+    read_column_batches: Callable[[Sequence[Any]], list[dict[str, Any]]] | None = None
 
     @classmethod
     def of(cls, source: Any) -> SourceView:
@@ -205,4 +217,7 @@ class SourceView:
             token_lengths=source.token_lengths if isinstance(source, TokenLengthsSource) else None,
             read_tokens=source.read_tokens if isinstance(source, TokenReadingSource) else None,
             io_stats=io_stats if callable(io_stats := getattr(source, "io_stats", None)) else None,
+            read_column_batches=source.read_column_batches
+            if isinstance(source, GroupedColumnarSource)
+            else None,
         )

@@ -109,7 +109,12 @@ class Feed(IterableDataset[Any]):
         )
         if per_sample is not None:
             items = map(per_sample, items)
-        # every item travels with its stage times (loader.stats()): (item, clock.take())
+        # every item travels with its stage times (loader.stats()): (item, clock.take());
+        # in the main process (no workers) the clock itself, which the stats read
+        if info is None:
+            for item in items:
+                yield item, clock
+            return
         take = clock.take
         if pack is None:
             for item in items:
@@ -178,7 +183,7 @@ class PassIterator(Iterator[Any]):
             raise
         self._pass.received += 1
         if recorder is not None:
-            recorder.add(times, started, got)
+            recorder.add(times, started, got, batch is not item)
         return batch
 
     def _name_a_dead_worker(self, exc: BaseException) -> None:

@@ -1,9 +1,9 @@
 """``loader.stats()``: per epoch, what the loader delivered and where the time went.
 
 Workers time each batch's stages (``runtime/clock.py``) and send the figures with the
-batch; the main process adds how long the training loop waited in ``next()``.  What is
-recorded costs a few clock reads and one small tuple per batch (``bench/bench_stats.py``
-measures it).
+batch (with no workers, the main process's clock is read when the stats are); the main
+process adds how long the training loop waited in ``next()``.  What is recorded costs a
+few clock reads and one small tuple per batch (``bench/bench_stats.py`` measures it).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from dataclasses import dataclass, fields
 from time import perf_counter
 from typing import Any
 
-from evenly.runtime.clock import COUNTERS, STAGES
+from evenly.runtime.clock import COUNTERS, STAGES, StageClock
 
 __all__ = ["EpochStats", "LoaderStats", "PassRecorder", "StatsLog", "as_dict"]
 
@@ -114,15 +114,43 @@ class LoaderStats:
         return "\n".join(rows)
 
 
+#: batches whose worker figures are kept as they came before they are summed
+_FOLD = 64
+
+
+def _sums(times: list[tuple[float, ...]]) -> tuple[float, list[float], list[int | None]]:
+    """Samples, stage seconds and counters (None: not reported) of a list of batches'
+    worker figures (:meth:`StageClock.take` tuples)."""
+    if not times:
+        return 0, [0.0] * len(STAGES), [None] * len(COUNTERS)
+    columns = list(zip(*times, strict=False)) if len({len(t) for t in times}) == 1 else None
+    if columns is None:  # figures with and without counters (a restarted pass)
+        wide = max(len(t) for t in times)
+        columns = list(zip(*(t + (-1,) * (wide - len(t)) for t in times), strict=True))
+    counters: list[int | None] = [None] * len(COUNTERS)
+    for i, column in enumerate(columns[1 + len(STAGES) :]):
+        reported = [v for v in column if v >= 0]
+        counters[i] = int(sum(reported)) if reported else None
+    return sum(columns[0]), [sum(c) for c in columns[1 : 1 + len(STAGES)]], counters
+
+
 class PassRecorder:
-    """The running totals of one pass (the main process)."""
+    """The running totals of one pass (the main process).
+
+    :meth:`add` keeps each batch's worker figures as they came and sums them once per
+    :data:`_FOLD` batches (a few hundred nanoseconds a batch); :meth:`freeze` adds
+    those not summed yet, changing nothing.  A pass read in the main process sends its
+    clock instead of figures: it is read when the stats are."""
 
     __slots__ = (
         "batches",
+        "copied",
         "counters",
         "ended",
         "epoch",
         "finished",
+        "live",
+        "pending",
         "samples",
         "stages",
         "started",
@@ -132,31 +160,48 @@ class PassRecorder:
     def __init__(self, epoch: int) -> None:
         self.epoch = epoch
         self.batches = self.samples = 0
-        self.waited = 0.0
+        self.waited = self.copied = 0.0
         self.stages = [0.0] * len(STAGES)
         self.counters: list[int | None] = [None] * len(COUNTERS)
+        self.pending: list[tuple[float, ...]] = []
+        #: the clock of a pass read in this process (no workers), read by freeze()
+        self.live: StageClock | None = None
         self.started: float | None = None
         self.ended: float | None = None
         self.finished = False
 
-    def add(self, times: tuple[float, ...], started: float, got: float) -> None:
-        """A batch received: its worker figures, the wait, the main process's copy-out."""
-        now = perf_counter()
+    def add(
+        self, times: tuple[float, ...] | StageClock, started: float, got: float, copied: bool
+    ) -> None:
+        """A batch received: its worker figures (or the clock of a pass read in this
+        process), the wait (from ``started`` to now) and, if the main process ``copied``
+        the batch out of a slot since ``got``, that copy (hand-off time)."""
+        now = perf_counter() if copied else got
         self.batches += 1
-        self.samples += int(times[0])
         self.waited += now - started
-        stages = self.stages
-        stages[0] += times[1]
-        stages[1] += times[2]
-        stages[2] += times[3]
-        stages[3] += times[4]
-        stages[4] += times[5] + now - got
-        if len(times) > 6:  # the source reports counters
-            counters = self.counters
-            for i, value in enumerate(times[6:]):
-                if value >= 0:
-                    counters[i] = int(value) + (counters[i] or 0)
+        if copied:
+            self.copied += now - got
+        if type(times) is tuple:
+            pending = self.pending
+            pending.append(times)
+            if len(pending) >= _FOLD:
+                self.pending = []
+                self.stages, self.counters, self.samples = self._total(pending)
+        elif times is not self.live:  # a pass restarted in place: keep the old clock's
+            if self.live is not None:
+                self.stages, self.counters, self.samples = self._total([self.live.peek()])
+            self.live = times  # type: ignore[assignment]
         self.ended = now
+
+    def _total(self, pending: list[tuple[float, ...]]) -> tuple[list[float], list[int | None], int]:
+        """The stages, counters and samples with ``pending`` added."""
+        samples, stages, counters = _sums(pending)
+        both = zip(self.counters, counters, strict=True)
+        return (
+            [a + b for a, b in zip(self.stages, stages, strict=True)],
+            [b if a is None else a if b is None else a + b for a, b in both],
+            self.samples + int(samples),
+        )
 
     def end(self, started: float) -> None:
         now = perf_counter()
@@ -165,12 +210,17 @@ class PassRecorder:
 
     def freeze(self) -> EpochStats:
         seconds = 0.0 if self.started is None else (self.ended or self.started) - self.started
-        read, decode, transform, collate, handoff = self.stages
-        bytes_read, bytes_decoded, hits, misses = self.counters
+        pending = list(self.pending)
+        if self.live is not None:
+            pending.append(self.live.peek())
+        stages, counters, samples = self._total(pending)
+        read, decode, transform, collate, handoff = stages
+        handoff += self.copied
+        bytes_read, bytes_decoded, hits, misses = counters
         return EpochStats(
             epoch=self.epoch,
             batches=self.batches,
-            samples=self.samples,
+            samples=samples,
             seconds=seconds,
             waited_seconds=self.waited,
             read_seconds=read,

@@ -60,6 +60,16 @@ class StageClock:
     def take(self) -> tuple[float, ...]:
         """(samples, read, decode, transform, collate, handoff) since the last call, then
         the source's counters (:data:`COUNTERS`, -1 for one it lacks) if it reports any."""
+        out = self.peek()
+        self.samples = 0
+        self.read = self.decode = self.transform = self.collate = self.handoff = 0.0
+        if self._last:
+            self._sent.update(self._last)
+        return out
+
+    def peek(self) -> tuple[float, ...]:
+        """What :meth:`take` would return now, changing nothing (a clock in the main
+        process is read this way by ``loader.stats()``, with no per-batch tuple)."""
         out: tuple[float, ...] = (
             self.samples,
             self.read,
@@ -68,11 +78,8 @@ class StageClock:
             self.collate,
             self.handoff,
         )
-        self.samples = 0
-        self.read = self.decode = self.transform = self.collate = self.handoff = 0.0
         last = self._last
         if last:
             sent = self._sent
             out += tuple(last[k] - sent.get(k, 0) if k in last else -1 for k in COUNTERS)
-            sent.update(last)
         return out

@@ -5,7 +5,9 @@ With ``on_error="skip"`` a sample the source cannot read is replaced by another 
 fixed function of its position), so every rank keeps its batch count; replacements are
 counted in a shared slot per worker and logged.  With ``on_error="raise"`` nothing is
 ever read twice: a failing read raises at once, naming the sample (or the batch, when
-the source reads a batch in one call and cannot say which sample failed).
+the source reads a batch in one call and cannot say which sample failed); only a
+columnar read of several batches in one call that fails is read again, one batch at a
+time, to hand out the batches before the failing one and name that one.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import dataclass, field
 from operator import length_hint
 from typing import Any
 
+import numpy as np
 import torch
 
 from evenly.core.plan import EpochPlan
@@ -87,6 +90,9 @@ def read_batches(ctx: ReadContext, skip: int = 0) -> Iterator[Any]:
     first, drop = divmod(skip, plan.batch_size)
     chunks = plan.iter_worker_chunks(ctx.rank, ctx.num_workers, ctx.worker_id, first=first)
     spreader = SeedSpreader(ctx.generators) if ctx.transform is not None else None
+    if ctx.columnar:
+        yield from _read_columnar(ctx, chunks, drop)
+        return
     upcoming = ((p, plan.indices(p).tolist(), n) for p, n in chunks)
     current = next(upcoming, None)
     if current is not None and prefetch is not None:
@@ -102,18 +108,6 @@ def read_batches(ctx: ReadContext, skip: int = 0) -> Iterator[Any]:
         for lo in range(0, len(indices), length):
             batch, pos = indices[lo : lo + length], where[lo : lo + length]
             started = perf_counter()
-            if ctx.columnar:
-                columns, rows = _fetch_columns(ctx, batch), len(batch)
-                clock.read += perf_counter() - started
-                if io_stats is not None:
-                    clock.count(io_stats)
-                if drop:
-                    columns = {k: v[drop:] for k, v in columns.items()}
-                    rows, drop = rows - drop, 0
-                clock.samples += rows
-                ctx.progress[0] += rows
-                yield columns
-                continue
             samples = _fetch(ctx, getitems, batch, pos)
             read = perf_counter()
             clock.read += read - started
@@ -132,15 +126,91 @@ def read_batches(ctx: ReadContext, skip: int = 0) -> Iterator[Any]:
             yield samples
 
 
-def _fetch_columns(ctx: ReadContext, batch: list[int]) -> dict[str, Any]:
+#: A grouped columnar read (several batches in one ``read_column_batches`` call) stays
+#: under this many bytes of output, and under :data:`MAX_GROUP` batches.
+GROUP_BYTES = 2 << 20
+MAX_GROUP = 16
+
+
+def _read_columnar(ctx: ReadContext, chunks: Iterator[tuple[Any, int]], drop: int) -> Iterator[Any]:
+    """The columnar batches: with a source that reads several batches in one call
+    (``read_column_batches``), the batches of a plan chunk are read in groups of up to
+    :data:`GROUP_BYTES` (sized from the first batch), so the per-read work (the lookup,
+    the check that each mapped file is unchanged) is done once per group.  A group whose
+    read fails is read again batch by batch: the batches before the failing one are
+    handed out and the failing one raises, naming its own samples."""
+    plan, clock, io_stats, prefetch = ctx.plan, ctx.clock, ctx.view.io_stats, ctx.view.prefetch
+    grouped = ctx.view.read_column_batches
+    group = 1  # batches per read: 1 until the first batch says how big a batch is
+    upcoming = ((plan.indices(p), n) for p, n in chunks)
+    current = next(upcoming, None)
+    if current is not None and prefetch is not None:
+        prefetch(current[0].tolist())
+    while current is not None:
+        indices, length = current
+        current = next(upcoming, None)
+        if current is not None and prefetch is not None:
+            prefetch(current[0].tolist())  # the shards needed next download while we read
+        batches = [indices[lo : lo + length] for lo in range(0, len(indices), length)]
+        alone = 0  # batches to read one at a time (after a group read failed)
+        while batches:
+            started = perf_counter()
+            part, batches = batches[: 1 if alone else group], batches[1 if alone else group :]
+            alone = max(0, alone - 1)
+            if grouped is not None and len(part) > 1:
+                found = _fetch_group(grouped, part)
+                if found is None:  # read again batch by batch: the error names its batch
+                    batches, alone = part + batches, len(part)
+                    continue
+                read = found
+            else:
+                read = [_fetch_columns(ctx, b if grouped else b.tolist()) for b in part]
+            clock.read += perf_counter() - started
+            if io_stats is not None:
+                clock.count(io_stats)
+            if group == 1 and grouped is not None:
+                size = sum(getattr(v, "nbytes", 0) for v in read[0].values())
+                group = max(1, min(MAX_GROUP, GROUP_BYTES // max(size, 1)))
+            read.reverse()  # handed out by pop(): nothing here holds a batch once it is out
+            for batch in part:
+                columns, rows = read.pop(), len(batch)
+                if drop:
+                    columns = {k: v[drop:] for k, v in columns.items()}
+                    rows, drop = rows - drop, 0
+                clock.samples += rows
+                ctx.progress[0] += rows
+                yield columns
+            columns = {}
+
+
+def _fetch_group(
+    grouped: Callable[[list[Any]], list[dict[str, Any]]], part: list[Any]
+) -> list[dict[str, Any]] | None:
+    """The batches of ``part`` read in one call, or None if that read failed."""
+    try:
+        found = grouped(part)
+    except Exception:
+        return None
+    return [_tensors(columns) for columns in found]
+
+
+def _fetch_columns(ctx: ReadContext, batch: Any) -> dict[str, Any]:
     try:
         assert ctx.view.read_columns is not None  # chosen only for sources that have it
         columns: dict[str, Any] = ctx.view.read_columns(batch)
     except Exception as exc:
-        ctx.note(exc, f"a batch of samples {batch[:8]}{'...' if len(batch) > 8 else ''}")
+        first = [int(i) for i in batch[:8]]
+        ctx.note(exc, f"a batch of samples {first}{'...' if len(batch) > 8 else ''}")
         raise
+    return _tensors(columns)
+
+
+def _tensors(columns: dict[str, Any]) -> dict[str, Any]:
+    """numpy columns as tensors (sharing their memory); other values as they are."""
     return {
-        name: torch.from_numpy(value) if hasattr(value, "__array_interface__") else value
+        name: torch.from_numpy(value)
+        if type(value) is np.ndarray or hasattr(value, "__array_interface__")
+        else value
         for name, value in columns.items()
     }
 

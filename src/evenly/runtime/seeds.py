@@ -54,13 +54,14 @@ _STATE_KEYS = mix64(
     ^ np.uint64(0x6A09E667F3BCC909)
 )
 _HALF = MT_WORDS // 2  # 64-bit words per 624-word state
+_MT_BYTES = 4 * MT_WORDS
 _STATE_FACTOR = np.uint64(0xD6E8FEB86659FD93)
 _S32 = np.uint64(32)
+_BLOCK = 32  # samples whose states are computed together
 
-#: The seed of the sample being transformed; ``None`` outside a transform call.
-_SAMPLE_SEED: ContextVar[int | None] = ContextVar("evenly.sample_seed", default=None)
-#: Whether the sample being transformed is padding; ``None`` outside a transform call.
-_PADDING: ContextVar[bool | None] = ContextVar("evenly.is_padding", default=None)
+#: The seed of the sample being transformed and whether it is padding (one variable:
+#: one set and one reset per call); ``None`` outside a transform call.
+_SAMPLE: ContextVar[tuple[int, bool] | None] = ContextVar("evenly.sample", default=None)
 R = TypeVar("R")
 
 
@@ -78,12 +79,12 @@ def sample_seed() -> int:
     >>> len(list(ds))
     4
     """
-    seed = _SAMPLE_SEED.get()
-    if seed is None:
+    current = _SAMPLE.get()
+    if current is None:
         raise RuntimeError(
             "evenly.sample_seed() is only available inside an evenly.Dataset transform"
         )
-    return seed
+    return current[0]
 
 
 def is_padding() -> bool:
@@ -106,12 +107,12 @@ def is_padding() -> bool:
     >>> epoch(0), epoch(1)
     ([(0, 1.0), (2, 1.0)], [(1, 1.0), (0, 0.0)])
     """
-    padding = _PADDING.get()
-    if padding is None:
+    current = _SAMPLE.get()
+    if current is None:
         raise RuntimeError(
             "evenly.is_padding() is only available inside an evenly.Dataset transform"
         )
-    return padding
+    return current[1]
 
 
 def check_generators(names: Iterable[str]) -> tuple[str, ...]:
@@ -173,10 +174,14 @@ class SeedSpreader:
             states, scratch = self._states[: len(seeds)], self._scratch[: len(seeds)]
             # word j of a sample's states: (seed ^ key_j) * odd, xor-folded (a bijection of
             # seed ^ key_j; the keys are mixed constants, the seeds already mix64 outputs)
-            np.bitwise_xor(seeds.astype(np.uint64)[:, None], self._keys[None, :], out=states)
-            states *= _STATE_FACTOR
-            np.right_shift(states, _S32, out=scratch)
-            states ^= scratch
+            # in blocks of rows that stay in the CPU cache between the four passes
+            column, keys = seeds.astype(np.uint64)[:, None], self._keys[None, :]
+            for lo in range(0, len(seeds), _BLOCK):
+                block, spare = states[lo : lo + _BLOCK], scratch[lo : lo + _BLOCK]
+                np.bitwise_xor(column[lo : lo + _BLOCK], keys, out=block)
+                np.multiply(block, _STATE_FACTOR, out=block)
+                np.right_shift(block, _S32, out=spare)
+                np.bitwise_xor(block, spare, out=block)
             self._base, self._stride = states.ctypes.data, states.strides[0]
         if self._numpy:
             bit_generator = global_bit_generator()
@@ -192,9 +197,10 @@ class SeedSpreader:
         if not 0 <= i < len(self._py):  # the states are read by address: never past them
             raise IndexError(f"sample {i} of a prepared batch of {len(self._py)}")
         row = self._base + i * self._stride
-        if self._write_py is not None:
-            self._write_py(row)
-            row += 4 * MT_WORDS
+        write_py = self._write_py
+        if write_py is not None:
+            write_py(row)
+            row += _MT_BYTES
         if self._numpy:
             if self._np_dirty or self._np_touched():
                 np.random.seed(0)  # only to clear the legacy cached Gaussian
@@ -214,13 +220,11 @@ class SeedSpreader:
         ('a', 7)
         """
         self.seed(i)
-        token = _SAMPLE_SEED.set(self._py[i])
-        marked = _PADDING.set(padding)
+        token = _SAMPLE.set((self._py[i], padding))
         try:
             return fn(sample)
         finally:
-            _PADDING.reset(marked)
-            _SAMPLE_SEED.reset(token)
+            _SAMPLE.reset(token)
 
 
 class RngState:

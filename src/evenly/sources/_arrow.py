@@ -183,11 +183,31 @@ class ArrowSource(ArrowBatchSource):
             handle.tokens[key] = super()._token_views(k, g, handle, field)
         return handle.tokens[key]
 
+    def read_column_batches(
+        self, batches: Sequence[Sequence[int] | npt.NDArray[Any]]
+    ) -> list[dict[str, npt.NDArray[Any] | list[Any]]]:
+        """Several batches in one call: item ``j`` equals ``read_columns(batches[j])``,
+        with one chunk lookup and one check of each file in use for all of them (each
+        batch is still gathered into arrays of its own)."""
+        parts = [self._check_indices(b) for b in batches]
+        found = self._gather_many(parts) if self._gatherable and parts else None
+        if found is None:
+            return [self.read_columns(p) for p in parts]
+        return [dict(columns) for columns in found]
+
     def _gather(self, samples: npt.NDArray[np.int64]) -> dict[str, npt.NDArray[Any]] | None:
+        found = self._gather_many([samples])
+        return None if found is None else found[0]
+
+    def _gather_many(
+        self, parts: list[npt.NDArray[np.int64]]
+    ) -> list[dict[str, npt.NDArray[Any]]] | None:
         """Local files that all fit among the open files: one window over every record
-        batch of every file, made once per process (no per-batch setup)."""
+        batch of every file, made once per process (no per-batch setup); each file the
+        batches read is checked unchanged once, just before they are read."""
         if self.cache is not None or len(self.urls) > self.max_open_files:
-            return super()._gather(samples)
+            many = [super(ArrowSource, self)._gather(p) for p in parts]
+            return None if any(g is None for g in many) else many  # type: ignore[return-value]
         if self.__dict__.get("_window_pid") != os.getpid():
             chunks, files = [], []
             for k in range(len(self.urls)):
@@ -203,11 +223,17 @@ class ArrowSource(ArrowBatchSource):
         window: ColumnViews | None = self._window
         if window is None:
             return None
-        rows = self._rows(samples)
-        chunk = np.searchsorted(self._cstarts, rows, side="right") - 1
-        for k in np.unique(self._window_files[chunk]).tolist():  # the files this batch reads
+        rows = self._rows(np.concatenate(parts) if len(parts) > 1 else parts[0])
+        chunk = self._chunk_of.of(rows)
+        used = np.bincount(self._window_files[chunk], minlength=len(self.urls))
+        for k in np.flatnonzero(used).tolist():  # the files these batches read
             self._handles[k].check()
-        return window.gather(chunk, rows - self._cstarts[chunk])
+        local = rows - self._cstarts[chunk]
+        out, lo = [], 0
+        for p in parts:  # arrays of a batch's own size: the allocator reuses their memory
+            out.append(window.gather(chunk[lo : lo + p.size], local[lo : lo + p.size]))
+            lo += p.size
+        return out
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()

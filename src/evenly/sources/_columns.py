@@ -28,7 +28,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ._base import ShardedSource
-from ._gather import LIST_VALUES, ColumnViews, chunk_views, gatherable
+from ._gather import LIST_VALUES, ChunkLookup, ColumnViews, chunk_views, gatherable
 from ._manifest import FileEntry
 from ._rowviews import RowAccess
 
@@ -191,9 +191,10 @@ class ArrowBatchSource(ShardedSource):
         self._index_chunks()
 
     def _index_chunks(self) -> None:
-        """Global chunk starts (one searchsorted finds every sample's chunk)."""
+        """Global chunk starts, and the lookup that finds every sample's chunk."""
         sizes = [n for rows in self._chunk_rows for n in rows]
         self._cstarts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)]).astype(np.int64)
+        self._chunk_of = ChunkLookup(self._cstarts)
         self._cshard = np.repeat(
             np.arange(len(self._chunk_rows), dtype=np.int64), [len(r) for r in self._chunk_rows]
         )
@@ -275,7 +276,7 @@ class ArrowBatchSource(ShardedSource):
         rows = self._rows(samples)
         if not rows.size:
             return self.schema.empty_table()
-        chunk = np.searchsorted(self._cstarts, rows, side="right") - 1
+        chunk = self._chunk_of.of(rows)
         order = np.argsort(chunk, kind="stable")
         present, first = np.unique(chunk[order], return_index=True)
         if present.size > 1:
@@ -307,22 +308,26 @@ class ArrowBatchSource(ShardedSource):
         one Arrow ``take`` per chunk present)."""
         samples = self._check_indices(indices)
         rows = self._rows(samples)
-        chunk = np.searchsorted(self._cstarts, rows, side="right") - 1
+        chunk = self._chunk_of.of(rows)
         present = np.unique(chunk)
-        if present.size > 1:
+        if present.size > 1 and self.cache is not None:
             self._prefetch_shards(np.unique(self._cshard[present]).tolist())
-        access: dict[int, RowAccess] = {}
-        for c in present.tolist():
-            k, g = int(self._cshard[c]), int(self._clocal[c])
+        row_of: dict[int, Any] = {}  # chunk -> its accessors' row()
+        ks, gs = self._cshard[present].tolist(), self._clocal[present].tolist()
+        where = zip(present.tolist(), ks, gs, strict=True)
+        handle, last = None, -1  # a shard's chunks are consecutive: its handle once
+        for c, k, g in where:
             try:
-                found = self._row_access(k, g, self._handle(k))
+                if k != last:
+                    handle, last = self._handle(k), k
+                found = self._row_access(k, g, handle)
             except Exception as exc:
                 raise self._error(exc, int(samples[int(np.argmax(chunk == c))])) from exc
             if found is None:
                 return to_rows(self.take(samples))
-            access[c] = found
+            row_of[c] = found.row
         local = (rows - self._cstarts[chunk]).tolist()
-        return [access[c].row(i) for c, i in zip(chunk.tolist(), local, strict=True)]
+        return [row_of[c](i) for c, i in zip(chunk.tolist(), local, strict=True)]
 
     def _row_access(self, k: int, g: int, handle: Any) -> RowAccess | None:
         """The per-row accessors of chunk ``g`` of shard ``k`` (subclasses keep them with
@@ -350,7 +355,7 @@ class ArrowBatchSource(ShardedSource):
 
     def _gather(self, samples: npt.NDArray[np.int64]) -> dict[str, npt.NDArray[Any]] | None:
         rows = self._rows(samples)
-        chunk = np.searchsorted(self._cstarts, rows, side="right") - 1
+        chunk = self._chunk_of.of(rows)
         present = np.unique(chunk)
         if not present.size:
             return None

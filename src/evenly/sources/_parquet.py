@@ -40,7 +40,7 @@ from ._cachedir import network_fs
 from ._columns import ArrowBatchSource, schema_meta
 from ._gather import chunk_views
 from ._manifest import FileEntry, local_fingerprint
-from ._rowcache import RowCache, decoded_cache_bytes
+from ._rowcache import _TOUCH_EVERY, RowCache, decoded_cache_bytes
 from ._rowviews import RowAccess
 
 __all__ = ["ParquetSource", "from_parquet"]
@@ -81,6 +81,8 @@ class ParquetSource(ArrowBatchSource):
         self._group_access: dict[tuple[int, int], RowAccess | None] = {}
         #: numpy views of their columns (zero-copy; evicted with them)
         self._group_views: dict[tuple[int, int], list[npt.NDArray[Any]] | None] = {}
+        #: when each kept row group's node cache entry is next due a recency refresh
+        self._touch_due: dict[tuple[int, int], float] = {}
         super().__init__(paths, **kwargs)
         #: the node-local decoded-row cache (None: off); ``.hits`` / ``.misses`` count
         #: this process's lookups
@@ -151,10 +153,7 @@ class ParquetSource(ArrowBatchSource):
         hit = self._groups.get(key)
         cache = self.decoded_cache
         if hit is not None:
-            self._groups.move_to_end(key)
-            if cache is not None:
-                cache.used(self._cache_key(k, g))
-            self._count(cache_hits=1)
+            self._hit(key)
             return hit[0]
         if cache is not None:
             rows = self._chunk_rows[k][g]
@@ -170,6 +169,19 @@ class ParquetSource(ArrowBatchSource):
         self._group_bytes += size
         self._evict()
         return table
+
+    def _hit(self, key: tuple[int, int]) -> None:
+        """A row group found in the process's LRU: the newest entry now, a cache hit,
+        and (every ``_TOUCH_EVERY`` seconds) a refresh of its node cache entry's recency."""
+        self._groups.move_to_end(key)
+        io = self._io
+        io["cache_hits"] = io.get("cache_hits", 0) + 1
+        cache = self.decoded_cache
+        if cache is not None:
+            now = time.monotonic()
+            if now >= self._touch_due.get(key, 0.0):
+                self._touch_due[key] = now + _TOUCH_EVERY
+                cache.used(self._cache_key(*key))
 
     def _cache_key(self, k: int, g: int) -> tuple[str, str, int, list[str] | None]:
         return self.urls[k], self._fingerprints[k], g, self.columns
@@ -207,6 +219,7 @@ class ParquetSource(ArrowBatchSource):
             self._group_bytes -= old[1]
             self._group_access.pop(key, None)
             self._group_views.pop(key, None)
+            self._touch_due.pop(key, None)
 
     def _chunk_views(self, k: int, g: int, handle: Any) -> list[npt.NDArray[Any]] | None:
         """A row group's column views, kept with its table (they hold no other memory;
@@ -220,6 +233,10 @@ class ParquetSource(ArrowBatchSource):
     def _row_access(self, k: int, g: int, handle: Any) -> RowAccess | None:
         """A row group's per-row accessors, kept and counted with its table."""
         key = (k, g)
+        kept = self._group_access.get(key)
+        if kept is not None:  # the row group is in the LRU (evicted with its accessors)
+            self._hit(key)
+            return kept
         table = self._chunk(k, g, handle)
         if key in self._group_access:
             return self._group_access[key]
@@ -233,7 +250,9 @@ class ParquetSource(ArrowBatchSource):
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        state.update(_groups=OrderedDict(), _group_bytes=0, _group_access={}, _group_views={})
+        state.update(
+            _groups=OrderedDict(), _group_bytes=0, _group_access={}, _group_views={}, _touch_due={}
+        )
         return state
 
 

@@ -35,7 +35,8 @@ GAP = 4096
 MAX_RUN = 16 << 20
 _USTAR_MAX_SIZE = 0o77777777777
 _KEY_EXT = re.compile(r"^((?:.*/|)[^./]+)[.]([^/]*)$")
-_SHIFTS = np.arange(30, -1, -3, dtype=np.int64)  # the 11 octal digits of a size
+_OCTAL = 8 ** np.arange(10, -1, -1, dtype=np.int64)  # the 11 octal digits of a size
+_FIELDS = 136  # a header's name (bytes 0-99) ... size (bytes 124-135) fields
 
 
 def split_name(name: str) -> tuple[str, str] | None:
@@ -70,13 +71,6 @@ def header_matches(header: bytes, key: str, ext: str, size: int) -> bool:
     if split_name(info.name) == (key, ext):
         return True
     return len(raw) > 100 or not name.isascii()
-
-
-def _ragged(lengths: npt.NDArray[np.int64]) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
-    """For pieces of these lengths laid end to end: each byte's piece and its place in it."""
-    piece = np.repeat(np.arange(lengths.size, dtype=np.int64), lengths)
-    starts = np.cumsum(lengths) - lengths
-    return piece, np.arange(int(lengths.sum()), dtype=np.int64) - starts[piece]
 
 
 def _runs(lo: npt.NDArray[np.int64], reach: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
@@ -132,25 +126,21 @@ def read_batch(src: WebDatasetSource, idx: npt.NDArray[np.int64]) -> list[Any]:
     into = np.cumsum(run_len) - run_len
     sample_run = np.empty(idx.size, dtype=np.int64)
     sample_run[full[order]] = np.repeat(np.arange(starts.size, dtype=np.int64), ends - starts)
-    fds: dict[int, int] = {}
     sorted_pos = full[order].tolist()
     run_k = shards[full[order][starts]].tolist()
-    pieces = []
-    for r, (a, k, n, at_byte) in enumerate(
-        zip(starts.tolist(), run_k, run_len.tolist(), run_lo.tolist(), strict=True)
-    ):
-        try:
-            fd = fds.get(k)
-            if fd is None:
-                fd = fds[k] = src._handle(k).fileno()
-            piece = os.pread(fd, n, at_byte)  # (cheaper from Python than preadv into one)
-        except Exception as exc:
-            raise src._error(exc, int(idx[sorted_pos[a]])) from exc
-        if len(piece) < n:
-            run = (a, int(ends[r]))
-            stop = at_byte + len(piece)
-            _truncated(src, idx, shards, run, sorted_pos, offset, size, at, counts, stop)
-        pieces.append(piece)
+    lengths, at_bytes = run_len.tolist(), run_lo.tolist()
+    try:
+        fds = {k: src._handle(k).fileno() for k in dict.fromkeys(run_k)}
+        # one C-level loop over the runs (a Python loop costs about what a pread does)
+        pieces = list(map(os.pread, map(fds.__getitem__, run_k), lengths, at_bytes))
+    except Exception:  # again run by run, to name the sample whose read failed
+        pieces = _read_runs(src, idx, starts.tolist(), run_k, lengths, at_bytes, sorted_pos)
+    if sum(map(len, pieces)) < int(into[-1] + run_len[-1]):  # a short read: a truncated tar
+        for r, (piece, n) in enumerate(zip(pieces, lengths, strict=True)):
+            if len(piece) < n:
+                run = (int(starts[r]), int(ends[r]))
+                stop = at_bytes[r] + len(piece)
+                _truncated(src, idx, shards, run, sorted_pos, offset, size, at, counts, stop)
     buffer = b"".join(pieces)
     src._count(bytes_read=len(buffer))  # loader.stats()
     # where each member's data and header lie in the buffer
@@ -164,6 +154,20 @@ def read_batch(src: WebDatasetSource, idx: npt.NDArray[np.int64]) -> list[Any]:
     return out
 
 
+def _read_runs(
+    src: WebDatasetSource, idx: npt.NDArray[np.int64], first: list[int], run_k: list[int],
+    lengths: list[int], at_bytes: list[int], sorted_pos: list[int],
+) -> list[bytes]:  # fmt: skip
+    """The runs read one by one; a failing read raises naming its first sample."""
+    pieces = []
+    for a, k, n, at_byte in zip(first, run_k, lengths, at_bytes, strict=True):
+        try:
+            pieces.append(os.pread(src._handle(k).fileno(), n, at_byte))
+        except Exception as exc:
+            raise src._error(exc, int(idx[sorted_pos[a]])) from exc
+    return pieces
+
+
 def _check_headers(
     src: WebDatasetSource, buffer: bytes, header: npt.NDArray[np.int64],
     idx: npt.NDArray[np.int64], keys: list[str], owner: npt.NDArray[np.int64],
@@ -173,28 +177,27 @@ def _check_headers(
     recorded: the usual headers in bulk, the rest one by one."""
     t = src._members
     buf = np.frombuffer(buffer, dtype=np.uint8)
-    key_bytes = [k.encode("utf-8", "surrogateescape") for k in keys]
+    # each member's name and size fields, one row per member (a header is a whole
+    # 512-byte block of the buffer, so every row lies inside it)
+    windows = np.lib.stride_tricks.as_strided(
+        buf, shape=(max(buf.size - _FIELDS + 1, 0), _FIELDS), strides=(1, 1), writeable=False
+    )
+    fields = windows[header]
     dotted = [b"." + n.encode("utf-8", "surrogateescape") for n in t.names]
-    key_len = np.array([len(k) for k in key_bytes], dtype=np.int64)[owner]
-    field_len = np.array([len(d) for d in dotted], dtype=np.int64)[ext]
-    name_len = key_len + field_len
+    key_bytes = [k.encode("utf-8", "surrogateescape") for k in keys]
+    names = [key_bytes[p] + dotted[e] for p, e in zip(owner.tolist(), ext.tolist(), strict=True)]
+    name_len = np.fromiter(map(len, names), dtype=np.int64, count=len(names))
     ok = (name_len < 100) & (size <= _USTAR_MAX_SIZE)
-    # the size field: 11 octal digits and a NUL
-    digits = ((size[:, None] >> _SHIFTS) & 7) + 48
-    want = np.concatenate([digits, np.zeros((size.size, 1), np.int64)], axis=1)
-    ok &= (buf[header[:, None] + 124 + np.arange(12)] == want).all(1)
-    # the name: the key, the dotted field, a NUL
-    ok &= buf[header + np.minimum(name_len, 99)] == 0
-    key_all = np.frombuffer(b"".join(key_bytes) or b"\0", dtype=np.uint8)
-    key_at = (np.cumsum([len(k) for k in key_bytes]) - [len(k) for k in key_bytes])[owner]
-    piece, place = _ragged(np.minimum(key_len, 99))
-    bad = buf[header[piece] + place] != key_all[key_at[piece] + place]
-    field_all = np.frombuffer(b"".join(dotted) or b"\0", dtype=np.uint8)
-    field_at = (np.cumsum([len(d) for d in dotted]) - [len(d) for d in dotted])[ext]
-    piece2, place2 = _ragged(np.minimum(field_len, np.maximum(99 - key_len, 0)))
-    bad2 = buf[header[piece2] + key_len[piece2] + place2] != field_all[field_at[piece2] + place2]
-    ok[piece[bad]] = False
-    ok[piece2[bad2]] = False
+    # the name whole, then a NUL (the rest of the field is not read): the bytes up to
+    # the longest name's NUL, a shorter name padded with NULs where it must have one
+    width = int(min(name_len.max(), 99)) + 1
+    want = np.array(names, dtype=f"S{width}").view(np.uint8).reshape(len(names), width)
+    checked = np.arange(width) <= name_len[:, None]
+    ok &= ((fields[:, :width] == want) | ~checked).all(1)
+    # the size: 11 octal digits, then a NUL
+    digits = fields[:, 124:135] - np.uint8(48)  # a byte below '0' wraps past 7
+    ok &= (digits < 8).all(1) & (fields[:, 135] == 0)
+    ok &= digits.astype(np.int64) @ _OCTAL == size
     for j in np.flatnonzero(~ok).tolist():
         h, p, e, n = int(header[j]), int(owner[j]), int(ext[j]), int(size[j])
         if header_matches(bytes(buffer[h : h + 512]), keys[p], t.names[e], n):

@@ -78,7 +78,7 @@ def list_tokens(source: Any, indices: Sequence[int], field: str) -> list[npt.NDA
         )
     samples = source._check_indices(indices)
     rows = source._rows(samples)
-    chunk = np.searchsorted(source._cstarts, rows, side="right") - 1
+    chunk = source._chunk_of.of(rows)
     local = (rows - source._cstarts[chunk]).tolist()
     views: dict[int, TokenViews] = {}
     # each file opened (and checked unchanged) once per call, where all stay open

@@ -19,8 +19,9 @@ import numpy as np
 
 from ._factory import Factory, describe, resolve
 from ._findings import all_findings
+from ._packfindings import merged_pieces
 from ._result import AuditResult
-from ._types import I64, AuditError, IdFn, Records, Settings
+from ._types import I64, AuditError, IdFn, Records, Settings, row_label
 
 I64_EMPTY = np.zeros(0, dtype=np.int64)
 
@@ -87,6 +88,9 @@ def build_records(
     codes, labels, distinct = _encode(all_ids)
     rank0 = ranks[0]
     mix = rank0.mix
+    pack, pieces = rank0.pack, None
+    if pack is not None:
+        pieces = merged_pieces(ranks)
     reference, source = rank0.expected, rank0.expected_source
     if expected is not None:
         reference, source = expected, "given count"
@@ -117,6 +121,8 @@ def build_records(
         mix=mix,
         # the index each row was read from (-1 where a rank recorded none)
         reads=None if mix is None else np.concatenate(reads).astype(np.int64),
+        pack=pack,
+        pieces=pieces,
     )
 
 
@@ -207,6 +213,8 @@ def audit_many(
         records = build_records(refs, settings, expected=expected, shard_fn=shard_fn)
         everything = refs + [r for s in report.stops for seg in s.segments for r in seg]
         split, label = _codes(everything)
+        if refs and refs[0].pack is not None:
+            label = row_label  # a packed row's id: its first token
         code_of = {id(r): c for r, c in zip(everything, split, strict=True)}
         report.findings = resume_findings(report, refs, code_of, settings, label)
         found = all_findings(records) + report.findings

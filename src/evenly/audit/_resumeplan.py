@@ -26,9 +26,10 @@ import numpy as np
 
 from ._collect import Job, RankResult
 from ._launch import launch
+from ._packfindings import coverage, merged_pieces
 from ._resume import Resumed, ResumeItem, Stop, reference_task, resume_task
 from ._resumecheck import Run, check_stop, prefix_matches
-from ._types import Finding, Settings, Status
+from ._types import Finding, PackInfo, Settings, Status
 
 __all__ = ["ResumeReport", "StopRun", "run_resume"]
 
@@ -214,6 +215,23 @@ def _run_of(results: list[RankResult], codes: list[np.ndarray], seg: int, world:
     return Run(world_size=world, seg=np.full(n, seg, dtype=np.int64), **cols)
 
 
+def resumed_tokens(pack: PackInfo, segments: list[list[RankResult]], epochs: int) -> list[str]:
+    """The token accounting of a stopped and resumed packed run, per epoch."""
+    results = [r for seg in segments for r in seg]
+    pieces = merged_pieces(results)
+    row = pieces[:, 0]
+    found = coverage(
+        lengths=pack.lengths,
+        epochs=epochs,
+        epoch=np.concatenate([r.epoch for r in results])[row],
+        rank=np.concatenate([np.full(len(r.epoch), r.rank) for r in results])[row],
+        doc=pieces[:, 1],
+        start=pieces[:, 2],
+        length=pieces[:, 3],
+    )
+    return [f"epoch {c.epoch}: {c.text}" for c in found]
+
+
 def resume_findings(
     report: ResumeReport,
     refs: list[RankResult],
@@ -230,6 +248,9 @@ def resume_findings(
     if report.cannot is not None:
         return [Finding("resume", "Resume", "WARN", 0, f"cannot resume: {report.cannot}")]
     ref = _run_of(refs, [encode(r) for r in refs], 0, settings.world_size)
+    pack = refs[0].pack if refs else None
+    # what the uninterrupted run got wrong already is its own finding (``tokens``)
+    unresumed = set() if pack is None else set(resumed_tokens(pack, [refs], settings.epochs))
     report.reference = ref
     findings: list[Finding] = []
     notes: list[str] = []
@@ -253,6 +274,9 @@ def resume_findings(
                 reproducible=prefix_matches(ref, segs[0]),
                 label=label,
             )
+            if pack is not None:  # packed: every token once, resumed too
+                tokens = resumed_tokens(pack, s.segments, settings.epochs)
+                check.problems += [t for t in tokens if t not in unresumed]
             if check.problems:
                 status = "FAIL"
             elif check.notes:

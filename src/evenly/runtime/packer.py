@@ -26,6 +26,7 @@ from evenly.core.stream import StreamPlan
 from evenly.runtime.lengths import document_lengths, document_text, document_tokens, tokenized
 from evenly.runtime.packed_plans import PlanFiles
 from evenly.runtime.reader import ReadContext
+from evenly.runtime.rowtap import RowPieces, tap_part
 from evenly.runtime.seeds import RngState, SeedSpreader
 
 __all__ = ["Packer", "collate_rows", "read_packed"]
@@ -146,6 +147,7 @@ def _rows(
     else:
         epochs, rows = np.full(positions.size, plan.epoch, dtype=np.int64), positions
     out: list[Row | None] = [None] * positions.size
+    tapped: list[tuple[I64, ...]] | None = None if ctx.rows_tap is None else []
     for epoch in np.unique(epochs).tolist():
         sel = np.flatnonzero(epochs == epoch)
         table, order = epoch_rows(int(epoch))
@@ -167,13 +169,20 @@ def _rows(
             if not packing.document_ids:
                 del arrays["document_ids"]
             tensors = {k: torch.from_numpy(v) for k, v in arrays.items()}
+        if tapped is not None:  # the audit: the one place a piece's absolute start is made
+            base = 0  # where the document at a position starts in its real document
+            found = (pieces, where, index, pieces["start"] + base) if wanted.size else None
+            tapped.append(tap_part(int(epoch), sel, mine, table.num_rows, found))
         for i, r in zip(sel.tolist(), mine.tolist(), strict=True):
             if r >= table.num_rows:
                 out[i] = _pad_row(packing)
             else:
                 b = int(np.searchsorted(wanted, r))
                 out[i] = {k: v[b] for k, v in tensors.items()}
-    return [row for row in out if row is not None]
+    done = [row for row in out if row is not None]
+    if tapped is None or ctx.rows_tap is None:
+        return done
+    return ctx.rows_tap(done, RowPieces.join(tapped, len(done)))
 
 
 def _documents(

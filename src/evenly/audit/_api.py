@@ -12,7 +12,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -132,6 +132,28 @@ def _check(name: str, value: int, minimum: int) -> int:
     return value
 
 
+def _changes(
+    changes: Sequence[tuple[int, int, Mapping[str, float]]],
+) -> tuple[tuple[int, int, tuple[tuple[str, float], ...]], ...]:
+    """``set_weights=`` checked: ``(epoch, batch, {name: weight})``, one change a batch."""
+    out = []
+    for item in changes:
+        if not (isinstance(item, tuple | list) and len(item) == 3):
+            raise ValueError(f"set_weights items must be (epoch, batch, weights), got {item!r}")
+        epoch, batch, weights = item
+        _check("set_weights epoch", epoch, 0)
+        _check("set_weights batch", batch, 1)
+        if not isinstance(weights, Mapping) or not weights:
+            raise ValueError(
+                f"set_weights weights must be a {{name: weight}} dict, got {weights!r}"
+            )
+        out.append((epoch, batch, tuple((str(k), float(v)) for k, v in weights.items())))
+    where = [(e, b) for e, b, _ in out]
+    if len(set(where)) != len(where):
+        raise ValueError(f"set_weights names a batch twice: {sorted(where)}")
+    return tuple(sorted(out))
+
+
 def _codes(results: list[RankResult]) -> tuple[list[I64], Callable[[int], str]]:
     """Integer codes for the ids of several runs, in one code space, and their labels."""
     ids: I64 | list[Any]
@@ -160,6 +182,7 @@ def audit_many(
     resume_world_size: int | None = None,
     resume_workers: int | None = None,
     resume_at: Sequence[float] = (),
+    set_weights: Sequence[tuple[int, int, Mapping[str, float]]] = (),
     progress: Callable[[str], None] | None = None,
 ) -> list[AuditResult]:
     """Audit several factories in one group of rank processes (cheaper than one
@@ -171,6 +194,7 @@ def audit_many(
         batch_size=_check("batch_size", batch_size, 1),
         timeout=float(timeout),
         resume_at=tuple(float(f) for f in resume_at),
+        set_weights=_changes(set_weights),
     )
     if any(not 0.0 < f <= 1.0 for f in settings.resume_at):
         raise ValueError(f"resume_at must be fractions in (0, 1], got {list(resume_at)}")
@@ -237,6 +261,7 @@ def audit(
     resume_world_size: int | None = None,
     resume_workers: int | None = None,
     resume_at: Sequence[float] = (),
+    set_weights: Sequence[tuple[int, int, Mapping[str, float]]] = (),
 ) -> AuditResult:
     """Run ``factory`` in ``world_size`` real rank processes, each through a DataLoader
     with ``num_workers`` workers for ``epochs`` epochs, and judge what was delivered.
@@ -264,6 +289,11 @@ def audit(
             state allows it (else a WARN says so).
         resume_workers: the workers per rank to resume onto (default: the audit's).
         resume_at: more stops, as fractions of the first epoch (0.5: its middle batch).
+        set_weights: ``(epoch, batch, {name: weight})``: every rank calls
+            ``loader.set_weights(weights)`` after batch ``batch`` (counted from 1) of
+            epoch ``epoch`` (an ``evenly.DataLoader`` over an ``evenly.Mix``, or a
+            ``LoaderFactory``'s loader with ``set_weights``), resumed runs too; the
+            mixture findings judge each source's share against the weights in force.
     """
     return audit_many(
         [factory],
@@ -279,4 +309,5 @@ def audit(
         resume_world_size=resume_world_size,
         resume_workers=resume_workers,
         resume_at=resume_at,
+        set_weights=set_weights,
     )[0]

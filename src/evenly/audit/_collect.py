@@ -205,13 +205,34 @@ def _build(
     return loader, iterable
 
 
-def _mix_info(dataset: Any, epochs: int) -> MixInfo | None:
+def _mix_info(dataset: Any, settings: Settings) -> MixInfo | None:
     """The mixture an ``evenly.Dataset`` over an ``evenly.Mix`` read, else ``None``."""
     if not isinstance(dataset, EvenlyDataset) or not isinstance(dataset.source, Mix):
         return None
     mix = dataset.source
-    offsets = tuple(tuple(mix.stream_offsets(e).values()) for e in range(epochs))
-    return MixInfo(mix.names, mix.lengths, tuple(mix.counts.values()), offsets)
+    offsets = tuple(tuple(mix.stream_offsets(e).values()) for e in range(settings.epochs))
+    step = settings.world_size * settings.batch_size
+    changes = tuple(
+        (e, b * step, tuple(float(dict(w).get(n, 0.0)) for n in mix.names))
+        for e, b, w in sorted(settings.set_weights)
+    )
+    bounds = tuple(mix.bounds(step).values())
+    return MixInfo(mix.names, mix.lengths, tuple(mix.counts.values()), offsets, changes, bounds)
+
+
+def reweigh(loader: Any, settings: Settings, epoch: int, batch: int) -> None:
+    """``loader.set_weights(...)`` where ``settings.set_weights`` asks for it."""
+    weights = settings.weights_after(epoch, batch)
+    if weights is None:
+        return
+    setter = getattr(loader, "set_weights", None)
+    if not callable(setter):
+        raise AuditError(
+            f"set_weights= asks for new weights after batch {batch} of epoch {epoch}, but "
+            f"the loader, a {type(loader).__name__}, has no set_weights (an evenly.DataLoader "
+            f"over an evenly.Mix has)"
+        )
+    setter(weights)
 
 
 def pack_info(dataset: Any, epochs: int) -> PackInfo | None:
@@ -349,12 +370,13 @@ def run_job(job: Job, settings: Settings, rank: int) -> RankResult:
                 columns.add(epoch, metas)
                 samples += len(metas.reads)
                 batches += 1
+                reweigh(loader, settings, epoch, batches)
                 if batches % PROGRESS_EVERY == 0:
                     tell(f"{describe(job.factory)}: epoch {epoch}, batch {batches}")
             result.per_rank.append(
                 RankEpoch(rank, epoch, samples, batches, reported, reported_batches)
             )
-    result.mix = _mix_info(_inner(dataset), settings.epochs)
+    result.mix = _mix_info(_inner(dataset), settings)
     result.pack = pack_info(_inner(dataset), settings.epochs)
     columns.fill(result)
     result.warnings = log.lines()

@@ -32,6 +32,7 @@ from ._collect import (
     build_loader,
     epoch_objects,
     is_stateful,
+    reweigh,
     run_job,
     set_epoch,
 )
@@ -187,6 +188,7 @@ def _run(
                 for _, metas in loader:
                     columns.add(epoch, metas)
                     done += 1
+                    reweigh(loader, settings, epoch, done)
                     here = (until.epoch, until.batch, until.end_of_pass) if until else None
                     if here == (epoch, done, False):
                         out.state = pickle.dumps(loader.state_dict())

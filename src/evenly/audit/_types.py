@@ -77,6 +77,16 @@ class Settings:
     timeout: float = 300.0
     #: for a resume audit: extra stops, as fractions of the first epoch's batches
     resume_at: tuple[float, ...] = ()
+    #: ``loader.set_weights(weights)`` after batch ``batch`` of epoch ``epoch``, on every
+    #: rank: ``(epoch, batch, ((name, weight), ...))``
+    set_weights: tuple[tuple[int, int, tuple[tuple[str, float], ...]], ...] = ()
+
+    def weights_after(self, epoch: int, batch: int) -> dict[str, float] | None:
+        """The weights to set after batch ``batch`` of ``epoch`` (None: no change)."""
+        for e, b, weights in self.set_weights:
+            if (e, b) == (epoch, batch):
+                return dict(weights)
+        return None
 
 
 @dataclass(frozen=True)
@@ -143,6 +153,10 @@ class MixInfo:
     lengths: tuple[int, ...]
     counts: tuple[int, ...]
     offsets: tuple[tuple[int, ...], ...]
+    #: ``set_weights`` calls the audit made: ``(epoch, global position, weights)``
+    changes: tuple[tuple[int, int, tuple[float, ...]], ...] = ()
+    #: per source, how far a count at a global step boundary may be from its share
+    bounds: tuple[float, ...] = ()
 
     def source_of(self, indices: Any) -> I64:
         """The source number of each global index (the concatenation of the sources)."""

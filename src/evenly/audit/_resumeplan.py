@@ -47,6 +47,8 @@ class StopRun:
     notes: list[str] = field(default_factory=list)
     #: every delivered sample of the run, encoded (set by ``resume_findings``)
     run: Run | None = None
+    #: ``len(loader)`` after a load that broke the standing rule, per rank
+    length_errors: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -190,6 +192,7 @@ def _finish(item: ResumeItem, target: StopRun, runs: list[Resumed], plan: _Plan)
         target.error = "cannot resume: load_state_dict raised: " + "; ".join(errors)
         return
     target.segments.append([run.result for run in runs])
+    target.length_errors += [run.length_error for run in runs if run.length_error]
     job, settings, _, _, _, then = item
     if then is None:
         return
@@ -277,6 +280,7 @@ def resume_findings(
             if pack is not None:  # packed: every token once, resumed too
                 tokens = resumed_tokens(pack, s.segments, settings.epochs)
                 check.problems += [t for t in tokens if t not in unresumed]
+            check.problems += s.length_errors
             if check.problems:
                 status = "FAIL"
             elif check.notes:

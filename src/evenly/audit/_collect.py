@@ -33,6 +33,7 @@ from ._trace import (
     TracedMap,
     TracedStateful,
     default_id,
+    metas_of,
     trace_evenly,
 )
 from ._types import (
@@ -366,7 +367,8 @@ def run_job(job: Job, settings: Settings, rank: int) -> RankResult:
                 reported = _length(getattr(loader.batch_sampler, "sampler", None))
             reported_batches = _length(loader)
             samples = batches = 0
-            for _, metas in loader:
+            for item in loader:
+                metas = metas_of(item)
                 columns.add(epoch, metas)
                 samples += len(metas.reads)
                 batches += 1

@@ -211,8 +211,6 @@ def full_batches(rec: Records) -> Finding:
     per epoch is a WARN) and no row more than ``seq_len`` tokens."""
     _, pieces = _pack(rec)
     assert rec.pack is not None
-    from ._findings import unique_rows  # deferred: _findings imports this module
-
     parts: list[str] = []
     statuses: list[Status] = []
     filled = np.bincount(pieces[:, 0], weights=pieces[:, 3], minlength=len(rec))
@@ -221,10 +219,14 @@ def full_batches(rec: Records) -> Finding:
         statuses.append("FAIL")
         parts.append(f"{over} rows hold more than seq_len={rec.pack.seq_len} tokens")
     if len(rec):
-        keys, _, sizes = unique_rows(rec.epoch, rec.rank, rec.batch)
+        span = int(rec.batch.max()) + 1
+        key = (rec.epoch * rec.world_size + rec.rank) * span + rec.batch
+        batches, sizes = np.unique(key, return_counts=True)
+        epoch_rank = batches // span
         short = sizes < rec.batch_size
         for e in range(rec.epochs):
-            per_rank = np.bincount(keys[short & (keys[:, 0] == e), 1], minlength=rec.world_size)
+            mine = short & (epoch_rank // rec.world_size == e)
+            per_rank = np.bincount(epoch_rank[mine] % rec.world_size, minlength=rec.world_size)
             if not per_rank.any():
                 continue
             ok = rec.pack.pad == "none" and per_rank.max() <= 1

@@ -39,6 +39,7 @@ from ._collect import (
 )
 from ._factory import describe
 from ._launch import tell, working_on
+from ._trace import metas_of
 from ._types import LoaderFactory, Settings
 
 __all__ = ["Resumed", "Stop", "choose_stops", "reference_task", "resume_task"]
@@ -55,6 +56,9 @@ class Stop:
     batch: int
     end_of_pass: bool = False
     then: Stop | None = None
+    #: after the epoch's last batch (inside the loop): a state the loader may take for
+    #: that epoch's end or for the next epoch's start
+    last: bool = False
 
     def __str__(self) -> str:
         where = "the end of" if self.end_of_pass else f"batch {self.batch} of"
@@ -79,7 +83,7 @@ def choose_stops(batches: list[int], epochs: int, at: tuple[float, ...] = ()) ->
         stops.append(Stop("early", 0, 1))
     if n0 >= 2:
         stops.append(Stop("middle", 0, n0 // 2))
-    stops.append(Stop("last batch", 0, n0))
+    stops.append(Stop("last batch", 0, n0, last=True))
     if epochs >= 2:
         stops.append(Stop("epoch boundary", 0, n0, end_of_pass=True))
     n1 = batches[1] if len(batches) > 1 else 0
@@ -191,7 +195,8 @@ def _run(
                 if not managed and epoch != loaded:
                     set_epoch(epoch_objects(dataset, kwargs, loader), epoch)
                 done = first_batch.get(epoch, 0)
-                for _, metas in loader:
+                for item in loader:
+                    metas = metas_of(item)
                     columns.add(epoch, metas)
                     done += 1
                     reweigh(loader, settings, epoch, done)
@@ -244,6 +249,8 @@ def _length_error(
     if here == 0 and received:  # nothing left: the state may be the next epoch's start
         after = left(epoch + 1)
         right |= set() if after is None else {after}
+    if start.last and not start.end_of_pass:  # the pass after the load: the next epoch?
+        right.add(here)
     if reported in right:
         return None
     return (

@@ -218,6 +218,28 @@ def _run_of(results: list[RankResult], codes: list[np.ndarray], seg: int, world:
     return Run(world_size=world, seg=np.full(n, seg, dtype=np.int64), **cols)
 
 
+def _next_epoch(segs: list[Run], stop: Stop, epochs: int, world_size: int) -> Run:
+    """The run with every pass after the load counted one epoch later (the epochs past
+    the audit's last dropped), as if the loop had known the state was the next epoch's."""
+    parts = [segs[0]]
+    for seg in segs[1:]:
+        epoch = seg.epoch + 1
+        batch = np.where(seg.epoch == stop.epoch, seg.batch - stop.batch, seg.batch)
+        keep = epoch < epochs
+        parts.append(
+            Run(
+                ids=seg.ids[keep],
+                rank=seg.rank[keep],
+                epoch=epoch[keep],
+                batch=batch[keep],
+                pos=seg.pos[keep],
+                seg=seg.seg[keep],
+                world_size=seg.world_size,
+            )
+        )
+    return Run.concat(parts, world_size)
+
+
 def resumed_tokens(pack: PackInfo, segments: list[list[RankResult]], epochs: int) -> list[str]:
     """The token accounting of a stopped and resumed packed run, per epoch."""
     results = [r for seg in segments for r in seg]
@@ -277,6 +299,24 @@ def resume_findings(
                 reproducible=prefix_matches(ref, segs[0]),
                 label=label,
             )
+            if check.problems and s.stop.last and not s.stop.end_of_pass:
+                # a state saved after an epoch's last batch may be the next epoch's start
+                # (evenly's, litdata's): the loop's first pass after the load is that epoch
+                shifted = _next_epoch(segs, s.stop, settings.epochs, s.world_size)
+                other = check_stop(
+                    ref,
+                    shifted,
+                    batch_size=settings.batch_size,
+                    reproducible=prefix_matches(ref, segs[0]),
+                    label=label,
+                )
+                if not other.problems:
+                    check = other
+                    check.notes.append(
+                        "the state saved after the epoch's last batch resumed at the next "
+                        "epoch's start (the loop's first pass after the load was that epoch)"
+                    )
+                    got = s.run = shifted
             if pack is not None:  # packed: every token once, resumed too
                 tokens = resumed_tokens(pack, s.segments, settings.epochs)
                 check.problems += [t for t in tokens if t not in unresumed]

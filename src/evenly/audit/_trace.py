@@ -42,6 +42,7 @@ __all__ = [
     "TracedMap",
     "TracedStateful",
     "default_id",
+    "metas_of",
     "trace_evenly",
 ]
 
@@ -267,13 +268,32 @@ class SplitCollate:
 
 class TagCollate:
     """For a loader the audit cannot give a traced dataset (``LoaderFactory``): the metas
-    are taken in the collate function, in the worker, from the raw samples."""
+    are taken in the collate function, in the worker, from the raw samples.
+
+    The batch is a dict whose first entry has one element per sample: loaders that count
+    what they yield by the batch's length (MosaicML's ``StreamingDataLoader`` takes a
+    dict's first value, else ``len(batch[0])``) count samples, as they would count the
+    user's batch, so their saved position stays right.
+
+    >>> tagged = TagCollate(default_id)([3, 4])
+    >>> list(tagged), len(next(iter(tagged.values()))), metas_of(tagged).ids
+    (['samples', 'batch', 'metas'], 2, array([3, 4]))
+    """
 
     def __init__(self, id_fn: IdFn, collate: Callable[[list[Any]], Any] | None = None) -> None:
         self.id_fn = id_fn
         self.collate = default_collate if collate is None else collate
 
-    def __call__(self, samples: list[Any]) -> tuple[Any, MetaBatch]:
+    def __call__(self, samples: list[Any]) -> dict[str, Any]:
         worker = _worker_id()
-        metas = [_meta(worker, s, self.id_fn) for s in samples]
-        return self.collate(samples), MetaBatch.of(metas)
+        metas = MetaBatch.of([_meta(worker, s, self.id_fn) for s in samples])
+        return {"samples": metas.worker, "batch": self.collate(samples), "metas": metas}
+
+
+def metas_of(item: Any) -> MetaBatch:
+    """The ``MetaBatch`` of a batch the audit's collate made (``SplitCollate``'s
+    ``(batch, metas)`` or ``TagCollate``'s dict)."""
+    if isinstance(item, dict):
+        metas: MetaBatch = item["metas"]
+        return metas
+    return item[1]  # type: ignore[no-any-return]

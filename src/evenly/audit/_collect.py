@@ -21,10 +21,10 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from evenly.dataset import Dataset as EvenlyDataset
 from evenly.loader.loader import DataLoader as EvenlyLoader
-from evenly.mixture import Mix
 
 from ._factory import Factory, describe, resolve
 from ._launch import launch, tell, working_on
+from ._sourceinfo import mix_info, pack_info, reweigh
 from ._trace import (
     MetaBatch,
     SplitCollate,
@@ -206,48 +206,6 @@ def _build(
     return loader, iterable
 
 
-def _mix_info(dataset: Any, settings: Settings) -> MixInfo | None:
-    """The mixture an ``evenly.Dataset`` over an ``evenly.Mix`` read, else ``None``."""
-    if not isinstance(dataset, EvenlyDataset) or not isinstance(dataset.source, Mix):
-        return None
-    mix = dataset.source
-    offsets = tuple(tuple(mix.stream_offsets(e).values()) for e in range(settings.epochs))
-    step = settings.world_size * settings.batch_size
-    changes = tuple(
-        (e, b * step, tuple(float(dict(w).get(n, 0.0)) for n in mix.names))
-        for e, b, w in sorted(settings.set_weights)
-    )
-    bounds = tuple(mix.bounds(step).values())
-    return MixInfo(mix.names, mix.lengths, tuple(mix.counts.values()), offsets, changes, bounds)
-
-
-def reweigh(loader: Any, settings: Settings, epoch: int, batch: int) -> None:
-    """``loader.set_weights(...)`` where ``settings.set_weights`` asks for it."""
-    weights = settings.weights_after(epoch, batch)
-    if weights is None:
-        return
-    setter = getattr(loader, "set_weights", None)
-    if not callable(setter):
-        raise AuditError(
-            f"set_weights= asks for new weights after batch {batch} of epoch {epoch}, but "
-            f"the loader, a {type(loader).__name__}, has no set_weights (an evenly.DataLoader "
-            f"over an evenly.Mix has)"
-        )
-    setter(weights)
-
-
-def pack_info(dataset: Any, epochs: int) -> PackInfo | None:
-    """The packing of a packed ``evenly.Dataset``, else ``None``."""
-    if not isinstance(dataset, EvenlyDataset) or dataset._planner.packer is None:
-        return None
-    planner = dataset._planner
-    packer = planner.packer
-    assert packer is not None
-    lengths = np.array(packer.files(planner.view).lengths, dtype=np.int64)
-    rows = tuple(planner.units(e) for e in range(epochs))
-    return PackInfo(packer.packing.seq_len, planner.pad, lengths, rows)
-
-
 def _expected(dataset: Any, iterable: bool) -> tuple[int | None, str]:
     """Distinct samples an epoch should deliver across all ranks, and where that is from."""
     if isinstance(dataset, LoaderFactory):
@@ -378,7 +336,7 @@ def run_job(job: Job, settings: Settings, rank: int) -> RankResult:
             result.per_rank.append(
                 RankEpoch(rank, epoch, samples, batches, reported, reported_batches)
             )
-    result.mix = _mix_info(_inner(dataset), settings)
+    result.mix = mix_info(_inner(dataset), settings)
     result.pack = pack_info(_inner(dataset), settings.epochs)
     columns.fill(result)
     result.warnings = log.lines()

@@ -33,12 +33,12 @@ from ._collect import (
     build_loader,
     epoch_objects,
     is_stateful,
-    reweigh,
     run_job,
     set_epoch,
 )
 from ._factory import describe
 from ._launch import tell, working_on
+from ._sourceinfo import reweigh
 from ._trace import metas_of
 from ._types import LoaderFactory, Settings
 

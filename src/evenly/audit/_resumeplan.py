@@ -18,6 +18,7 @@ that says onto what the loader resumed, WARN where it could not.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -292,24 +293,19 @@ def resume_findings(
             ]
             got = Run.concat(segs, s.world_size)
             s.run = got
-            check = check_stop(
+            judge = functools.partial(
+                check_stop,
                 ref,
-                got,
                 batch_size=settings.batch_size,
                 reproducible=prefix_matches(ref, segs[0]),
                 label=label,
             )
+            check = judge(got)
             if check.problems and s.stop.last and not s.stop.end_of_pass:
                 # a state saved after an epoch's last batch may be the next epoch's start
                 # (evenly's, litdata's): the loop's first pass after the load is that epoch
                 shifted = _next_epoch(segs, s.stop, settings.epochs, s.world_size)
-                other = check_stop(
-                    ref,
-                    shifted,
-                    batch_size=settings.batch_size,
-                    reproducible=prefix_matches(ref, segs[0]),
-                    label=label,
-                )
+                other = judge(shifted)
                 if not other.problems:
                     check = other
                     check.notes.append(

@@ -20,6 +20,47 @@ from evenly.audit.peers import installed, peer_factory, write_peer_data
 
 MARK = {"PASS": "PASS", "WARN": "WARN", "FAIL": "**FAIL**"}
 
+#: What was found when a verdict was investigated, per (peer, version it was checked on):
+#: printed under the peer's details (only for that version; another says it is stale).
+NOTES: dict[tuple[str, str], list[str]] = {
+    ("hf", "5.2.0"): [
+        "The `IndexError` after loading a state is HF's: it reproduces without the audit, "
+        "in one process (`to_iterable_dataset(num_shards=8)` -> `split_dataset_by_node` -> "
+        "`shuffle(seed=0, buffer_size=64)` under torchdata's `StatefulDataLoader` with 2 "
+        "workers, state after one batch, a fresh loader loads it). It is raised by "
+        "`_inner_load_state_dict` (`datasets/iterable_dataset.py`), which walks the fresh "
+        "worker's initial state list by its own length and indexes the saved list with it: "
+        "the two lists differ in length under the multi-source shuffle buffer of 5.x "
+        "(`max_buffer_input_shards`, default 10). The same run resumes exactly without "
+        "`shuffle()`, with `shuffle(..., max_buffer_input_shards=1)`, or without a "
+        "DataLoader (the dataset's own `state_dict`). No upstream issue names this error; "
+        "the nearest are huggingface/datasets#8669 (the 5.0 multi-source shuffle, #8194, "
+        "changes the shard bookkeeping) and #7901 (a shuffled `IterableDataset` does not "
+        "resume exactly: the buffer is not saved, fixed by the open #8408).",
+    ],
+    ("mosaic", "0.13.0"): [
+        "The resume FAILs of earlier versions of this page were the audit's: its tagged "
+        "batches were `(batch, metas)` tuples, and `StreamingDataLoader` counts what it "
+        "yields as `len(batch[0])` (a dict's first value, else the first element), so it "
+        "counted 1 sample per batch and saved a wrong `sample_in_epoch`. The audit's batches "
+        "now count as the user's (`tests/test_audit_peers.py`); early, middle, last batch "
+        "and second resume are exact.",
+        "The epoch boundary is Mosaic's design, shown here as the audit's loop sees it: a "
+        "state saved after the pass ended is `(epoch 0, sample_in_epoch = all)`, and a fresh "
+        "loader that loads it first runs an empty pass (`StreamingDataset.__iter__`: "
+        '"Resumed at end of epoch, out of samples"), then the next epoch. A loop that counts '
+        "epochs itself (`for epoch in range(start, E)`) loses one: its epoch 1 gets nothing.",
+    ],
+    ("litdata", "0.2.76"): [
+        "The last-batch stop (a step checkpoint after the epoch's last batch, inside the "
+        "loop) is litdata's convention, not a loss: the state is the next epoch's start "
+        "(`current_epoch` advanced), so the first pass after the load is the next epoch; "
+        "reproduced without the audit. evenly does the same; the audit now accepts it with a "
+        "WARN, since a loop that counts epochs itself (Lightning's restored counter) sees "
+        "one epoch more than the loader.",
+    ],
+}
+
 
 def table(
     results: dict[str, AuditResult],
@@ -67,6 +108,13 @@ def table(
                 lines.append(f"- {f.status} {f.title}: {f.detail}")
         if all(f.status == "PASS" for f in results[n].findings):
             lines.append("- every finding PASS")
+        for (peer, version), notes in NOTES.items():
+            if peer != n:
+                continue
+            if version == versions[n]:
+                lines += ["", "Investigated:", ""] + [f"- {note}" for note in notes]
+            else:
+                lines.append(f"- (investigated on {version}, not on {versions[n]}: run again)")
         lines.append("")
     return "\n".join(lines)
 

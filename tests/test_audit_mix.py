@@ -10,6 +10,7 @@ of a mixture the audit must catch going wrong.
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from collections.abc import Callable
@@ -334,3 +335,61 @@ def test_cells_off_by_padding_are_warnings_and_beyond_it_failures(
     assert '<td class="WARN">' in page and '<td class="FAIL">' not in page
     over = json.loads(mix_audits["over_sampling"].to_json())["mix"]["per_epoch"]
     assert cell_status(over[0], "web") == "FAIL" and cell_status(over[0], "code") == "PASS"
+
+
+# ---- weights that change during the run (set_weights) ---------------------------------
+#: after batch 2 of epoch 0 (global position 16 of 40), books gets half of the rest
+NEW_WEIGHTS = {"web": 1, "code": 1, "books": 2}
+CHANGE = [(0, 2, NEW_WEIGHTS)]
+
+
+class LateWeightsLoader(evenly.DataLoader):
+    """A loader that applies new weights only from the next pass on, not the next batch."""
+
+    pending: dict[str, float] | None = None
+
+    def set_weights(self, weights: Any) -> None:
+        self.pending = dict(weights)
+
+    def __iter__(self) -> Any:
+        if self.pending is not None:
+            super().set_weights(self.pending)
+            self.pending = None
+        return super().__iter__()
+
+
+def _late(dataset: evenly.Dataset[Any], **kwargs: Any) -> LateWeightsLoader:
+    return LateWeightsLoader(dataset, **kwargs)
+
+
+def late_weights_mix() -> Any:
+    from evenly.audit import LoaderFactory
+
+    dataset = correct_mix()
+    return LoaderFactory(make=functools.partial(_late, dataset), dataset=dataset)
+
+
+def test_a_reweighted_run_is_judged_by_the_weights_in_force_resume_included() -> None:
+    right, late = audit_many(
+        [correct_mix, late_weights_mix],
+        num_workers=1,
+        world_size=WORLD,
+        epochs=2,
+        batch_size=BATCH,
+        set_weights=CHANGE,
+        resume=True,
+    )
+    statuses = {f.name: f.status for f in right.findings}
+    assert statuses == {name: "PASS" for name in statuses}, right.findings
+    rows = json.loads(right.to_json())["mix"]["per_epoch"]
+    # after position 16 the 24 positions left go 6 / 6 / 12; epoch 1 is 10 / 10 / 20
+    assert rows[1]["expected"] == {"web": 10, "code": 10, "books": 20}
+    assert rows[0]["expected"]["books"] - 12 == round(16 * 8 / 40)
+    assert rows[0]["weight_changes"] == [
+        {"position": 16, "weights": {k: float(v) for k, v in NEW_WEIGHTS.items()}}
+    ]
+    assert [row["delivered"] for row in rows] == [row["expected"] for row in rows]
+    # the change one pass late: epoch 0 keeps the old shares, which the audit names
+    found = late.finding("mix_counts")
+    assert found.status == "FAIL" and found.detail.startswith("epoch 0: 'web' 20 (expected")
+    assert "epoch 1" not in found.detail

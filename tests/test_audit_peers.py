@@ -44,3 +44,17 @@ def test_a_peer_by_name_delivers_every_sample_once_per_epoch(
 def test_an_unknown_peer_is_refused_naming_the_choices(tmp_path: Path) -> None:
     with pytest.raises(AuditError, match=r"unknown peer 'nope'; choose from \['evenly'"):
         peer_factory("nope", tmp_path)
+
+
+def test_a_loader_that_counts_batches_by_their_length_counts_the_audits_batches_right() -> None:
+    """MosaicML's StreamingDataLoader counts what it yields by the batch's length (its
+    saved position comes from that count): the audit's tagged batches must count as the
+    user's would, or every resume is judged on a wrong position."""
+    if "mosaic" not in HERE:  # installed() imported it, without its torchvision part
+        pytest.skip("streaming is not installed (bench/setup_peers.sh)")
+    from streaming.base.dataloader import StreamingDataLoader
+
+    from evenly.audit._trace import TagCollate
+
+    batch = TagCollate(lambda s: s["id"])([{"id": i} for i in range(5)])
+    assert StreamingDataLoader._get_batch_size(None, batch) == 5  # type: ignore[arg-type]

@@ -19,6 +19,8 @@ after the pass ended loads as the next epoch's start).  Each
 - ``rank_state``: right, but the state names the rank (it cannot move to another
   world size).
 - ``unloadable``: its ``load_state_dict`` refuses every state (it cannot resume at all).
+- ``len_left``: right, but after a load ``len()`` counts only the batches left (the
+  standing rule: the batches received in the epoch + those left).
 
 ``Stream`` is an ``IterableDataset`` with ``state_dict``/``load_state_dict`` (the audit runs
 it under torchdata's ``StatefulDataLoader``, workers included); at the end of a pass it
@@ -44,6 +46,7 @@ DEFECTS = (
     "repeats_prefetched",
     "skips_epoch",
     "stale_offset",
+    "len_left",
 )
 
 #: Samples per epoch (every rank gets the same number: no padding to judge).
@@ -84,6 +87,8 @@ class ZooLoader:
         self.epoch, self.pos, self.finished = epoch, 0, False
 
     def __len__(self) -> int:
+        if self.defect == "len_left":
+            return -(-(len(self._mine()) - self.loaded_at) // self.batch_size)
         return -(-len(self._mine()) // self.batch_size)
 
     def __iter__(self) -> Iterator[Any]:

@@ -12,15 +12,16 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ._factory import Factory, describe, resolve
 from ._findings import all_findings
+from ._packfindings import merged_pieces
 from ._result import AuditResult
-from ._types import I64, AuditError, IdFn, Records, Settings
+from ._types import I64, AuditError, IdFn, Records, Settings, row_label
 
 I64_EMPTY = np.zeros(0, dtype=np.int64)
 
@@ -87,6 +88,9 @@ def build_records(
     codes, labels, distinct = _encode(all_ids)
     rank0 = ranks[0]
     mix = rank0.mix
+    pack, pieces = rank0.pack, None
+    if pack is not None:
+        pieces = merged_pieces(ranks)
     reference, source = rank0.expected, rank0.expected_source
     if expected is not None:
         reference, source = expected, "given count"
@@ -117,6 +121,8 @@ def build_records(
         mix=mix,
         # the index each row was read from (-1 where a rank recorded none)
         reads=None if mix is None else np.concatenate(reads).astype(np.int64),
+        pack=pack,
+        pieces=pieces,
     )
 
 
@@ -124,6 +130,28 @@ def _check(name: str, value: int, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
     return value
+
+
+def _changes(
+    changes: Sequence[tuple[int, int, Mapping[str, float]]],
+) -> tuple[tuple[int, int, tuple[tuple[str, float], ...]], ...]:
+    """``set_weights=`` checked: ``(epoch, batch, {name: weight})``, one change a batch."""
+    out = []
+    for item in changes:
+        if not (isinstance(item, tuple | list) and len(item) == 3):
+            raise ValueError(f"set_weights items must be (epoch, batch, weights), got {item!r}")
+        epoch, batch, weights = item
+        _check("set_weights epoch", epoch, 0)
+        _check("set_weights batch", batch, 1)
+        if not isinstance(weights, Mapping) or not weights:
+            raise ValueError(
+                f"set_weights weights must be a {{name: weight}} dict, got {weights!r}"
+            )
+        out.append((epoch, batch, tuple((str(k), float(v)) for k, v in weights.items())))
+    where = [(e, b) for e, b, _ in out]
+    if len(set(where)) != len(where):
+        raise ValueError(f"set_weights names a batch twice: {sorted(where)}")
+    return tuple(sorted(out))
 
 
 def _codes(results: list[RankResult]) -> tuple[list[I64], Callable[[int], str]]:
@@ -154,6 +182,7 @@ def audit_many(
     resume_world_size: int | None = None,
     resume_workers: int | None = None,
     resume_at: Sequence[float] = (),
+    set_weights: Sequence[tuple[int, int, Mapping[str, float]]] = (),
     progress: Callable[[str], None] | None = None,
 ) -> list[AuditResult]:
     """Audit several factories in one group of rank processes (cheaper than one
@@ -165,6 +194,7 @@ def audit_many(
         batch_size=_check("batch_size", batch_size, 1),
         timeout=float(timeout),
         resume_at=tuple(float(f) for f in resume_at),
+        set_weights=_changes(set_weights),
     )
     if any(not 0.0 < f <= 1.0 for f in settings.resume_at):
         raise ValueError(f"resume_at must be fractions in (0, 1], got {list(resume_at)}")
@@ -207,6 +237,8 @@ def audit_many(
         records = build_records(refs, settings, expected=expected, shard_fn=shard_fn)
         everything = refs + [r for s in report.stops for seg in s.segments for r in seg]
         split, label = _codes(everything)
+        if refs and refs[0].pack is not None:
+            label = row_label  # a packed row's id: its first token
         code_of = {id(r): c for r, c in zip(everything, split, strict=True)}
         report.findings = resume_findings(report, refs, code_of, settings, label)
         found = all_findings(records) + report.findings
@@ -229,6 +261,7 @@ def audit(
     resume_world_size: int | None = None,
     resume_workers: int | None = None,
     resume_at: Sequence[float] = (),
+    set_weights: Sequence[tuple[int, int, Mapping[str, float]]] = (),
 ) -> AuditResult:
     """Run ``factory`` in ``world_size`` real rank processes, each through a DataLoader
     with ``num_workers`` workers for ``epochs`` epochs, and judge what was delivered.
@@ -256,6 +289,11 @@ def audit(
             state allows it (else a WARN says so).
         resume_workers: the workers per rank to resume onto (default: the audit's).
         resume_at: more stops, as fractions of the first epoch (0.5: its middle batch).
+        set_weights: ``(epoch, batch, {name: weight})``: every rank calls
+            ``loader.set_weights(weights)`` after batch ``batch`` (counted from 1) of
+            epoch ``epoch`` (an ``evenly.DataLoader`` over an ``evenly.Mix``, or a
+            ``LoaderFactory``'s loader with ``set_weights``), resumed runs too; the
+            mixture findings judge each source's share against the weights in force.
     """
     return audit_many(
         [factory],
@@ -271,4 +309,5 @@ def audit(
         resume_world_size=resume_world_size,
         resume_workers=resume_workers,
         resume_at=resume_at,
+        set_weights=set_weights,
     )[0]

@@ -21,10 +21,10 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from evenly.dataset import Dataset as EvenlyDataset
 from evenly.loader.loader import DataLoader as EvenlyLoader
-from evenly.mixture import Mix
 
 from ._factory import Factory, describe, resolve
 from ._launch import launch, tell, working_on
+from ._sourceinfo import mix_info, pack_info, reweigh
 from ._trace import (
     MetaBatch,
     SplitCollate,
@@ -33,9 +33,20 @@ from ._trace import (
     TracedMap,
     TracedStateful,
     default_id,
+    metas_of,
     trace_evenly,
 )
-from ._types import F64, I64, AuditError, IdFn, LoaderFactory, MixInfo, RankEpoch, Settings
+from ._types import (
+    F64,
+    I64,
+    AuditError,
+    IdFn,
+    LoaderFactory,
+    MixInfo,
+    PackInfo,
+    RankEpoch,
+    Settings,
+)
 
 __all__ = ["AuditError", "Job", "RankResult", "Settings", "collect", "describe", "resolve"]
 
@@ -70,6 +81,9 @@ class RankResult:
     reads: I64 = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     per_rank: list[RankEpoch] = field(default_factory=list)
     mix: MixInfo | None = None
+    #: packed rows: ``(n, 4)`` pieces (row of this result, document, start, tokens)
+    pieces: I64 | None = None
+    pack: PackInfo | None = None
     expected: int | None = None
     expected_source: str = "unknown"
     warnings: list[str] = field(default_factory=list)
@@ -149,10 +163,15 @@ def _build(
     """The traced dataset's loader, and whether the dataset is iterable (``stateful``:
     torchdata's ``StatefulDataLoader`` instead of torch's, for a resume audit)."""
     if isinstance(dataset, LoaderFactory):
+        user_collate = kwargs.pop("collate_fn", None)
+        tagged: Any = TagCollate(id_fn, user_collate)
+        if isinstance(dataset.dataset, EvenlyDataset):  # its own loader over an evenly.Dataset
+            trace_evenly(dataset.dataset, id_fn)
+            tagged = SplitCollate(user_collate)
         made = dataset.make(
             batch_size=settings.batch_size,
             num_workers=settings.num_workers,
-            collate_fn=TagCollate(id_fn, kwargs.pop("collate_fn", None)),
+            collate_fn=tagged,
             **kwargs,
         )
         return made, True
@@ -185,15 +204,6 @@ def _build(
         cls = StatefulDataLoader
     loader = cls(traced, num_workers=settings.num_workers, collate_fn=collate, **kwargs)
     return loader, iterable
-
-
-def _mix_info(dataset: Any, epochs: int) -> MixInfo | None:
-    """The mixture an ``evenly.Dataset`` over an ``evenly.Mix`` read, else ``None``."""
-    if not isinstance(dataset, EvenlyDataset) or not isinstance(dataset.source, Mix):
-        return None
-    mix = dataset.source
-    offsets = tuple(tuple(mix.stream_offsets(e).values()) for e in range(epochs))
-    return MixInfo(mix.names, mix.lengths, tuple(mix.counts.values()), offsets)
 
 
 def _expected(dataset: Any, iterable: bool) -> tuple[int | None, str]:
@@ -266,6 +276,12 @@ class Columns:
         result.worker = np.concatenate([m.worker for m in metas])
         result.draws = np.concatenate([m.draws for m in metas]).reshape(-1, 3)
         result.reads = np.concatenate([m.reads for m in metas])
+        parts = [m.pieces for m in metas if m.pieces is not None]
+        if len(parts) == len(metas):  # packed rows: pieces point at the rank's rows
+            shift = np.repeat(np.cumsum(sizes) - sizes, [len(p) for p in parts])
+            pieces = np.concatenate(parts)
+            pieces[:, 0] += shift
+            result.pieces = pieces
         if all(isinstance(m.ids, np.ndarray) for m in metas):
             result.ids = np.concatenate([np.asarray(m.ids, dtype=np.int64) for m in metas])
         else:
@@ -309,16 +325,19 @@ def run_job(job: Job, settings: Settings, rank: int) -> RankResult:
                 reported = _length(getattr(loader.batch_sampler, "sampler", None))
             reported_batches = _length(loader)
             samples = batches = 0
-            for _, metas in loader:
+            for item in loader:
+                metas = metas_of(item)
                 columns.add(epoch, metas)
                 samples += len(metas.reads)
                 batches += 1
+                reweigh(loader, settings, epoch, batches)
                 if batches % PROGRESS_EVERY == 0:
                     tell(f"{describe(job.factory)}: epoch {epoch}, batch {batches}")
             result.per_rank.append(
                 RankEpoch(rank, epoch, samples, batches, reported, reported_batches)
             )
-    result.mix = _mix_info(dataset, settings.epochs)
+    result.mix = mix_info(_inner(dataset), settings)
+    result.pack = pack_info(_inner(dataset), settings.epochs)
     columns.fill(result)
     result.warnings = log.lines()
     return result

@@ -24,6 +24,7 @@ from dataclasses import replace
 import numpy as np
 
 from ._mixfindings import mix_counts, stream_duplicates, stream_missing
+from ._packfindings import full_batches, pad_rows, tokens
 from ._shuffle import adjacency, repeated_order, shuffle_quality, spearman
 from ._types import GENERATORS, I64, Finding, Records, Status, epochs_of
 
@@ -305,13 +306,25 @@ _MIX: dict[Callable[[Records], Finding], tuple[Callable[[Records], Finding], ...
 }
 
 
+#: For a packed dataset: every token once instead of every sample once, the pad rows,
+#: and full-shape batches instead of partial ones.
+_PACK: dict[Callable[[Records], Finding], tuple[Callable[[Records], Finding], ...]] = {
+    duplicates: (tokens,),
+    missing: (pad_rows,),
+    partial_batches: (full_batches,),
+}
+
+
 def all_findings(rec: Records) -> list[Finding]:
     """Every finding, in report order (adjacency only when ``rec.shards`` is set; for a
-    Mix, ``mix_counts`` and per-stream duplicates/missing), with details that repeat
-    over epochs or ranks merged (see ``compact``)."""
+    Mix, ``mix_counts`` and per-stream duplicates/missing; for a packed dataset,
+    ``tokens``, ``pad_rows`` and ``full_batches``), with details that repeat over epochs
+    or ranks merged (see ``compact``)."""
     checks = [f for f in _ALL if f is not adjacency or rec.shards is not None]
     if rec.mix is not None:
         checks = [g for f in checks for g in _MIX.get(f, (f,))]
+    if rec.pack is not None:
+        checks = [g for f in checks for g in _PACK.get(f, (f,))]
     found = [f(rec) for f in checks]
     return [replace(f, detail=compact(f.detail)) for f in found]
 

@@ -33,11 +33,14 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from evenly.core.mix.apportion import mix_counts as apportion
+
 from ._types import I64, Finding, MixInfo, Records, Status
 
 __all__ = [
     "cell_status",
     "delivered",
+    "epoch_counts",
     "mix_counts",
     "per_epoch",
     "stream_duplicates",
@@ -73,6 +76,54 @@ def delivered(rec: Records) -> I64:
     return out
 
 
+def _global_position(rec: Records) -> I64:
+    """Each sample's position in its epoch's global order (steps of ``world_size x
+    batch_size``, rank by rank), as ``evenly.DataLoader`` deals them."""
+    step = rec.world_size * rec.batch_size
+    out: I64 = rec.batch * step + rec.rank * rec.batch_size + rec.pos
+    return out
+
+
+def epoch_counts(rec: Records) -> I64:
+    """The samples each source owes each epoch under the weights in force, shape
+    ``(epochs, sources)``: ``mix.counts`` until the audit changed the weights
+    (``set_weights=``).  An epoch changed at global positions ``P_1 < ... < P_k`` owes,
+    after ``P_k``, exactly the Mix's apportionment of the rest (``c'_d`` of ``R = S -
+    P_k`` positions, by largest remainder); between two changes each source's count is
+    its share of that segment's apportionment within ``mix.bounds`` (a count beyond them
+    is owed its rounded share, so ``mix_counts`` names it); later epochs follow the last
+    weights."""
+    mix, reads = _mix(rec)
+    base = np.asarray(mix.counts, dtype=np.int64)
+    out = np.tile(base, (rec.epochs, 1))
+    if not mix.changes:
+        return out
+    total = int(base.sum())
+    tol = np.maximum(np.asarray(mix.bounds or (1.0,) * len(base), dtype=np.float64), 1.0)
+    ok = _valid(mix, reads)
+    src = np.full(len(reads), -1, dtype=np.int64)
+    src[ok] = mix.source_of(reads[ok])
+    position = _global_position(rec)
+    current = base
+    for e in range(rec.epochs):
+        changes = [(p, w) for ce, p, w in mix.changes if ce == e and 0 < p < total]
+        if not changes:
+            out[e] = current
+            continue
+        owed = np.zeros(len(base), dtype=np.int64)
+        start, counts, rest = 0, current, total
+        for p, weights in changes:
+            inside = (rec.epoch == e) & (position >= start) & (position < p) & (src >= 0)
+            got = np.bincount(src[inside], minlength=len(base))[: len(base)]
+            share = (p - start) * counts / rest
+            owed += np.where(np.abs(got - share) <= tol, got, np.rint(share).astype(np.int64))
+            start, rest = p, total - p
+            counts = np.asarray(apportion(mix.lengths, weights, rest), dtype=np.int64)
+        out[e] = owed + counts
+        current = np.asarray(apportion(mix.lengths, changes[-1][1], total), dtype=np.int64)
+    return out
+
+
 def _slack(rec: Records, mix: MixInfo) -> tuple[I64, I64]:
     """Per epoch: positions repeated as padding, and positions left out (``drop_last``),
     from the samples delivered against ``sum(mix.counts)``."""
@@ -98,13 +149,14 @@ def mix_counts(rec: Records) -> Finding:
     source."""
     mix, reads = _mix(rec)
     got = delivered(rec)
-    want = np.asarray(mix.counts, dtype=np.int64)
+    owed = epoch_counts(rec)
     pads, drops = _slack(rec, mix)
     unknown = np.bincount(rec.epoch[~_valid(mix, reads)], minlength=rec.epochs)
     parts: list[str] = []
     statuses: list[Status] = []
     notes: list[str] = []
     for e in range(rec.epochs):
+        want = owed[e]
         diff = got[e] - want
         if unknown[e]:
             statuses.append("FAIL")
@@ -128,9 +180,15 @@ def mix_counts(rec: Records) -> Finding:
             if g != w
         ]
         parts.append(f"epoch {e}: " + ", ".join(wrong))
-    worst = int(np.abs(got - want).max()) if got.size else 0
-    if not parts:
-        parts.append(f"every epoch: {_named(mix, want)} (as mix.counts)")
+    worst = int(np.abs(got - owed).max()) if got.size else 0
+    if not parts and mix.changes:
+        moved = sorted({ce for ce, _, _ in mix.changes})
+        parts.append(
+            f"every epoch as the weights in force (changed in epoch(s) {moved}): "
+            + "; ".join(f"epoch {e}: {_named(mix, owed[e])}" for e in range(rec.epochs))
+        )
+    elif not parts:
+        parts.append(f"every epoch: {_named(mix, owed[0])} (as mix.counts)")
     status: Status = "FAIL" if "FAIL" in statuses else ("WARN" if statuses else "PASS")
     return Finding(
         "mix_counts", "Samples per source (Mix)", status, worst, "; ".join(parts + notes)
@@ -168,13 +226,14 @@ def _stream_gaps(rec: Records) -> list[_Gap]:
     src = np.full(len(reads), -1, dtype=np.int64)
     src[ok] = mix.source_of(reads[ok])
     start = mix.offsets[0] if mix.offsets else (0,) * len(mix.names)
+    read = np.cumsum(epoch_counts(rec), axis=0)  # items each stream read by each epoch's end
     out = []
-    for d, (name, n, c) in enumerate(zip(mix.names, mix.lengths, mix.counts, strict=True)):
+    for d, (name, n) in enumerate(zip(mix.names, mix.lengths, strict=True)):
         counts = np.zeros(n, dtype=np.int64)
         for e in range(rec.epochs):
             rows = (src == d) & (rec.epoch == e)
             counts += np.bincount(reads[rows] - bases[d], minlength=n)[:n]
-            fewest, most = _window(n, int(start[d]), (e + 1) * c)
+            fewest, most = _window(n, int(start[d]), int(read[e, d]))
             over = int(np.maximum(counts - most, 0).sum())
             under = int(np.maximum(fewest - counts, 0).sum())
             out.append(_Gap(e, name, over, under, most, fewest))
@@ -250,17 +309,23 @@ def per_epoch(rec: Records) -> list[dict[str, Any]]:
     JSON, the table and the HTML report)."""
     mix, _ = _mix(rec)
     got = delivered(rec)
+    owed = epoch_counts(rec)
     pads, drops = _slack(rec, mix)
+    first = np.asarray(mix.offsets[0] if mix.offsets else (0,) * len(mix.names))
+    offsets = first + np.cumsum(owed, axis=0) - owed  # each stream's offset at epoch start
     return [
         {
             "epoch": e,
             "delivered": dict(zip(mix.names, got[e].tolist(), strict=True)),
-            "expected": dict(zip(mix.names, mix.counts, strict=True)),
+            "expected": dict(zip(mix.names, owed[e].tolist(), strict=True)),
             # padding repeats / left-out positions that epoch: a source may be off by that
             "slack": int(pads[e] + drops[e]),
-            "stream_offsets": dict(zip(mix.names, mix.offsets[e], strict=True))
-            if e < len(mix.offsets)
-            else {},
+            "stream_offsets": dict(zip(mix.names, offsets[e].tolist(), strict=True)),
+            "weight_changes": [
+                {"position": p, "weights": dict(zip(mix.names, w, strict=True))}
+                for ce, p, w in mix.changes
+                if ce == e
+            ],
         }
         for e in range(rec.epochs)
     ]

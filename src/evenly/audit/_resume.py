@@ -28,6 +28,7 @@ from ._collect import (
     Job,
     RankResult,
     _is_iterable,
+    _length,
     _WarningLog,
     build_loader,
     epoch_objects,
@@ -37,6 +38,8 @@ from ._collect import (
 )
 from ._factory import describe
 from ._launch import tell, working_on
+from ._sourceinfo import reweigh
+from ._trace import metas_of
 from ._types import LoaderFactory, Settings
 
 __all__ = ["Resumed", "Stop", "choose_stops", "reference_task", "resume_task"]
@@ -53,6 +56,9 @@ class Stop:
     batch: int
     end_of_pass: bool = False
     then: Stop | None = None
+    #: after the epoch's last batch (inside the loop): a state the loader may take for
+    #: that epoch's end or for the next epoch's start
+    last: bool = False
 
     def __str__(self) -> str:
         where = "the end of" if self.end_of_pass else f"batch {self.batch} of"
@@ -77,7 +83,7 @@ def choose_stops(batches: list[int], epochs: int, at: tuple[float, ...] = ()) ->
         stops.append(Stop("early", 0, 1))
     if n0 >= 2:
         stops.append(Stop("middle", 0, n0 // 2))
-    stops.append(Stop("last batch", 0, n0))
+    stops.append(Stop("last batch", 0, n0, last=True))
     if epochs >= 2:
         stops.append(Stop("epoch boundary", 0, n0, end_of_pass=True))
     n1 = batches[1] if len(batches) > 1 else 0
@@ -105,6 +111,9 @@ class Resumed:
     #: why the state could not be loaded (another topology?) or saved
     error: str | None = None
     warnings: list[str] = field(default_factory=list)
+    #: ``len(loader)`` after the load, if not what this rank had received in the
+    #: interrupted epoch + the batches left (the standing rule)
+    length_error: str | None = None
 
 
 def _last_line(exc: BaseException) -> str:
@@ -163,6 +172,7 @@ def _run(
         managed = isinstance(dataset, EvenlyDataset)
         epoch = 0
         loaded: int | None = None  # the epoch set (and loaded) before the first pass
+        length_after: int | None = None
         if start is not None and state is not None:
             epoch = start.epoch + 1 if start.end_of_pass else start.epoch
             if not managed:
@@ -175,6 +185,7 @@ def _run(
             loaded = epoch
             if not start.end_of_pass:
                 first_batch[start.epoch] = start.batch
+            length_after = _length(loader)
         try:
             for _ in range(settings.epochs + 2):  # a loader stuck in one epoch ends too
                 if managed:
@@ -184,9 +195,11 @@ def _run(
                 if not managed and epoch != loaded:
                     set_epoch(epoch_objects(dataset, kwargs, loader), epoch)
                 done = first_batch.get(epoch, 0)
-                for _, metas in loader:
+                for item in loader:
+                    metas = metas_of(item)
                     columns.add(epoch, metas)
                     done += 1
+                    reweigh(loader, settings, epoch, done)
                     here = (until.epoch, until.batch, until.end_of_pass) if until else None
                     if here == (epoch, done, False):
                         out.state = pickle.dumps(loader.state_dict())
@@ -205,11 +218,45 @@ def _run(
             # a state applied lazily (StatefulDataLoader's workers) fails here
             out.error = f"{type(exc).__name__} after loading the state: {_last_line(exc)}"
             return out
+    if start is not None and state is not None and length_after is not None:
+        out.length_error = _length_error(start, until, rank, length_after, columns.epochs)
     columns.fill(result, first_batch)
     out.warnings = log.lines()
     del loader
     gc.collect()  # the stopped loader's workers go now, not during the next run
     return out
+
+
+def _length_error(
+    start: Stop, until: Stop | None, rank: int, reported: int, epochs: list[int]
+) -> str | None:
+    """``len(loader)`` right after loading the state saved at ``start``, against the
+    batches this rank had received in that epoch + those it received after the load
+    (when the run went to that epoch's end).  A state saved after an epoch's last batch
+    may be that epoch's end or the next one's start: either count is right."""
+    epoch = start.epoch + 1 if start.end_of_pass else start.epoch
+    received = 0 if start.end_of_pass else start.batch
+
+    def left(e: int) -> int | None:
+        if until is not None and (until.epoch, until.end_of_pass) <= (e, False):
+            return None  # stopped again inside that epoch: what was left is not known
+        return sum(1 for x in epochs if x == e)
+
+    here = left(epoch)
+    if here is None:
+        return None
+    right = {received + here}
+    if here == 0 and received:  # nothing left: the state may be the next epoch's start
+        after = left(epoch + 1)
+        right |= set() if after is None else {after}
+    if start.last and not start.end_of_pass:  # the pass after the load: the next epoch?
+        right.add(here)
+    if reported in right:
+        return None
+    return (
+        f"rank {rank}: len(loader) was {reported} after loading the state, not the "
+        f"{received} batches received in epoch {epoch} + {here} left = {received + here}"
+    )
 
 
 def _agree(counts: list[int]) -> list[int]:

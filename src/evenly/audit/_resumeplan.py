@@ -18,6 +18,7 @@ that says onto what the loader resumed, WARN where it could not.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -26,9 +27,10 @@ import numpy as np
 
 from ._collect import Job, RankResult
 from ._launch import launch
+from ._packfindings import coverage, merged_pieces
 from ._resume import Resumed, ResumeItem, Stop, reference_task, resume_task
 from ._resumecheck import Run, check_stop, prefix_matches
-from ._types import Finding, Settings, Status
+from ._types import Finding, PackInfo, Settings, Status
 
 __all__ = ["ResumeReport", "StopRun", "run_resume"]
 
@@ -46,6 +48,8 @@ class StopRun:
     notes: list[str] = field(default_factory=list)
     #: every delivered sample of the run, encoded (set by ``resume_findings``)
     run: Run | None = None
+    #: ``len(loader)`` after a load that broke the standing rule, per rank
+    length_errors: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -189,6 +193,7 @@ def _finish(item: ResumeItem, target: StopRun, runs: list[Resumed], plan: _Plan)
         target.error = "cannot resume: load_state_dict raised: " + "; ".join(errors)
         return
     target.segments.append([run.result for run in runs])
+    target.length_errors += [run.length_error for run in runs if run.length_error]
     job, settings, _, _, _, then = item
     if then is None:
         return
@@ -214,6 +219,45 @@ def _run_of(results: list[RankResult], codes: list[np.ndarray], seg: int, world:
     return Run(world_size=world, seg=np.full(n, seg, dtype=np.int64), **cols)
 
 
+def _next_epoch(segs: list[Run], stop: Stop, epochs: int, world_size: int) -> Run:
+    """The run with every pass after the load counted one epoch later (the epochs past
+    the audit's last dropped), as if the loop had known the state was the next epoch's."""
+    parts = [segs[0]]
+    for seg in segs[1:]:
+        epoch = seg.epoch + 1
+        batch = np.where(seg.epoch == stop.epoch, seg.batch - stop.batch, seg.batch)
+        keep = epoch < epochs
+        parts.append(
+            Run(
+                ids=seg.ids[keep],
+                rank=seg.rank[keep],
+                epoch=epoch[keep],
+                batch=batch[keep],
+                pos=seg.pos[keep],
+                seg=seg.seg[keep],
+                world_size=seg.world_size,
+            )
+        )
+    return Run.concat(parts, world_size)
+
+
+def resumed_tokens(pack: PackInfo, segments: list[list[RankResult]], epochs: int) -> list[str]:
+    """The token accounting of a stopped and resumed packed run, per epoch."""
+    results = [r for seg in segments for r in seg]
+    pieces = merged_pieces(results)
+    row = pieces[:, 0]
+    found = coverage(
+        lengths=pack.lengths,
+        epochs=epochs,
+        epoch=np.concatenate([r.epoch for r in results])[row],
+        rank=np.concatenate([np.full(len(r.epoch), r.rank) for r in results])[row],
+        doc=pieces[:, 1],
+        start=pieces[:, 2],
+        length=pieces[:, 3],
+    )
+    return [f"epoch {c.epoch}: {c.text}" for c in found]
+
+
 def resume_findings(
     report: ResumeReport,
     refs: list[RankResult],
@@ -230,6 +274,9 @@ def resume_findings(
     if report.cannot is not None:
         return [Finding("resume", "Resume", "WARN", 0, f"cannot resume: {report.cannot}")]
     ref = _run_of(refs, [encode(r) for r in refs], 0, settings.world_size)
+    pack = refs[0].pack if refs else None
+    # what the uninterrupted run got wrong already is its own finding (``tokens``)
+    unresumed = set() if pack is None else set(resumed_tokens(pack, [refs], settings.epochs))
     report.reference = ref
     findings: list[Finding] = []
     notes: list[str] = []
@@ -246,13 +293,30 @@ def resume_findings(
             ]
             got = Run.concat(segs, s.world_size)
             s.run = got
-            check = check_stop(
+            judge = functools.partial(
+                check_stop,
                 ref,
-                got,
                 batch_size=settings.batch_size,
                 reproducible=prefix_matches(ref, segs[0]),
                 label=label,
             )
+            check = judge(got)
+            if check.problems and s.stop.last and not s.stop.end_of_pass:
+                # a state saved after an epoch's last batch may be the next epoch's start
+                # (evenly's, litdata's): the loop's first pass after the load is that epoch
+                shifted = _next_epoch(segs, s.stop, settings.epochs, s.world_size)
+                other = judge(shifted)
+                if not other.problems:
+                    check = other
+                    check.notes.append(
+                        "the state saved after the epoch's last batch resumed at the next "
+                        "epoch's start (the loop's first pass after the load was that epoch)"
+                    )
+                    got = s.run = shifted
+            if pack is not None:  # packed: every token once, resumed too
+                tokens = resumed_tokens(pack, s.segments, settings.epochs)
+                check.problems += [t for t in tokens if t not in unresumed]
+            check.problems += s.length_errors
             if check.problems:
                 status = "FAIL"
             elif check.notes:

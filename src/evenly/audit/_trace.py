@@ -26,27 +26,32 @@ from torch.utils.data import IterableDataset, default_collate, get_worker_info
 
 from evenly.dataset import Dataset as EvenlyDataset
 from evenly.mixture import Mix
+from evenly.runtime.rowtap import RowPieces
 
-from ._types import F64, I64, IdFn
+from ._types import F64, I64, IdFn, row_id
 
 __all__ = [
     "ID_KEYS",
     "EvenlyTap",
     "IdFn",
     "MetaBatch",
+    "RowsTapper",
     "SplitCollate",
     "TagCollate",
     "TracedIterable",
     "TracedMap",
     "TracedStateful",
     "default_id",
+    "metas_of",
     "trace_evenly",
 ]
 
 #: Keys looked up, in order, when a sample is a dict.
 ID_KEYS = ("__key__", "idx", "id", "index")
 
+#: ``(worker, id, random, numpy, torch, read)``, and for a packed row its pieces (``RowMeta``)
 Meta = tuple[int, Any, float, float, float, int]
+RowMeta = tuple[int, Any, float, float, float, int, I64]
 
 #: ``read`` of a sample whose source index is not recorded.
 UNKNOWN_READ = -1
@@ -168,33 +173,65 @@ class EvenlyTap:
         reads = indices if self.records_reads else [UNKNOWN_READ] * k
         # One call per generator for the whole read batch (a per-sample torch.rand was
         # the audit's largest cost): the same streams still give the same draws.
-        py = [random.random() for _ in range(k)]
-        npy = np.random.random(k).tolist()
-        tch = torch.rand(k, dtype=torch.float64).tolist()
+        py, npy, tch = _draws(k)
         return [
             (sample, (worker, id_fn(sample), a, b, c, int(read)))
             for sample, a, b, c, read in zip(samples, py, npy, tch, reads, strict=True)
         ]
 
 
+def _draws(k: int) -> tuple[list[float], list[float], list[float]]:
+    """``k`` draws from each generator, one call per generator."""
+    py = [random.random() for _ in range(k)]
+    return py, np.random.random(k).tolist(), torch.rand(k, dtype=torch.float64).tolist()
+
+
+class RowsTapper:
+    """The audit's tap on packed rows (``Planner.rows_tap``): each row leaves the worker
+    as ``(row, meta)``, ``meta`` ending with the row's pieces as an ``(n, 3)`` array of
+    (document, absolute start, token count); its id is ``row_id`` of its first token
+    (a pad row: ``-1 - row``)."""
+
+    def __call__(self, rows: list[Any], seen: RowPieces) -> list[Any]:
+        k = len(rows)
+        worker = _worker_id()
+        py, npy, tch = _draws(k)
+        bounds = np.searchsorted(seen.piece_row, np.arange(k + 1)).tolist()
+        table = np.stack([seen.doc, seen.start, seen.length], axis=1)
+        out = []
+        for i, row in enumerate(rows):
+            a, b = bounds[i], bounds[i + 1]
+            pieces = table[a:b]
+            first = -1 - int(seen.row[i]) if b == a else row_id(int(table[a, 0]), int(table[a, 1]))
+            out.append((row, (worker, first, py[i], npy[i], tch[i], UNKNOWN_READ, pieces)))
+        return out
+
+
 def trace_evenly(dataset: EvenlyDataset[Any], id_fn: IdFn) -> EvenlyDataset[Any]:
     """Make ``dataset`` yield ``(sample, meta)`` while staying what it is (the tap lives
-    on its planner, so workers started by any method get it with the dataset)."""
-    dataset._planner.tap = EvenlyTap(id_fn, records_reads=isinstance(dataset.source, Mix))
+    on its planner, so workers started by any method get it with the dataset); a packed
+    dataset's rows are tapped with their pieces instead (``id_fn`` is not used)."""
+    planner = dataset._planner
+    if planner.packer is not None:
+        planner.rows_tap = RowsTapper()
+    else:
+        planner.tap = EvenlyTap(id_fn, records_reads=isinstance(dataset.source, Mix))
     return dataset
 
 
 class MetaBatch(NamedTuple):
     """The metas of one batch as columns: ``ids`` is an int64 array when every id is an
-    integer, else a list; ``draws`` is ``(k, 3)`` in ``GENERATORS`` order."""
+    integer, else a list; ``draws`` is ``(k, 3)`` in ``GENERATORS`` order; for packed
+    rows, ``pieces`` is ``(n, 4)``: (row in the batch, document, start, token count)."""
 
     worker: I64
     ids: I64 | list[Any]
     draws: F64
     reads: I64
+    pieces: I64 | None = None
 
     @classmethod
-    def of(cls, metas: list[Meta]) -> MetaBatch:
+    def of(cls, metas: list[Meta] | list[RowMeta]) -> MetaBatch:
         """Columns from per-sample metas.
 
         >>> MetaBatch.of([(0, 5, 0.1, 0.2, 0.3, -1), (0, 6, 0.4, 0.5, 0.6, -1)]).ids
@@ -203,13 +240,19 @@ class MetaBatch(NamedTuple):
         if not metas:
             empty = np.zeros(0, dtype=np.int64)
             return cls(empty, empty, np.zeros((0, 3)), empty)
-        workers, ids, r, n, t, reads = zip(*metas, strict=True)
+        workers, ids, r, n, t, reads, *rest = zip(*metas, strict=True)
         ints = all(type(i) is int for i in ids)
+        pieces = None
+        if rest:  # packed rows: their pieces, each tagged with its row in the batch
+            parts = [np.asarray(p, dtype=np.int64).reshape(-1, 3) for p in rest[0]]
+            slots = np.repeat(np.arange(len(parts)), [len(p) for p in parts])
+            pieces = np.column_stack([slots, np.concatenate(parts)]).astype(np.int64)
         return cls(
             np.asarray(workers, dtype=np.int64),
             np.asarray(ids, dtype=np.int64) if ints else list(ids),
             np.asarray((r, n, t), dtype=np.float64).T.copy(),
             np.asarray(reads, dtype=np.int64),
+            pieces,
         )
 
 
@@ -225,13 +268,32 @@ class SplitCollate:
 
 class TagCollate:
     """For a loader the audit cannot give a traced dataset (``LoaderFactory``): the metas
-    are taken in the collate function, in the worker, from the raw samples."""
+    are taken in the collate function, in the worker, from the raw samples.
+
+    The batch is a dict whose first entry has one element per sample: loaders that count
+    what they yield by the batch's length (MosaicML's ``StreamingDataLoader`` takes a
+    dict's first value, else ``len(batch[0])``) count samples, as they would count the
+    user's batch, so their saved position stays right.
+
+    >>> tagged = TagCollate(default_id)([3, 4])
+    >>> list(tagged), len(next(iter(tagged.values()))), metas_of(tagged).ids
+    (['samples', 'batch', 'metas'], 2, array([3, 4]))
+    """
 
     def __init__(self, id_fn: IdFn, collate: Callable[[list[Any]], Any] | None = None) -> None:
         self.id_fn = id_fn
         self.collate = default_collate if collate is None else collate
 
-    def __call__(self, samples: list[Any]) -> tuple[Any, MetaBatch]:
+    def __call__(self, samples: list[Any]) -> dict[str, Any]:
         worker = _worker_id()
-        metas = [_meta(worker, s, self.id_fn) for s in samples]
-        return self.collate(samples), MetaBatch.of(metas)
+        metas = MetaBatch.of([_meta(worker, s, self.id_fn) for s in samples])
+        return {"samples": metas.worker, "batch": self.collate(samples), "metas": metas}
+
+
+def metas_of(item: Any) -> MetaBatch:
+    """The ``MetaBatch`` of a batch the audit's collate made (``SplitCollate``'s
+    ``(batch, metas)`` or ``TagCollate``'s dict)."""
+    if isinstance(item, dict):
+        metas: MetaBatch = item["metas"]
+        return metas
+    return item[1]  # type: ignore[no-any-return]

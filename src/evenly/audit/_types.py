@@ -22,12 +22,15 @@ __all__ = [
     "IdFn",
     "LoaderFactory",
     "MixInfo",
+    "PackInfo",
     "RankEpoch",
     "Records",
     "Settings",
     "Status",
     "epochs_of",
     "passed",
+    "row_id",
+    "row_label",
 ]
 
 I64 = npt.NDArray[np.int64]
@@ -74,6 +77,16 @@ class Settings:
     timeout: float = 300.0
     #: for a resume audit: extra stops, as fractions of the first epoch's batches
     resume_at: tuple[float, ...] = ()
+    #: ``loader.set_weights(weights)`` after batch ``batch`` of epoch ``epoch``, on every
+    #: rank: ``(epoch, batch, ((name, weight), ...))``
+    set_weights: tuple[tuple[int, int, tuple[tuple[str, float], ...]], ...] = ()
+
+    def weights_after(self, epoch: int, batch: int) -> dict[str, float] | None:
+        """The weights to set after batch ``batch`` of ``epoch`` (None: no change)."""
+        for e, b, weights in self.set_weights:
+            if (e, b) == (epoch, batch):
+                return dict(weights)
+        return None
 
 
 @dataclass(frozen=True)
@@ -140,6 +153,10 @@ class MixInfo:
     lengths: tuple[int, ...]
     counts: tuple[int, ...]
     offsets: tuple[tuple[int, ...], ...]
+    #: ``set_weights`` calls the audit made: ``(epoch, global position, weights)``
+    changes: tuple[tuple[int, int, tuple[float, ...]], ...] = ()
+    #: per source, how far a count at a global step boundary may be from its share
+    bounds: tuple[float, ...] = ()
 
     def source_of(self, indices: Any) -> I64:
         """The source number of each global index (the concatenation of the sources)."""
@@ -155,6 +172,56 @@ class MixInfo:
         }
 
 
+def row_id(doc: int, start: int) -> int:
+    """The id of a packed row: its first token, as (document, token) in one integer
+    (documents in order, so a document order that is not shuffled shows).
+
+    >>> row_id(3, 5), row_label(row_id(3, 5)), row_label(-2)
+    (12884901893, 'document 3 token 5', 'pad row 1')
+    """
+    return (doc << ROW_SHIFT) | start
+
+
+def row_label(code: int) -> str:
+    """What ``row_id`` (or a pad row's ``-1 - row``) names."""
+    if code < 0:
+        return f"pad row {-1 - code}"
+    return f"document {code >> ROW_SHIFT} token {code & ((1 << ROW_SHIFT) - 1)}"
+
+
+#: Bits of a row id that hold the token (a piece's start is an int32).
+ROW_SHIFT = 32
+
+
+@dataclass(frozen=True)
+class PackInfo:
+    """The packing of an audited ``evenly.Dataset(pack=...)``: tokens per row, its pad
+    mode, every document's token count (by source index) and each audited epoch's rows.
+
+    >>> PackInfo(8, "repeat", np.array([3, 9]), (2, 2)).tokens
+    12
+    """
+
+    seq_len: int
+    pad: str
+    lengths: I64
+    rows: tuple[int, ...]
+
+    @property
+    def tokens(self) -> int:
+        """Tokens an epoch holds (every document's, once)."""
+        return int(self.lengths.sum())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "seq_len": self.seq_len,
+            "pad": self.pad,
+            "documents": len(self.lengths),
+            "tokens_per_epoch": self.tokens,
+            "rows_per_epoch": list(self.rows),
+        }
+
+
 @dataclass
 class Records:
     """Every delivered sample of an audit, as parallel columns in delivery order per rank.
@@ -166,6 +233,9 @@ class Records:
     ids seen over all epochs stands in for it).  For an ``evenly.Dataset`` over an
     ``evenly.Mix``, ``mix`` describes the mixture and ``reads`` holds the global index
     (into the concatenated sources) each sample was read from, ``-1`` when unknown.
+    For a packed dataset (``pack``), a row is a sample (its id: its first token, see
+    ``evenly.audit._trace.row_id``) and ``pieces`` holds every row's pieces, ``(n, 4)``:
+    (row of these records, document, absolute start, token count).
     """
 
     ids: I64
@@ -187,6 +257,8 @@ class Records:
     warnings: list[str] = field(default_factory=list)
     mix: MixInfo | None = None
     reads: I64 | None = None
+    pack: PackInfo | None = None
+    pieces: I64 | None = None
 
     def __post_init__(self) -> None:
         n = len(self.ids)
@@ -201,12 +273,16 @@ class Records:
             raise ValueError("Records.mix and Records.reads go together: set both or neither")
         if self.reads is not None and len(self.reads) != n:
             raise ValueError(f"Records.reads has {len(self.reads)} rows, ids {n}")
+        if (self.pack is None) != (self.pieces is None):
+            raise ValueError("Records.pack and Records.pieces go together: set both or neither")
 
     def __len__(self) -> int:
         return len(self.ids)
 
     def label(self, code: int) -> str:
         """The id as the user knows it."""
+        if self.pack is not None:
+            return row_label(code)
         return str(code) if self.labels is None else self.labels[code]
 
     def global_order(self) -> I64:

@@ -80,7 +80,8 @@ def use_threads(
         if problem is not None:
             raise ValueError(f"evenly.DataLoader(worker_type='thread'): {problem}")
         return True
-    return problem is None and (columnar or _direct_packing(dataset)) and planner.tap is None
+    watched = planner.tap is not None or planner.rows_tap is not None  # the audit
+    return problem is None and (columnar or _direct_packing(dataset)) and not watched
 
 
 def _direct_packing(dataset: Dataset[Any]) -> bool:

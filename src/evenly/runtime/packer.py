@@ -28,6 +28,7 @@ from evenly.runtime.clock import perf_counter
 from evenly.runtime.lengths import document_lengths, document_text, document_tokens, tokenized
 from evenly.runtime.packed_plans import PlanFiles
 from evenly.runtime.reader import ReadContext
+from evenly.runtime.rowtap import RowPieces, tap_part
 from evenly.runtime.seeds import RngState, SeedSpreader
 from evenly.runtime.token_mix import TokenItems, is_token_mix, mix_lengths, token_items
 from evenly.transport.slots import plain_collate
@@ -146,14 +147,18 @@ def read_packed(
     spreader = SeedSpreader(ctx.generators) if ctx.transform is not None else None
     files = packer.files(ctx.view)
     chunks = plan.iter_worker_chunks(ctx.rank, ctx.num_workers, ctx.worker_id, first=first)
+    watched = ctx.rows_tap is not None  # the audit: one batch per read, with its pieces
     for positions, length in chunks:
-        step = max(1, GROUP_ROWS // length) * length  # whole batches per read
+        step = length if watched else max(1, GROUP_ROWS // length) * length
         for lo in range(0, positions.size, step):
+            seen: list[tuple[I64, ...]] | None = [] if watched else None
             group = _rows(
-                ctx, packer.packing, files, epoch_rows, positions[lo : lo + step], spreader
+                ctx, packer.packing, files, epoch_rows, positions[lo : lo + step], spreader, seen
             )
             for at in range(0, group["input_ids"].shape[0], length):
                 arrays = {k: v[at + drop : at + length] for k, v in group.items()}
+                if seen is not None:
+                    ctx.tapped = RowPieces.join(seen, group["input_ids"].shape[0]).tail(drop)
                 count, drop = arrays["input_ids"].shape[0], 0
                 ctx.progress[0] += count
                 clock.samples += count
@@ -171,13 +176,17 @@ def packed_items(
     torch's or evenly's default: the arrays as tensors, built in the worker, no
     ``torch.stack``), ``collate(rows)`` for the user's own, or single rows (``None``)."""
     batches = read_packed(ctx, packer, epoch_rows, skip)
-    if collate in (default_collate, plain_collate):
+    if collate in (default_collate, plain_collate) and ctx.rows_tap is None:
         for arrays in batches:
             yield collate_arrays(packer.packing, arrays)
         return
     for arrays in batches:
         tensors = {k: torch.from_numpy(v) for k, v in arrays.items()}
-        rows = [{k: v[b] for k, v in tensors.items()} for b in range(len(tensors["input_ids"]))]
+        rows: list[Any] = [
+            {k: v[b] for k, v in tensors.items()} for b in range(len(tensors["input_ids"]))
+        ]
+        if ctx.rows_tap is not None and ctx.tapped is not None:  # the audit's view of them
+            rows = ctx.rows_tap(rows, ctx.tapped)
         if collate is None:
             yield from rows
         else:
@@ -194,6 +203,7 @@ def _rows(
     epoch_rows: EpochRows,
     positions: I64,
     spreader: SeedSpreader | None,
+    seen: list[tuple[I64, ...]] | None = None,
 ) -> Arrays:
     """The ``[len(positions), seq_len]`` arrays of the rows at ``positions``, in their
     order (a position past its epoch's rows is a pad row): per epoch one read of the
@@ -212,14 +222,23 @@ def _rows(
         real = mine < table.num_rows
         wanted = distinct(mine[real])[0]
         if not wanted.size:
+            if seen is not None:
+                seen.append(tap_part(int(epoch), sel, mine, table.num_rows, None))
             continue
         started = perf_counter()
         pieces = table.pieces(wanted)
         where, inverse = distinct(pieces["pos"])
         index = where if order is None else np.asarray(order(where), dtype=np.int64)
         tokens = _documents(ctx, packing, files, int(epoch), where, index, spreader)
+        base: Any = 0  # where the document at a position starts in its real document
         if isinstance(order, TokenItems):  # a token mixture's pieces of documents
             tokens = order.cut(where, tokens)
+            base = order.starts(pieces["pos"])
+        if seen is not None:  # the audit: the one place a piece's absolute start is made
+            first = pieces["start"].astype(np.int64) + base
+            seen.append(
+                tap_part(int(epoch), sel, mine, table.num_rows, (pieces, where, index, first))
+            )
         flat = piece_tokens(pieces, tokens)
         _check_pads(flat, pieces, (index, inverse), packing, int(epoch))
         doc_index = index[inverse] if packing.document_ids else None

@@ -32,6 +32,7 @@ from evenly.runtime.checks import check_current, shuffle_mode
 from evenly.runtime.clock import StageClock, perf_counter
 from evenly.runtime.packer import Packer, packed_items
 from evenly.runtime.reader import ReadContext, read_batches
+from evenly.runtime.rowtap import RowsTap
 from evenly.runtime.seeds import check_generators
 from evenly.runtime.token_mix import is_token_mix, token_reweighted
 
@@ -81,6 +82,8 @@ class Planner:
         self._check_mask()
         #: the audit's tap on every read (None: no one is watching)
         self.tap: ReadTap | None = None
+        #: under ``pack=``: the audit's tap on every batch of rows, with their pieces
+        self.rows_tap: RowsTap | None = None
 
     # ---- what may change between passes ------------------------------------------
     @property
@@ -369,6 +372,7 @@ class Planner:
             columnar and tap is None,  # the tap needs the samples themselves
             tap,
             StageClock() if clock is None else clock,
+            self.rows_tap,
         )
         if progress is not None:
             progress[0] = skip

@@ -25,6 +25,7 @@ from evenly.core.plan import EpochPlan
 from evenly.core.source import SourceView
 from evenly.core.stream import StreamPlan
 from evenly.runtime.clock import StageClock, perf_counter
+from evenly.runtime.rowtap import RowPieces, RowsTap
 from evenly.runtime.seeds import RngState, SeedSpreader
 
 __all__ = ["ReadContext", "read_batches"]
@@ -55,6 +56,10 @@ class ReadContext:
     tap: Callable[[list[int], list[Any]], list[Any]] | None = None
     #: times each batch's read and transform (``loader.stats()``)
     clock: StageClock = field(default_factory=StageClock)
+    #: sees each batch of packed rows and their pieces (the audit, ``pack=``)
+    rows_tap: RowsTap | None = None
+    #: the pieces of the batch of packed rows just read, while ``rows_tap`` watches
+    tapped: RowPieces | None = None
 
     @property
     def source(self) -> Any:

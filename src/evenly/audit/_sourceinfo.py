@@ -1,0 +1,59 @@
+"""What the audit records about an ``evenly.Dataset``'s source besides the samples: the
+``evenly.Mix`` it reads (with the weight changes the audit makes, ``set_weights=``) and
+its packing (``pack=``), for the findings that judge mixtures and packed rows.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from evenly.dataset import Dataset as EvenlyDataset
+from evenly.mixture import Mix
+
+from ._types import AuditError, MixInfo, PackInfo, Settings
+
+__all__ = ["mix_info", "pack_info", "reweigh"]
+
+
+def mix_info(dataset: Any, settings: Settings) -> MixInfo | None:
+    """The mixture an ``evenly.Dataset`` over an ``evenly.Mix`` read, else ``None``."""
+    if not isinstance(dataset, EvenlyDataset) or not isinstance(dataset.source, Mix):
+        return None
+    mix = dataset.source
+    offsets = tuple(tuple(mix.stream_offsets(e).values()) for e in range(settings.epochs))
+    step = settings.world_size * settings.batch_size
+    changes = tuple(
+        (e, b * step, tuple(float(dict(w).get(n, 0.0)) for n in mix.names))
+        for e, b, w in sorted(settings.set_weights)
+    )
+    bounds = tuple(mix.bounds(step).values())
+    return MixInfo(mix.names, mix.lengths, tuple(mix.counts.values()), offsets, changes, bounds)
+
+
+def reweigh(loader: Any, settings: Settings, epoch: int, batch: int) -> None:
+    """``loader.set_weights(...)`` where ``settings.set_weights`` asks for it."""
+    weights = settings.weights_after(epoch, batch)
+    if weights is None:
+        return
+    setter = getattr(loader, "set_weights", None)
+    if not callable(setter):
+        raise AuditError(
+            f"set_weights= asks for new weights after batch {batch} of epoch {epoch}, but "
+            f"the loader, a {type(loader).__name__}, has no set_weights (an evenly.DataLoader "
+            f"over an evenly.Mix has)"
+        )
+    setter(weights)
+
+
+def pack_info(dataset: Any, epochs: int) -> PackInfo | None:
+    """The packing of a packed ``evenly.Dataset``, else ``None``."""
+    if not isinstance(dataset, EvenlyDataset) or dataset._planner.packer is None:
+        return None
+    planner = dataset._planner
+    packer = planner.packer
+    assert packer is not None
+    lengths = np.array(packer.files(planner.view).lengths, dtype=np.int64)
+    rows = tuple(planner.units(e) for e in range(epochs))
+    return PackInfo(packer.packing.seq_len, planner.pad, lengths, rows)

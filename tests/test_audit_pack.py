@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from evenly.audit import audit_many
 from evenly.audit._packfindings import coverage
+from evenly.audit._tokencover import compare
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -95,10 +96,18 @@ def test_the_audit_passes_packed_datasets_and_finds_each_packed_defect_resume_in
         functools.partial(zoo_packed.packed, "best_fit"),
         zoo_packed.one_rank_share,
         zoo_packed.forgets_position,
+        zoo_packed.mixed,
+        zoo_packed.mixed_one_rank_share,
     ]
-    concat, best_fit, one_rank, forgets = audit_many(
+    concat, best_fit, one_rank, forgets, mixed, mixed_one_rank = audit_many(
         factories, num_workers=1, world_size=2, epochs=2, batch_size=2, resume=True
     )
+    # a Mix by tokens: its planned pieces (some documents twice) once each, not every
+    # document once; with rank 0's share on every rank, the missing and repeated found
+    assert mixed.ok and all(f.status == "PASS" for f in mixed.findings), mixed.findings
+    assert "every planned token of the mixture" in mixed.finding("tokens").detail
+    broken = mixed_one_rank.finding("tokens")
+    assert broken.status == "FAIL" and "missing" in broken.detail and "repeated" in broken.detail
     for right in (concat, best_fit):
         assert right.ok, right.findings
         assert all(f.status == "PASS" for f in right.findings), right.findings
@@ -127,3 +136,23 @@ def test_the_audit_passes_packed_datasets_and_finds_each_packed_defect_resume_in
     assert early.status == "FAIL" and "tokens repeated (document" in early.detail, early
     assert "repeated (e.g. document" in early.detail  # rows named by their first token
     assert forgets.finding("resume_epoch_boundary").status == "PASS"
+
+
+@settings(max_examples=60, deadline=None)
+@given(cut_documents(), st.integers(1, 3), st.data())
+def test_planned_token_accounting_counts_each_planned_piece_once(case, times, data) -> None:
+    """Against a plan that holds every document ``times`` times: the plan's pieces pass,
+    one piece lost is that many tokens missing, one delivered twice that many repeated."""
+    lengths, cols = case
+    docs = np.repeat(np.arange(len(lengths)), times)
+    expected = (docs, np.zeros(docs.size, dtype=np.int64), lengths[docs])
+    delivered = tuple(np.tile(cols[k], times) for k in ("doc", "start", "length"))
+    assert compare(expected, delivered)[:2] == (0, 0)
+    if not cols["doc"].size:
+        return
+    i = data.draw(st.integers(0, cols["doc"].size - 1))
+    n = int(cols["length"][i])
+    fewer = tuple(np.delete(c, i) for c in delivered)
+    assert compare(expected, fewer)[:2] == (n, 0)
+    more = tuple(np.append(c, c[i]) for c in delivered)
+    assert compare(expected, more)[:2] == (0, n)

@@ -7,6 +7,8 @@ them.
 - ``packed(strategy)``: right (``concat`` or ``best_fit``).
 - ``one_rank_share``: every rank reads rank 0's share (``rank=0, world_size=2`` fixed on
   each rank): rank 1's tokens never come, rank 0's come twice.
+- ``mixed``: right, an ``evenly.Mix(unit="tokens")``; ``mixed_one_rank_share``: the same
+  with rank 0's share on every rank.
 - ``forgets_position``: its own ``evenly.DataLoader`` whose state says the epoch had not
   started (the epoch restarts after a resume: tokens repeated).
 """
@@ -53,3 +55,15 @@ def _forgetful(dataset: evenly.Dataset[Any], **kwargs: Any) -> ForgetfulLoader:
 def forgets_position() -> LoaderFactory:
     dataset = packed()
     return LoaderFactory(make=functools.partial(_forgetful, dataset), dataset=dataset)
+
+
+def mixed(**kwargs: Any) -> evenly.Dataset[Any]:
+    """Right: a Mix by tokens (source ``b``, a third of the tokens, is up-sampled: some of
+    its documents come twice in an epoch, as planned)."""
+    mix = evenly.Mix({"a": docs(), "b": docs()[:20]}, weights={"a": 1, "b": 1}, unit="tokens",
+                     tokens_per_epoch=sum(LENGTHS))  # fmt: skip
+    return evenly.Dataset(mix, shuffle=True, seed=3, pack=evenly.Packing(SEQ), **kwargs)
+
+
+def mixed_one_rank_share() -> tuple[evenly.Dataset[Any], dict[str, Any]]:
+    return mixed(rank=0, world_size=2), {"check_plan": False}

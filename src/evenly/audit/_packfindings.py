@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from ._tokencover import compare
 from ._types import I64, Finding, Records, Status
 
 __all__ = [
@@ -160,11 +161,35 @@ def record_coverage(rec: Records) -> list[Coverage]:
     )
 
 
+def _planned(rec: Records) -> list[Coverage]:
+    """A Mix by tokens: each epoch's pieces against its plan's (``_tokencover``)."""
+    _, pieces = _pack(rec)
+    assert rec.pack is not None and rec.pack.expected is not None
+    epoch = rec.epoch[pieces[:, 0]]
+    out = []
+    for e, expected in enumerate(rec.pack.expected):
+        sel = epoch == e
+        delivered = (pieces[sel, 1], pieces[sel, 2], pieces[sel, 3])
+        missing, repeated, text = compare(expected, delivered)
+        if missing or repeated:
+            out.append(Coverage(e, missing, repeated, text))
+    return out
+
+
 def tokens(rec: Records) -> Finding:
     """Every token of every document exactly once per epoch, across all ranks and
-    workers: a missing or repeated token range FAILs, named by document and rank."""
+    workers: a missing or repeated token range FAILs, named by document and rank.  A Mix
+    by tokens: every planned piece exactly once (its streams' share of the epoch)."""
     lengths, _ = _pack(rec)
-    found = record_coverage(rec)
+    assert rec.pack is not None
+    if rec.pack.expected is not None:
+        found = _planned(rec)
+        if not found:
+            planned = sum(int(x[2].sum()) for x in rec.pack.expected)
+            detail = f"every planned token of the mixture ({planned} over the epochs) once"
+            return Finding("tokens", "Every token once (packing)", "PASS", 0, detail)
+    else:
+        found = record_coverage(rec)
     title = "Every token once (packing)"
     if not found:
         detail = (

@@ -11,6 +11,7 @@ import numpy as np
 
 from evenly.dataset import Dataset as EvenlyDataset
 from evenly.mixture import Mix
+from evenly.runtime.token_mix import is_token_mix
 
 from ._types import AuditError, MixInfo, PackInfo, Settings
 
@@ -20,6 +21,8 @@ __all__ = ["mix_info", "pack_info", "reweigh"]
 def mix_info(dataset: Any, settings: Settings) -> MixInfo | None:
     """The mixture an ``evenly.Dataset`` over an ``evenly.Mix`` read, else ``None``."""
     if not isinstance(dataset, EvenlyDataset) or not isinstance(dataset.source, Mix):
+        return None
+    if is_token_mix(dataset.source):  # judged by its planned pieces (pack_info)
         return None
     mix = dataset.source
     offsets = tuple(tuple(mix.stream_offsets(e).values()) for e in range(settings.epochs))
@@ -47,13 +50,30 @@ def reweigh(loader: Any, settings: Settings, epoch: int, batch: int) -> None:
     setter(weights)
 
 
-def pack_info(dataset: Any, epochs: int) -> PackInfo | None:
-    """The packing of a packed ``evenly.Dataset``, else ``None``."""
+def pack_info(dataset: Any, epochs: int, reweighs: bool = False) -> PackInfo | None:
+    """The packing of a packed ``evenly.Dataset``, else ``None`` (for a Mix by tokens,
+    each epoch's planned pieces)."""
     if not isinstance(dataset, EvenlyDataset) or dataset._planner.packer is None:
         return None
     planner = dataset._planner
     packer = planner.packer
     assert packer is not None
-    lengths = np.array(packer.files(planner.view).lengths, dtype=np.int64)
+    files = packer.files(planner.view)
     rows = tuple(planner.units(e) for e in range(epochs))
-    return PackInfo(packer.packing.seq_len, planner.pad, lengths, rows)
+    if not is_token_mix(dataset.source):
+        lengths = np.array(files.lengths, dtype=np.int64)
+        return PackInfo(packer.packing.seq_len, planner.pad, lengths, rows)
+    if reweighs:
+        raise AuditError(
+            "set_weights= over an evenly.Mix(unit='tokens') is not audited yet (the planned "
+            "pieces after a change are not derived here); audit it without set_weights="
+        )
+    lengths = np.array(files.lengths[np.arange(len(files.lengths))], dtype=np.int64)
+    shuffle = planner.shuffle_mode != "none"
+    expected = []
+    for e in range(epochs):
+        items = packer.items(planner.view, planner.seed, e, shuffle).items
+        expected.append(
+            tuple(np.asarray(items[k], dtype=np.int64) for k in ("doc", "start", "len"))
+        )
+    return PackInfo(packer.packing.seq_len, planner.pad, lengths, rows, tuple(expected))  # type: ignore[arg-type]

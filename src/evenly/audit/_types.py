@@ -206,6 +206,9 @@ class PackInfo:
     pad: str
     lengths: I64
     rows: tuple[int, ...]
+    #: a Mix by tokens: each epoch's planned pieces ``(doc, start, len)`` (its documents
+    #: are not each delivered once); ``None``: every document once per epoch
+    expected: tuple[tuple[I64, I64, I64], ...] | None = None
 
     @property
     def tokens(self) -> int:

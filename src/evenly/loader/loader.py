@@ -358,7 +358,7 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
     def _iter_stream(self) -> PassIterator:
         """One endless pass over consecutive epochs (``infinite=True``), continuing from
         what the loop received so far, or from a loaded state / ``set_epoch``."""
-        n = self.dataset._planner.units(0)
+        n = self.dataset._planner.units(self._passes.next_start().epoch)  # best_fit: plans it
         if n == 0:
             raise ValueError("evenly.DataLoader(infinite=True): the source is empty")
         refuse_planned_source(self.dataset)

@@ -23,6 +23,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from evenly.core.packing.pieces import distinct
+
 __all__ = ["BLOCK", "BlockOrder"]
 
 I64 = npt.NDArray[np.int64]
@@ -53,7 +55,7 @@ class BlockOrder:
         flat = p.reshape(-1)
         blocks = flat // self.block
         out = np.empty_like(flat)
-        for b in np.unique(blocks).tolist():
+        for b in distinct(blocks)[0].tolist():  # no sort where positions come in order
             values = self._get(b)
             sel = blocks == b
             out[sel] = values[flat[sel] - b * self.block]

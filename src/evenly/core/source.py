@@ -80,7 +80,9 @@ class ColumnarSource(Protocol):
 class GroupedColumnarSource(Protocol):
     """Reads several batches column by column in one call (one lookup and one check of
     its files for all of them): ``read_column_batches(batches)[j]`` equals
-    ``read_columns(batches[j])``."""
+    ``read_columns(batches[j])``.  The reader then passes each batch's indices as an
+    int64 numpy array (to both methods), and reads a group that fails again batch by
+    batch with ``read_columns``, so the reads must have no side effects."""
 
     def read_column_batches(self, batches: Sequence[Sequence[int]]) -> list[dict[str, Any]]: ...
 

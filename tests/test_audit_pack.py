@@ -127,3 +127,21 @@ def test_the_audit_passes_packed_datasets_and_finds_each_packed_defect_resume_in
     assert early.status == "FAIL" and "tokens repeated (document" in early.detail, early
     assert "repeated (e.g. document" in early.detail  # rows named by their first token
     assert forgets.finding("resume_epoch_boundary").status == "PASS"
+
+
+def test_a_packed_dataset_resumed_onto_another_world_size_passes_with_its_new_padding() -> None:
+    # 83 rows: 3 ranks x 3 rows pad 7 rows, 2 ranks x 3 rows pad 1: pad rows hold no data
+    (result,) = audit_many(
+        [functools.partial(zoo_packed.packed, "concat")],
+        num_workers=1,
+        world_size=3,
+        epochs=2,
+        batch_size=3,
+        resume=True,
+        resume_world_size=2,
+        resume_workers=0,
+    )
+    assert result.ok and all(f.status == "PASS" for f in result.findings), result.findings
+    pads = result.finding("pad_rows").detail
+    assert pads == "epochs 0-1: 7 pad rows (the last global batch filled)"
+    assert "5 stops resumed onto 2 ranks x 0 workers" in result.finding("resume").detail

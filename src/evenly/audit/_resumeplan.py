@@ -224,20 +224,9 @@ def _next_epoch(segs: list[Run], stop: Stop, epochs: int, world_size: int) -> Ru
     the audit's last dropped), as if the loop had known the state was the next epoch's."""
     parts = [segs[0]]
     for seg in segs[1:]:
-        epoch = seg.epoch + 1
         batch = np.where(seg.epoch == stop.epoch, seg.batch - stop.batch, seg.batch)
-        keep = epoch < epochs
-        parts.append(
-            Run(
-                ids=seg.ids[keep],
-                rank=seg.rank[keep],
-                epoch=epoch[keep],
-                batch=batch[keep],
-                pos=seg.pos[keep],
-                seg=seg.seg[keep],
-                world_size=seg.world_size,
-            )
-        )
+        moved = replace(seg, epoch=seg.epoch + 1, batch=batch)
+        parts.append(moved.select(moved.epoch < epochs))
     return Run.concat(parts, world_size)
 
 
@@ -275,6 +264,8 @@ def resume_findings(
         return [Finding("resume", "Resume", "WARN", 0, f"cannot resume: {report.cannot}")]
     ref = _run_of(refs, [encode(r) for r in refs], 0, settings.world_size)
     pack = refs[0].pack if refs else None
+    if pack is not None:  # pad rows hold no data (their count may differ on another topology)
+        ref = ref.select(ref.ids >= 0)
     # what the uninterrupted run got wrong already is its own finding (``tokens``)
     unresumed = set() if pack is None else set(resumed_tokens(pack, [refs], settings.epochs))
     report.reference = ref
@@ -291,6 +282,8 @@ def resume_findings(
                 )
                 for k, rs in enumerate(s.segments)
             ]
+            if pack is not None:
+                segs = [seg.select(seg.ids >= 0) for seg in segs]
             got = Run.concat(segs, s.world_size)
             s.run = got
             judge = functools.partial(

@@ -230,15 +230,19 @@ def _next_epoch(segs: list[Run], stop: Stop, epochs: int, world_size: int) -> Ru
     return Run.concat(parts, world_size)
 
 
-def resumed_tokens(pack: PackInfo, segments: list[list[RankResult]], epochs: int) -> list[str]:
-    """The token accounting of a stopped and resumed packed run, per epoch."""
+def resumed_tokens(
+    pack: PackInfo, segments: list[list[RankResult]], epochs: int, later: bool = False
+) -> list[str]:
+    """The token accounting of a stopped and resumed packed run, per epoch (``later``:
+    the passes after the load count one epoch later, see ``_next_epoch``)."""
     results = [r for seg in segments for r in seg]
+    shift = [int(later and k > 0) for k, seg in enumerate(segments) for _ in seg]
     pieces = merged_pieces(results)
     row = pieces[:, 0]
     found = coverage(
         lengths=pack.lengths,
         epochs=epochs,
-        epoch=np.concatenate([r.epoch for r in results])[row],
+        epoch=np.concatenate([r.epoch + d for r, d in zip(results, shift, strict=True)])[row],
         rank=np.concatenate([np.full(len(r.epoch), r.rank) for r in results])[row],
         doc=pieces[:, 1],
         start=pieces[:, 2],
@@ -294,6 +298,7 @@ def resume_findings(
                 label=label,
             )
             check = judge(got)
+            later = False  # the passes after the load counted one epoch later
             if check.problems and s.stop.last and not s.stop.end_of_pass:
                 # a state saved after an epoch's last batch may be the next epoch's start
                 # (evenly's, litdata's): the loop's first pass after the load is that epoch
@@ -306,8 +311,9 @@ def resume_findings(
                         "epoch's start (the loop's first pass after the load was that epoch)"
                     )
                     got = s.run = shifted
+                    later = True
             if pack is not None:  # packed: every token once, resumed too
-                tokens = resumed_tokens(pack, s.segments, settings.epochs)
+                tokens = resumed_tokens(pack, s.segments, settings.epochs, later)
                 check.problems += [t for t in tokens if t not in unresumed]
             check.problems += s.length_errors
             if check.problems:

@@ -393,3 +393,17 @@ def test_a_reweighted_run_is_judged_by_the_weights_in_force_resume_included() ->
     found = late.finding("mix_counts")
     assert found.status == "FAIL" and found.detail.startswith("epoch 0: 'web' 20 (expected")
     assert "epoch 1" not in found.detail
+
+
+def test_assert_loader_correct_takes_set_weights_and_names_a_late_change() -> None:
+    from evenly.testing import assert_loader_correct
+
+    with pytest.raises(AssertionError, match=r"FAIL Samples per source \(Mix\): epoch 0: 'web' 20"):
+        assert_loader_correct(
+            "tests.test_audit_mix:late_weights_mix",
+            world_size=WORLD,
+            num_workers=0,
+            batch_size=BATCH,
+            resume=False,
+            set_weights=CHANGE,
+        )

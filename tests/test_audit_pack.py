@@ -17,9 +17,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from evenly.audit import audit_many
-from evenly.audit._packfindings import coverage
+from evenly.audit import Records, audit_many
+from evenly.audit._packfindings import coverage, full_batches, pad_rows, tokens
 from evenly.audit._tokencover import compare
+from evenly.audit._types import PackInfo
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -156,3 +157,51 @@ def test_planned_token_accounting_counts_each_planned_piece_once(case, times, da
     assert compare(expected, fewer)[:2] == (n, 0)
     more = tuple(np.append(c, c[i]) for c in delivered)
     assert compare(expected, more)[:2] == (0, n)
+
+
+def test_a_packed_dataset_resumed_onto_another_world_size_passes_with_its_new_padding() -> None:
+    # 83 rows: 3 ranks x 3 rows pad 7 rows, 2 ranks x 3 rows pad 1: pad rows hold no data
+    (result,) = audit_many(
+        [functools.partial(zoo_packed.packed, "concat")],
+        num_workers=1,
+        world_size=3,
+        epochs=2,
+        batch_size=3,
+        resume=True,
+        resume_world_size=2,
+        resume_workers=0,
+    )
+    assert result.ok and all(f.status == "PASS" for f in result.findings), result.findings
+    pads = result.finding("pad_rows").detail
+    assert pads == "epochs 0-1: 7 pad rows (the last global batch filled)"
+    assert "5 stops resumed onto 2 ranks x 0 workers" in result.finding("resume").detail
+
+
+def _packed_records(ids: list[int], rank: list[int], batch: list[int], pad: str) -> Records:
+    """One epoch of rows (``ids < 0``: pad rows), one piece of 4 tokens per real row."""
+    n = len(ids)
+    zeros = np.zeros(n, dtype=np.int64)
+    real = [i for i in range(n) if ids[i] >= 0]
+    pieces = np.array([[i, i, 0, 4] for i in real], dtype=np.int64).reshape(-1, 4)
+    pos = [sum(1 for j in range(i) if (rank[j], batch[j]) == (rank[i], batch[i])) for i in range(n)]
+    return Records(
+        ids=np.asarray(ids), rank=np.asarray(rank), worker=zeros, epoch=zeros,
+        batch=np.asarray(batch), pos=np.asarray(pos), draws=np.zeros((n, 3)), per_rank=[],
+        world_size=2, num_workers=0, epochs=1, batch_size=2,
+        pack=PackInfo(8, pad, np.full(len(real), 4), (len(real),)), pieces=pieces,
+    )  # fmt: skip
+
+
+def test_pad_rows_beyond_the_last_global_batch_and_short_batches_fail() -> None:
+    # 2 ranks x batch 2: 3 real rows need 1 pad row; 5 pad rows are more than minimal
+    right = _packed_records([0, 1, 2, -1], [0, 0, 1, 1], [0, 0, 0, 0], "repeat")
+    assert pad_rows(right).status == "PASS" and full_batches(right).status == "PASS"
+    assert tokens(right).status == "PASS"
+    padded = _packed_records([0, 1, 2, -1, -2, -3, -4, -5], [0, 0, 1, 1, 0, 0, 1, 1],
+                             [0, 0, 0, 0, 1, 1, 1, 1], "repeat")  # fmt: skip
+    found = pad_rows(padded)
+    assert found.status == "FAIL" and "5 pad rows, more than the 3" in found.detail
+    short = _packed_records([0, 1, 2], [0, 0, 1], [0, 0, 0], "repeat")
+    found = full_batches(short)
+    assert found.status == "FAIL" and "fewer than 2 rows per rank [0, 1]" in found.detail
+    assert full_batches(_packed_records([0, 1, 2], [0, 0, 1], [0, 0, 0], "none")).status == "WARN"

@@ -36,7 +36,7 @@ With ``pytest_plugins = ["evenly.testing"]`` in a ``conftest.py``, the
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -59,6 +59,7 @@ def assert_loader_correct(
     resume_world_size: int | None = None,
     resume_workers: int | None = None,
     resume_at: Sequence[float] = (),
+    set_weights: Sequence[tuple[int, int, Mapping[str, float]]] = (),
     strict: bool = False,
     id_fn: Callable[[Any], Any] | None = None,
     expected: int | None = None,
@@ -86,6 +87,7 @@ def assert_loader_correct(
         resume_world_size=resume_world_size,
         resume_workers=resume_workers,
         resume_at=resume_at,
+        set_weights=set_weights,
     )
     bad = {"FAIL", "WARN"} if strict else {"FAIL"}
     failed = [f for f in result.findings if f.status in bad]

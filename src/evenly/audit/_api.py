@@ -209,6 +209,9 @@ def audit_many(
             resolve(factory)  # fail fast, in this process, with a clear message
         elif not callable(factory):
             raise AuditError(f"a factory must be callable or 'module:attr', got {factory!r}")
+    from ._launch import start_fork_server
+
+    start_fork_server()  # it imports torch while this process imports the rest
     # Deferred: running ranks needs torch.distributed and the tracing wrappers, which
     # ``import evenly`` (that imports this module for ``evenly.audit``) does not.
     from ._collect import Job, collect

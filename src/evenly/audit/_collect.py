@@ -33,6 +33,7 @@ from ._trace import (
     TracedMap,
     TracedStateful,
     default_id,
+    draws_of,
     metas_of,
     trace_evenly,
 )
@@ -259,7 +260,7 @@ class Columns:
         """Set ``result``'s columns (``first_batch``: epoch -> the batch number the first
         recorded batch of that epoch had, for a run that resumed inside it)."""
         metas = self.metas
-        sizes = np.asarray([len(m.reads) for m in metas], dtype=np.int64)
+        sizes = np.asarray([m.samples for m in metas], dtype=np.int64)
         epochs = np.asarray(self.epochs, dtype=np.int64)
         # batch number within its epoch: counts restart where the epoch changes
         index = np.arange(len(metas), dtype=np.int64)
@@ -273,22 +274,23 @@ class Columns:
         result.pos = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(sizes) - sizes, sizes)
         if not metas:
             return
-        result.worker = np.concatenate([m.worker for m in metas])
-        result.draws = np.concatenate([m.draws for m in metas]).reshape(-1, 3)
-        result.reads = np.concatenate([m.reads for m in metas])
+        table = np.concatenate([m.table for m in metas])  # one join of every batch's records
+        result.worker = np.asarray(table["worker"], dtype=np.int64)
+        result.draws = draws_of(table)
+        result.reads = np.asarray(table["read"], dtype=np.int64)
         parts = [m.pieces for m in metas if m.pieces is not None]
         if len(parts) == len(metas):  # packed rows: pieces point at the rank's rows
             shift = np.repeat(np.cumsum(sizes) - sizes, [len(p) for p in parts])
             pieces = np.concatenate(parts)
             pieces[:, 0] += shift
             result.pieces = pieces
-        if all(isinstance(m.ids, np.ndarray) for m in metas):
-            result.ids = np.concatenate([np.asarray(m.ids, dtype=np.int64) for m in metas])
+        if all(m.labels is None for m in metas):
+            result.ids = np.asarray(table["id"], dtype=np.int64)
         else:
             result.ids = [
                 i
                 for m in metas
-                for i in (m.ids.tolist() if isinstance(m.ids, np.ndarray) else m.ids)
+                for i in (m.labels if m.labels is not None else m.table["id"].tolist())
             ]
 
 
@@ -328,7 +330,7 @@ def run_job(job: Job, settings: Settings, rank: int) -> RankResult:
             for item in loader:
                 metas = metas_of(item)
                 columns.add(epoch, metas)
-                samples += len(metas.reads)
+                samples += metas.samples
                 batches += 1
                 reweigh(loader, settings, epoch, batches)
                 if batches % PROGRESS_EVERY == 0:

@@ -22,17 +22,16 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
+from multiprocessing import forkserver
 from typing import Any, TypeVar
-
-import numpy as np
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from ._procs import detach, exit_on_signals, stop
 from ._types import AuditError
 
-__all__ = ["launch", "working_on"]
+__all__ = ["launch", "start_fork_server", "working_on"]
+
+#: What the fork server imports once: a rank forked from it starts without ``import torch``.
+PRELOAD = ["torch", "evenly.audit._resume"]
 
 #: What this rank process is doing, for the message if it fails (see ``working_on``).
 _CURRENT = ["process group setup"]
@@ -60,6 +59,12 @@ R = TypeVar("R")
 
 
 def _rank_main(rank: int, world_size: int, port: int, job: bytes, out: Any) -> None:
+    # Deferred: importing this module must stay light (``start_fork_server`` runs before
+    # the audit process imports torch); a rank has them preloaded.
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
     detach()  # its own process group: stopping the audit stops its workers too
     # The fork server started with an older view of the caller: take the current one
     # before the task (the user's factory) is unpickled.
@@ -150,11 +155,23 @@ def _context() -> Any:
     """A fork server that imported torch and the audit once (a rank forked from it starts
     in a fraction of a spawn's time: ``import torch`` is most of a fresh process's start),
     where the platform has one; else spawn."""
+    import torch.multiprocessing as mp  # deferred: see _rank_main
+
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "evenly.audit._resume"])
+    ctx.set_forkserver_preload(PRELOAD)
     return ctx
+
+
+def start_fork_server() -> None:
+    """Start the fork server now, where the platform has one: it imports torch and the
+    audit in the background while this process goes on (its own imports, the first
+    rank group's setup), instead of before the first rank can fork."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return
+    multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
+    forkserver.ensure_running()
 
 
 def launch(

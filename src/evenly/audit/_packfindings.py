@@ -63,6 +63,22 @@ def _ranges(doc: I64, a: I64, b: I64, note: list[str]) -> str:
     return ", ".join(shown) + (", ..." if len(doc) > SHOWN else "")
 
 
+def _repeats(doc: I64, a: I64, b: I64, again: I64, first: I64) -> str:
+    """The first repeated ranges, one range per run of pieces that continue each other in
+    a document (a resumed epoch repeats whole rows: their pieces follow on)."""
+    starts = np.flatnonzero(np.r_[True, (doc[1:] != doc[:-1]) | (a[1:] != b[:-1])])
+    ends = np.r_[starts[1:], len(doc)]
+    shown = []
+    for lo, hi in zip(starts[:SHOWN].tolist(), ends[:SHOWN].tolist(), strict=True):
+        by = "/".join(str(r) for r in sorted({int(r) for r in again[lo:hi]}))
+        was = "/".join(str(r) for r in sorted({int(r) for r in first[lo:hi]}))
+        shown.append(
+            f"document {int(doc[lo])} tokens [{int(a[lo])}, {int(b[hi - 1])}) by rank {by}, "
+            f"first by rank {was}"
+        )
+    return ", ".join(shown) + (", ..." if len(starts) > SHOWN else "")
+
+
 def _plural(n: int) -> str:
     return f"{n} token{'s' if n != 1 else ''}"
 
@@ -103,11 +119,8 @@ def _epoch(lengths: I64, rank: I64, doc: I64, start: I64, length: I64) -> tuple[
     beyond = end > lengths[doc]
     past = int((end[beyond] - np.maximum(start[beyond], lengths[doc[beyond]])).sum())
     if repeated:
-        notes = [
-            f" by rank {int(r)}, first by rank {int(q)}"
-            for r, q in zip(rank[over], prev_rank[over], strict=True)
-        ]
-        parts.append(f"{_plural(repeated)} repeated ({_ranges(doc[over], rep_a, rep_b, notes)})")
+        named = _repeats(doc[over], rep_a, rep_b, rank[over], prev_rank[over])
+        parts.append(f"{_plural(repeated)} repeated ({named})")
     missing = int((miss_b - miss_a).sum())
     if missing:
         order = np.lexsort((miss_a, miss_doc))

@@ -95,6 +95,11 @@ class Run:
         cols = {n: np.concatenate([getattr(r, n) for r in runs]) for n in names}
         return cls(world_size=world_size, **cols)
 
+    def select(self, rows: Any) -> Run:
+        """The rows where the boolean mask ``rows`` is true."""
+        names = ("ids", "rank", "epoch", "batch", "pos", "seg")
+        return Run(world_size=self.world_size, **{n: getattr(self, n)[rows] for n in names})
+
     def epochs(self) -> list[int]:
         return sorted({int(e) for e in np.unique(self.epoch)})
 

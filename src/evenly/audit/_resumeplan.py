@@ -224,32 +224,25 @@ def _next_epoch(segs: list[Run], stop: Stop, epochs: int, world_size: int) -> Ru
     the audit's last dropped), as if the loop had known the state was the next epoch's."""
     parts = [segs[0]]
     for seg in segs[1:]:
-        epoch = seg.epoch + 1
         batch = np.where(seg.epoch == stop.epoch, seg.batch - stop.batch, seg.batch)
-        keep = epoch < epochs
-        parts.append(
-            Run(
-                ids=seg.ids[keep],
-                rank=seg.rank[keep],
-                epoch=epoch[keep],
-                batch=batch[keep],
-                pos=seg.pos[keep],
-                seg=seg.seg[keep],
-                world_size=seg.world_size,
-            )
-        )
+        moved = replace(seg, epoch=seg.epoch + 1, batch=batch)
+        parts.append(moved.select(moved.epoch < epochs))
     return Run.concat(parts, world_size)
 
 
-def resumed_tokens(pack: PackInfo, segments: list[list[RankResult]], epochs: int) -> list[str]:
-    """The token accounting of a stopped and resumed packed run, per epoch."""
+def resumed_tokens(
+    pack: PackInfo, segments: list[list[RankResult]], epochs: int, later: bool = False
+) -> list[str]:
+    """The token accounting of a stopped and resumed packed run, per epoch (``later``:
+    the passes after the load count one epoch later, see ``_next_epoch``)."""
     results = [r for seg in segments for r in seg]
+    shift = [int(later and k > 0) for k, seg in enumerate(segments) for _ in seg]
     pieces = merged_pieces(results)
     row = pieces[:, 0]
     found = coverage(
         lengths=pack.lengths,
         epochs=epochs,
-        epoch=np.concatenate([r.epoch for r in results])[row],
+        epoch=np.concatenate([r.epoch + d for r, d in zip(results, shift, strict=True)])[row],
         rank=np.concatenate([np.full(len(r.epoch), r.rank) for r in results])[row],
         doc=pieces[:, 1],
         start=pieces[:, 2],
@@ -275,6 +268,8 @@ def resume_findings(
         return [Finding("resume", "Resume", "WARN", 0, f"cannot resume: {report.cannot}")]
     ref = _run_of(refs, [encode(r) for r in refs], 0, settings.world_size)
     pack = refs[0].pack if refs else None
+    if pack is not None:  # pad rows hold no data (their count may differ on another topology)
+        ref = ref.select(ref.ids >= 0)
     # what the uninterrupted run got wrong already is its own finding (``tokens``)
     unresumed = set() if pack is None else set(resumed_tokens(pack, [refs], settings.epochs))
     report.reference = ref
@@ -291,6 +286,8 @@ def resume_findings(
                 )
                 for k, rs in enumerate(s.segments)
             ]
+            if pack is not None:
+                segs = [seg.select(seg.ids >= 0) for seg in segs]
             got = Run.concat(segs, s.world_size)
             s.run = got
             judge = functools.partial(
@@ -301,6 +298,7 @@ def resume_findings(
                 label=label,
             )
             check = judge(got)
+            later = False  # the passes after the load counted one epoch later
             if check.problems and s.stop.last and not s.stop.end_of_pass:
                 # a state saved after an epoch's last batch may be the next epoch's start
                 # (evenly's, litdata's): the loop's first pass after the load is that epoch
@@ -313,8 +311,9 @@ def resume_findings(
                         "epoch's start (the loop's first pass after the load was that epoch)"
                     )
                     got = s.run = shifted
+                    later = True
             if pack is not None:  # packed: every token once, resumed too
-                tokens = resumed_tokens(pack, s.segments, settings.epochs)
+                tokens = resumed_tokens(pack, s.segments, settings.epochs, later)
                 check.problems += [t for t in tokens if t not in unresumed]
             check.problems += s.length_errors
             if check.problems:

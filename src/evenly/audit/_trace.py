@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple
 
 import numpy as np
+import numpy.typing as npt
 import torch
 from torch.utils.data import Dataset as MapDataset
 from torch.utils.data import IterableDataset, default_collate, get_worker_info
@@ -42,6 +43,7 @@ __all__ = [
     "TracedMap",
     "TracedStateful",
     "default_id",
+    "draws_of",
     "metas_of",
     "trace_evenly",
 ]
@@ -219,16 +221,51 @@ def trace_evenly(dataset: EvenlyDataset[Any], id_fn: IdFn) -> EvenlyDataset[Any]
     return dataset
 
 
+#: One sample's meta as one record: a batch's metas travel as one array (one leaf for the
+#: loader's transport, whatever the batch size), joined once per rank.
+META = np.dtype(
+    [
+        ("worker", "<i8"),
+        ("id", "<i8"),
+        ("random", "<f8"),
+        ("numpy", "<f8"),
+        ("torch", "<f8"),
+        ("read", "<i8"),
+    ]
+)
+
+
 class MetaBatch(NamedTuple):
-    """The metas of one batch as columns: ``ids`` is an int64 array when every id is an
-    integer, else a list; ``draws`` is ``(k, 3)`` in ``GENERATORS`` order; for packed
+    """The metas of one batch: ``table``, one ``META`` record a sample; ``labels``, the
+    ids when they are not all integers (else ``table["id"]`` holds them); for packed
     rows, ``pieces`` is ``(n, 4)``: (row in the batch, document, start, token count)."""
 
-    worker: I64
-    ids: I64 | list[Any]
-    draws: F64
-    reads: I64
+    table: npt.NDArray[np.void]
+    labels: list[Any] | None = None
     pieces: I64 | None = None
+
+    @property
+    def worker(self) -> I64:
+        return np.asarray(self.table["worker"], dtype=np.int64)
+
+    @property
+    def ids(self) -> I64 | list[Any]:
+        """An int64 array when every id is an integer, else a list."""
+        return np.asarray(self.table["id"]) if self.labels is None else self.labels
+
+    @property
+    def draws(self) -> F64:
+        """``(k, 3)`` in ``GENERATORS`` order."""
+        return draws_of(self.table)
+
+    @property
+    def reads(self) -> I64:
+        return np.asarray(self.table["read"], dtype=np.int64)
+
+    @property
+    def samples(self) -> int:
+        """Samples in the batch."""
+        return len(self.table)
 
     @classmethod
     def of(cls, metas: list[Meta] | list[RowMeta]) -> MetaBatch:
@@ -238,8 +275,9 @@ class MetaBatch(NamedTuple):
         array([5, 6])
         """
         if not metas:
-            empty = np.zeros(0, dtype=np.int64)
-            return cls(empty, empty, np.zeros((0, 3)), empty)
+            return cls(np.zeros(0, dtype=META))
+        if len(metas[0]) == 6 and all(type(m[1]) is int for m in metas):
+            return cls(np.array(metas, dtype=META))
         workers, ids, r, n, t, reads, *rest = zip(*metas, strict=True)
         ints = all(type(i) is int for i in ids)
         pieces = None
@@ -247,13 +285,18 @@ class MetaBatch(NamedTuple):
             parts = [np.asarray(p, dtype=np.int64).reshape(-1, 3) for p in rest[0]]
             slots = np.repeat(np.arange(len(parts)), [len(p) for p in parts])
             pieces = np.column_stack([slots, np.concatenate(parts)]).astype(np.int64)
-        return cls(
-            np.asarray(workers, dtype=np.int64),
-            np.asarray(ids, dtype=np.int64) if ints else list(ids),
-            np.asarray((r, n, t), dtype=np.float64).T.copy(),
-            np.asarray(reads, dtype=np.int64),
-            pieces,
-        )
+        table = np.zeros(len(metas), dtype=META)
+        table["worker"], table["random"], table["numpy"], table["torch"] = workers, r, n, t
+        table["read"] = reads
+        if ints:
+            table["id"] = ids
+        return cls(table, None if ints else list(ids), pieces)
+
+
+def draws_of(table: npt.NDArray[np.void]) -> F64:
+    """The ``(k, 3)`` draws of ``META`` records, in ``GENERATORS`` order."""
+    out: F64 = np.stack([table["random"], table["numpy"], table["torch"]], axis=1)
+    return out.astype(np.float64, copy=False)
 
 
 class SplitCollate:
@@ -287,7 +330,7 @@ class TagCollate:
     def __call__(self, samples: list[Any]) -> dict[str, Any]:
         worker = _worker_id()
         metas = MetaBatch.of([_meta(worker, s, self.id_fn) for s in samples])
-        return {"samples": metas.worker, "batch": self.collate(samples), "metas": metas}
+        return {"samples": metas.table, "batch": self.collate(samples), "metas": metas}
 
 
 def metas_of(item: Any) -> MetaBatch:

@@ -21,6 +21,8 @@ from typing import Any
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from evenly.audit._launch import rank_env
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -47,15 +49,7 @@ def _entry(
 ) -> None:
     _like_a_launched_process()
     os.environ.update(env)
-    os.environ.update(
-        {
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "RANK": str(rank),
-            "WORLD_SIZE": str(world_size),
-            "LOCAL_RANK": str(rank),
-        }
-    )
+    os.environ.update(rank_env(rank, world_size, port))  # the audit's launcher's
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         try:

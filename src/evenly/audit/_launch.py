@@ -58,6 +58,18 @@ P = TypeVar("P")
 R = TypeVar("R")
 
 
+def rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
+    """The environment torchrun gives rank ``rank`` of a one-node group on 127.0.0.1."""
+    return {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_RANK": str(rank),
+        "LOCAL_WORLD_SIZE": str(world_size),
+    }
+
+
 def _rank_main(rank: int, world_size: int, port: int, job: bytes, out: Any) -> None:
     # Deferred: importing this module must stay light (``start_fork_server`` runs before
     # the audit process imports torch); a rank has them preloaded.
@@ -78,16 +90,7 @@ def _rank_main(rank: int, world_size: int, port: int, job: bytes, out: Any) -> N
     random.seed()
     np.random.seed()
     torch.seed()
-    os.environ.update(
-        {
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "RANK": str(rank),
-            "WORLD_SIZE": str(world_size),
-            "LOCAL_RANK": str(rank),
-            "LOCAL_WORLD_SIZE": str(world_size),
-        }
-    )
+    os.environ.update(rank_env(rank, world_size, port))
     # A spawned process inherits "spawn" as its start method; a rank started by torchrun
     # has the platform's default (fork on Linux), which is what DataLoader workers use.
     multiprocessing.set_start_method(multiprocessing.get_all_start_methods()[0], force=True)

@@ -205,3 +205,14 @@ def test_pad_rows_beyond_the_last_global_batch_and_short_batches_fail() -> None:
     found = full_batches(short)
     assert found.status == "FAIL" and "fewer than 2 rows per rank [0, 1]" in found.detail
     assert full_batches(_packed_records([0, 1, 2], [0, 0, 1], [0, 0, 0], "none")).status == "WARN"
+
+
+def test_a_mix_by_tokens_reweighted_mid_epoch_passes_and_its_rows_follow_the_new_weights() -> None:
+    """``set_weights=`` over a Mix by tokens: the planned pieces after the change (as the
+    loader plans them) are what every rank must deliver, resumed runs included."""
+    (result,) = audit_many(
+        [zoo_packed.mixed], num_workers=1, world_size=2, epochs=2, batch_size=2, resume=True,
+        set_weights=[(0, 3, {"a": 1.0, "b": 3.0})],
+    )  # fmt: skip
+    assert result.ok and all(f.status == "PASS" for f in result.findings), result.findings
+    assert "every planned token of the mixture" in result.finding("tokens").detail

@@ -339,7 +339,7 @@ def run_job(job: Job, settings: Settings, rank: int) -> RankResult:
                 RankEpoch(rank, epoch, samples, batches, reported, reported_batches)
             )
     result.mix = mix_info(_inner(dataset), settings)
-    result.pack = pack_info(_inner(dataset), settings.epochs, bool(settings.set_weights))
+    result.pack = pack_info(_inner(dataset), settings.epochs, settings)
     columns.fill(result)
     result.warnings = log.lines()
     return result

@@ -11,7 +11,7 @@ import numpy as np
 
 from evenly.dataset import Dataset as EvenlyDataset
 from evenly.mixture import Mix
-from evenly.runtime.token_mix import is_token_mix
+from evenly.runtime.token_mix import is_token_mix, token_reweighted
 
 from ._types import AuditError, MixInfo, PackInfo, Settings
 
@@ -50,9 +50,9 @@ def reweigh(loader: Any, settings: Settings, epoch: int, batch: int) -> None:
     setter(weights)
 
 
-def pack_info(dataset: Any, epochs: int, reweighs: bool = False) -> PackInfo | None:
+def pack_info(dataset: Any, epochs: int, settings: Settings | None = None) -> PackInfo | None:
     """The packing of a packed ``evenly.Dataset``, else ``None`` (for a Mix by tokens,
-    each epoch's planned pieces)."""
+    each epoch's planned pieces, after the weight changes ``settings.set_weights`` asks)."""
     if not isinstance(dataset, EvenlyDataset) or dataset._planner.packer is None:
         return None
     planner = dataset._planner
@@ -63,16 +63,17 @@ def pack_info(dataset: Any, epochs: int, reweighs: bool = False) -> PackInfo | N
     if not is_token_mix(dataset.source):
         lengths = np.array(files.lengths, dtype=np.int64)
         return PackInfo(packer.packing.seq_len, planner.pad, lengths, rows)
-    if reweighs:
-        raise AuditError(
-            "set_weights= over an evenly.Mix(unit='tokens') is not audited yet (the planned "
-            "pieces after a change are not derived here); audit it without set_weights="
-        )
     lengths = np.array(files.lengths[np.arange(len(files.lengths))], dtype=np.int64)
     shuffle = planner.shuffle_mode != "none"
-    expected = []
+    changes = sorted(settings.set_weights) if settings is not None else []
+    step = settings.world_size * settings.batch_size if settings is not None else 1
+    expected, part = [], None
     for e in range(epochs):
-        items = packer.items(planner.view, planner.seed, e, shuffle).items
+        for _, b, w in (c for c in changes if c[0] == e):  # as the loader applies them
+            part = token_reweighted(dataset.source, packer.packing, files.lengths, part,
+                                    epoch=e, position=b * step, weights=dict(w),
+                                    seed=planner.seed, shuffle=shuffle)  # fmt: skip
+        items = packer.items(planner.view, planner.seed, e, shuffle, part).items
         expected.append(
             tuple(np.asarray(items[k], dtype=np.int64) for k in ("doc", "start", "len"))
         )

@@ -412,3 +412,18 @@ def test_refusals_name_the_setting():
     loader = evenly.DataLoader(dataset(), batch_size=2, infinite=True)
     with pytest.raises(ValueError, match="infinite=True"):
         loader.set_weights({"web": 1.0, "code": 2.0})
+
+
+def test_a_source_file_rewritten_between_epochs_stops_the_next_pass(tmp_path):
+    """The Mix checks each source's files at every pass start, as a single source does."""
+    for name in LENGTHS:
+        evenly.write([{"input_ids": d} for d in docs(name)], tmp_path / name, "arrow", 4,
+                     progress=False)  # fmt: skip
+    sources = {n: evenly.from_arrow(str(tmp_path / n)) for n in LENGTHS}
+    mixed = evenly.Mix(sources, weights=WEIGHTS, unit="tokens", tokens_per_epoch=TOKENS)
+    loader = evenly.DataLoader(evenly.Dataset(mixed, pack=evenly.Packing(SEQ)), batch_size=2)
+    assert sum(int((b["input_ids"] > 0).sum()) for b in loader) == TOKENS
+    shard = sorted((tmp_path / "code").glob("*.arrow"))[0]
+    shard.write_bytes(shard.read_bytes())  # same bytes, another inode and ctime
+    with pytest.raises(ValueError, match=rf"{shard.name}\) changed since the source was opened"):
+        next(iter(loader))  # at the pass start, before any read

@@ -100,6 +100,13 @@ class Sources:
                 out[pos] = sample
         return out
 
+    def check_unchanged(self) -> None:
+        """Raise if a source's files changed since it was opened (each source's own
+        check, at every pass start)."""
+        for view in self._views:
+            if view.check_unchanged is not None:
+                view.check_unchanged()
+
     def prefetch(self, indices: Sequence[int]) -> None:
         """Pass a prefetch hint on to the sources that take one."""
         for d, _, local in self._per_source(indices):

@@ -146,12 +146,16 @@ def test_a_reader_error_is_raised_in_the_loop_naming_the_sample() -> None:
                 raise ValueError("bad row 17")
             return i
 
+    earlier = set(threading.enumerate())  # an earlier test's readers may still be ending
     ds = evenly.Dataset(Broken(), shuffle=False)
     loader = evenly.DataLoader(ds, batch_size=4, num_workers=2, worker_type="thread")
     with pytest.raises(ValueError, match="bad row 17") as info:
         list(loader)
     assert "sample 17" in "".join(getattr(info.value, "__notes__", []))
-    assert not [t for t in threading.enumerate() if t.name.startswith("evenly-reader")]
+    mine = [t for t in threading.enumerate() if t.name.startswith("evenly-reader")]
+    for thread in (t for t in mine if t not in earlier):  # told to stop: they end
+        thread.join(timeout=60)  # a margin a busy machine keeps; a stuck reader fails
+        assert not thread.is_alive(), thread
 
 
 def test_an_abandoned_thread_pass_stops_its_readers_and_resumes_exactly(

@@ -51,11 +51,26 @@ _S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
 
 def mix64(x: U64) -> U64:
     """SplitMix64's finaliser: a fast bijective mix of 64-bit words (wraps mod 2**64)."""
-    x = x ^ (x >> _S30)
-    x = x * _M1
-    x = x ^ (x >> _S27)
-    x = x * _M2
-    return x ^ (x >> _S31)
+    if not isinstance(x, np.ndarray) or x.ndim == 0:
+        x = x ^ (x >> _S30)
+        x = x * _M1
+        x = x ^ (x >> _S27)
+        x = x * _M2
+        return x ^ (x >> _S31)
+    return _mix64_in_place(np.array(x, dtype=np.uint64))
+
+
+def _mix64_in_place(x: U64) -> U64:
+    """:func:`mix64` of an array of its own, computed in it (one temporary array)."""
+    t = x >> _S30
+    x ^= t
+    x *= _M1
+    np.right_shift(x, _S27, out=t)
+    x ^= t
+    x *= _M2
+    np.right_shift(x, _S31, out=t)
+    x ^= t
+    return x
 
 
 def derive_keys(domain: str, seed: int, epoch: int, count: int) -> list[int]:
@@ -97,7 +112,10 @@ def _encrypt(x: U64, keys: list[Word], lbits: Word, rbits: Word) -> U64:
     lmask, rmask = (one << lbits) - one, (one << rbits) - one
     left, right = x >> rbits, x & rmask
     for key in keys:
-        left, right = right, left ^ (mix64(right ^ key) & lmask)
+        mixed = _mix64_in_place(right ^ key)
+        mixed &= lmask
+        mixed ^= left
+        left, right = right, mixed
         lbits, rbits, lmask, rmask = rbits, lbits, rmask, lmask
     return (left << rbits) | right
 

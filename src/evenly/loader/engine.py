@@ -26,7 +26,9 @@ from evenly.loader.threads import ThreadPass, thread_copy
 from evenly.runtime import torch_compat
 from evenly.runtime.channel import PassChannel
 from evenly.runtime.clock import StageClock
+from evenly.runtime.packer import GROUP_ROWS
 from evenly.runtime.planner import Planner
+from evenly.runtime.reader import MAX_GROUP
 from evenly.transport.slots import HOLD, Transport
 
 __all__ = ["Engine"]
@@ -129,6 +131,16 @@ class Engine:
 
         return [partial(read, w) for w in range(workers)]
 
+    def _ahead(self, spec: PassSpec, columnar: bool) -> int:
+        """Batches a reader thread may hold beyond its queue: those of one read of
+        several batches (a columnar group, a packed read), so it reads the next while
+        the loop takes them; 1 for reads of one batch."""
+        if columnar:
+            return MAX_GROUP
+        if self.planner.packer is not None:
+            return max(1, GROUP_ROWS // max(spec.batch_size, 1))
+        return 1
+
     def start(
         self,
         spec: PassSpec,
@@ -149,9 +161,9 @@ class Engine:
                 settle(previous.inner, shut_down=True)
         if threads:
             self.feed.columnar = columnar
-            inner = ThreadPass(
-                self._thread_reads(spec, columnar), self.prefetch_factor, self.timeout
-            )
+            reads = self._thread_reads(spec, columnar)
+            ahead = self._ahead(spec, columnar)
+            inner = ThreadPass(reads, self.prefetch_factor, self.timeout, ahead)
             iterator = PassIterator(inner, current, plan, on_end)
             self._iterator = weakref.ref(iterator)
             return iterator

@@ -22,16 +22,18 @@ True
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
 __all__ = ["ThreadPass", "thread_copy", "thread_safety_problem"]
 
-_ITEM, _END, _ERROR = 0, 1, 2
+_ITEMS, _END, _ERROR = 0, 1, 2
 _POLL = 0.1  # seconds between looks at the stop flag while a queue is full or empty
 
 
@@ -63,45 +65,64 @@ def _reader(
     read: Callable[[], Iterator[Any]],
     out: queue.Queue[tuple[int, Any]],
     stop: threading.Event,
+    ahead: int,
 ) -> None:
-    """One reader thread: its batches into ``out``, then the end (or its error)."""
+    """One reader thread: its batches into ``out`` as lists (whatever it has read while
+    the loop was busy), then the end (or its error).  It blocks only once it holds
+    ``ahead`` batches the loop has no room for: a source that reads several batches in
+    one call (a columnar group) reads the next group while the loop takes this one's."""
 
-    def put(message: tuple[int, Any]) -> bool:
+    def put(message: tuple[int, Any], block: bool) -> bool:
         while not stop.is_set():
             try:
-                out.put(message, timeout=_POLL)
+                out.put(message, block=block, timeout=_POLL if block else None)
                 return True
             except queue.Full:
-                continue
+                if not block:
+                    return False
         return False
 
+    pending: list[Any] = []
     try:
         for item in read():
-            if not put((_ITEM, item)):
+            pending.append(item)
+            if put((_ITEMS, pending), block=len(pending) >= ahead):
+                pending = []
+            elif stop.is_set():
                 return
-        put((_END, None))
-    except BaseException as exc:  # handed to the loop, raised there
-        put((_ERROR, exc))
+        if pending and not put((_ITEMS, pending), block=True):
+            return
+        put((_END, None), block=True)
+    except BaseException as exc:  # handed to the loop, raised there (after its batches)
+        if not pending or put((_ITEMS, pending), block=True):
+            put((_ERROR, exc), block=True)
 
 
 class ThreadPass(Iterator[Any]):
     """One pass read by reader threads: ``reads[w]()`` is worker ``w``'s generator.
 
-    ``prefetch``: batches each reader may read ahead; ``timeout``: seconds the loop
-    waits for a batch before raising (0: forever, as torch's ``timeout``).
+    ``prefetch``: hand-offs each reader may have waiting; ``ahead``: batches a reader
+    holds besides them before it waits for the loop (so a reader is at most
+    ``prefetch + ahead`` batches ahead); ``timeout``: seconds the loop waits for a batch
+    before raising (0: forever, as torch's ``timeout``).
     """
 
     def __init__(
-        self, reads: list[Callable[[], Iterator[Any]]], prefetch: int, timeout: float = 0.0
+        self,
+        reads: list[Callable[[], Iterator[Any]]],
+        prefetch: int,
+        timeout: float = 0.0,
+        ahead: int = 1,
     ) -> None:
         self._stop = threading.Event()
         self._queues: list[queue.Queue[tuple[int, Any]]] = [
             queue.Queue(maxsize=max(1, prefetch)) for _ in reads
         ]
+        self._ready: list[deque[Any]] = [deque() for _ in reads]  # taken, not yet handed out
         self._threads = [
             threading.Thread(
                 target=_reader,
-                args=(read, q, self._stop),
+                args=(read, q, self._stop, max(1, ahead)),
                 name=f"evenly-reader-{w}",
                 daemon=True,  # a reader stuck in a read never keeps the interpreter alive
             )
@@ -112,6 +133,7 @@ class ThreadPass(Iterator[Any]):
         self._timeout = float(timeout)
         # an abandoned pass (dropped without close) stops its readers too
         self._finalizer = weakref.finalize(self, self._stop.set)
+        _LIVE.add(self)
         for thread in self._threads:
             thread.start()
 
@@ -124,9 +146,14 @@ class ThreadPass(Iterator[Any]):
             self._turn = (self._turn + 1) % len(self._active)
             if not self._active[w]:
                 continue
-            kind, value = self._get(w)
-            if kind == _ITEM:
-                return value
+            ready = self._ready[w]
+            while not ready:
+                kind, value = self._get(w)
+                if kind != _ITEMS:
+                    break
+                ready.extend(value)
+            if ready:
+                return ready.popleft()
             self._active[w] = False
             if kind == _ERROR:
                 self.close()
@@ -150,9 +177,12 @@ class ThreadPass(Iterator[Any]):
                     f"for reader thread {w}"
                 )
 
-    def close(self) -> None:
-        """Stop the readers (each finishes the read it is in) and wait for them."""
+    def close(self, wait: float = 10.0) -> None:
+        """Stop the readers (each finishes the read it is in) and wait for them (up to
+        ``wait`` seconds each)."""
         self._stop.set()
+        for ready in self._ready:
+            ready.clear()
         for q in self._queues:  # a reader waiting for room sees the stop at once
             while True:
                 try:
@@ -162,4 +192,17 @@ class ThreadPass(Iterator[Any]):
         current = threading.current_thread()
         for thread in self._threads:
             if thread is not current:
-                thread.join(timeout=10)
+                thread.join(timeout=wait)
+
+
+#: the passes whose readers may still run: stopped before the interpreter exits
+_LIVE: weakref.WeakSet[ThreadPass] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_readers() -> None:
+    """Stop every reader thread before the interpreter finalizes: a daemon thread still
+    inside a C++ call (torch's gather) when it does is killed there, which aborts the
+    process ("terminate called without an active exception")."""
+    for running in list(_LIVE):
+        running.close(wait=2.0)

@@ -133,8 +133,8 @@ def read_batches(ctx: ReadContext, skip: int = 0) -> Iterator[Any]:
 
 #: A grouped columnar read (several batches in one ``read_column_batches`` call) stays
 #: under this many bytes of output, and under :data:`MAX_GROUP` batches.
-GROUP_BYTES = 2 << 20
-MAX_GROUP = 16
+GROUP_BYTES = 8 << 20
+MAX_GROUP = 64
 
 
 def _read_columnar(ctx: ReadContext, chunks: Iterator[tuple[Any, int]], drop: int) -> Iterator[Any]:

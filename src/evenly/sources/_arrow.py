@@ -44,7 +44,8 @@ class _Mapped:
     def __init__(self, path: str, columns: list[str] | None) -> None:
         self.path = path
         self.map = pa.memory_map(path)
-        st = os.fstat(self.map.fileno())
+        self.fd = self.map.fileno()
+        st = os.fstat(self.fd)
         self.identity = (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
         if self.map.read(6) == _FILE_MAGIC:
             self.map.seek(0)
@@ -63,7 +64,7 @@ class _Mapped:
     def check(self) -> None:
         """Raise if the mapped file was rewritten or truncated in place since it was
         mapped (reading a truncated map kills the process with SIGBUS)."""
-        st = os.fstat(self.map.fileno())
+        st = os.fstat(self.fd)
         if (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino) != self.identity:
             raise ValueError(
                 f"{self.path} changed while it was mapped ({self.identity[0]} bytes when "
@@ -189,7 +190,12 @@ class ArrowSource(ArrowBatchSource):
         """Several batches in one call: item ``j`` equals ``read_columns(batches[j])``,
         with one chunk lookup and one check of each file in use for all of them (each
         batch is still gathered into arrays of its own)."""
-        parts = [self._check_indices(b) for b in batches]
+        whole = self._check_indices(np.concatenate(batches)) if len(batches) > 1 else None
+        if whole is not None:
+            bounds = np.cumsum([len(b) for b in batches])[:-1].tolist()
+            parts = np.split(whole, bounds)
+        else:
+            parts = [self._check_indices(b) for b in batches]
         found = self._gather_many(parts) if self._gatherable and parts else None
         if found is None:
             return [self.read_columns(p) for p in parts]
@@ -229,9 +235,10 @@ class ArrowSource(ArrowBatchSource):
         for k in np.flatnonzero(used).tolist():  # the files these batches read
             self._handles[k].check()
         local = rows - self._cstarts[chunk]
+        whole = window.gather_group(chunk, local)  # one gather per column, every batch
         out, lo = [], 0
-        for p in parts:  # arrays of a batch's own size: the allocator reuses their memory
-            out.append(window.gather(chunk[lo : lo + p.size], local[lo : lo + p.size]))
+        for p in parts:
+            out.append({name: column[lo : lo + p.size] for name, column in whole.items()})
             lo += p.size
         return out
 

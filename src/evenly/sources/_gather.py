@@ -1,6 +1,7 @@
 """Gathering a batch of fixed-width columns straight from memory-mapped Arrow record
-batches with numpy: one byte window per column spanning every record batch of every
-file, one fancy index per column a batch, no Arrow ``take`` and no per-row Python object.
+batches: one byte window per column spanning every record batch of every file, one
+gather per column a read (numpy's fancy index, or torch's ``index_select`` into a
+recycled buffer for a group of batches), no Arrow ``take`` and no per-row Python object.
 
 Used by the Arrow source for local files when every selected column is a number (not a
 bool: Arrow packs those in bits) or a fixed-size list of numbers, with no nulls; the
@@ -10,6 +11,8 @@ floats as float64, fixed-size lists as ``[B, L]`` of their own dtype).
 
 from __future__ import annotations
 
+import weakref
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -77,14 +80,16 @@ class _Span:
     only addresses of rows inside the batches are ever read, and the views in
     ``keep`` hold those batches' memory for as long as the window lives)."""
 
-    def __init__(self, low: int, count: int, width: int, keep: list[npt.NDArray[Any]]) -> None:
+    def __init__(
+        self, low: int, count: int, width: int, keep: list[npt.NDArray[Any]], readonly: bool = True
+    ) -> None:
         self.keep = keep
         self.__array_interface__ = {
             "version": 3,
             "shape": (count, width),
             "strides": (1, 1),
             "typestr": "|u1",
-            "data": (low, True),
+            "data": (low, readonly),
         }
 
 
@@ -122,6 +127,9 @@ class ColumnViews:
         self.widths = [v.itemsize * int(np.prod(v.shape[1:], dtype=np.int64)) for v in first]
         self.starts: list[npt.NDArray[np.int64]] = []  # per column: each chunk's offset
         self.spans: list[npt.NDArray[np.uint8]] = []
+        self._windows: list[_Span] = []
+        self._torch: list[Any] | None = None
+        self._free: list[deque[Any]] = []  # per column: buffers no batch views any more
         for j, width in enumerate(self.widths):
             addresses = np.array([_address(c[j]) for c in chunks], dtype=np.int64)
             lengths = np.array([len(c[j]) for c in chunks], dtype=np.int64)
@@ -132,6 +140,10 @@ class ColumnViews:
             self.starts.append(np.where(used, addresses - low, 0))
             span = _Span(low, max(high - low - width + 1, 1), max(width, 1), keep)
             self.spans.append(np.asarray(span))
+            # the same window marked writable for torch (which warns on read-only arrays):
+            # only ever read, as the source of torch's gather
+            count = max(high - low - width + 1, 1)
+            self._windows.append(_Span(low, count, max(width, 1), keep, readonly=False))
 
     @classmethod
     def of_batches(cls, batches: Sequence[pa.RecordBatch]) -> ColumnViews:
@@ -157,6 +169,74 @@ class ColumnViews:
             dtype = self.dtypes[j]
             out[name] = column if column.dtype == dtype else column.astype(dtype)
         return out
+
+    def gather_group(
+        self, chunks: npt.NDArray[np.int64], local: npt.NDArray[np.int64]
+    ) -> dict[str, npt.NDArray[Any]]:
+        """What :meth:`gather` returns, gathered by torch (which releases the GIL for
+        the whole copy) into recycled buffers: each column's rows in a buffer whose numpy
+        base hands it back to this window's pool once no array (or tensor) views it any
+        more, so a steady stream of groups reuses the same memory instead of faulting in
+        fresh pages."""
+        import torch
+
+        if not all(self.widths):  # a fixed-size list of size 0: nothing to copy
+            return self.gather(chunks, local)
+        if self._torch is None:
+            self._torch = [torch.from_numpy(np.asarray(w)) for w in self._windows]
+            self._free = [deque() for _ in self.names]
+        n = chunks.size
+        out: dict[str, npt.NDArray[Any]] = {}
+        for j, name in enumerate(self.names):
+            width = self.widths[j]
+            buffer = _pooled(self._free[j], n * width)
+            offsets = torch.from_numpy(self.starts[j][chunks] + local * width)
+            torch.index_select(self._torch[j], 0, offsets, out=buffer[: n * width].view(n, width))
+            base = np.asarray(_Hold(buffer, self._free[j]))
+            column = base[: n * width].view(self.raw[j]).reshape(n, *self.shapes[j])
+            dtype = self.dtypes[j]
+            out[name] = column if column.dtype == dtype else column.astype(dtype)
+        return out
+
+
+def _pooled(pool: deque[Any], size: int) -> Any:
+    """A free buffer of at least ``size`` bytes from ``pool``, else a new one."""
+    import torch
+
+    while pool:
+        try:
+            candidate = pool.popleft()
+        except IndexError:  # taken meanwhile by another reader of the same window
+            break
+        if candidate.numel() >= size:
+            return candidate
+    return torch.empty(size, dtype=torch.uint8)
+
+
+#: free buffers a window keeps per column for reuse (the rest are freed)
+POOLED = 2
+
+
+class _Hold:
+    """The numpy base of one group buffer's arrays: when the last of them (and of the
+    tensors made from them) is gone, the buffer goes back to its window's pool."""
+
+    __slots__ = ("__array_interface__", "__weakref__", "buffer")
+
+    def __init__(self, buffer: Any, pool: deque[Any]) -> None:
+        self.buffer = buffer
+        self.__array_interface__ = {
+            "version": 3,
+            "shape": (buffer.numel(),),
+            "typestr": "|u1",
+            "data": (buffer.data_ptr(), False),
+        }
+        weakref.finalize(self, _release, buffer, pool)
+
+
+def _release(buffer: Any, pool: deque[Any]) -> None:
+    if len(pool) < POOLED:
+        pool.append(buffer)
 
 
 class ChunkLookup:

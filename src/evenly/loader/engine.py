@@ -26,7 +26,7 @@ from evenly.loader.threads import ThreadPass, thread_copy
 from evenly.runtime import torch_compat
 from evenly.runtime.channel import PassChannel
 from evenly.runtime.clock import StageClock
-from evenly.runtime.packer import GROUP_ROWS
+from evenly.runtime.packer import group_batches
 from evenly.runtime.planner import Planner
 from evenly.runtime.reader import MAX_GROUP
 from evenly.transport.slots import HOLD, Transport
@@ -137,8 +137,9 @@ class Engine:
         the loop takes them; 1 for reads of one batch."""
         if columnar:
             return MAX_GROUP
-        if self.planner.packer is not None:
-            return max(1, GROUP_ROWS // max(spec.batch_size, 1))
+        packer = self.planner.packer
+        if packer is not None:
+            return group_batches(packer.packing.seq_len, spec.batch_size)
         return 1
 
     def start(

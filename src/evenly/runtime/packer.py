@@ -41,8 +41,15 @@ Row = dict[str, torch.Tensor]
 Arrays = dict[str, I64]
 #: epoch -> (its rows, its document order)
 EpochRows = Callable[[int], tuple[RowTable, Order | None]]
-#: Rows read together (whole batches): the per-read Python is paid once per group.
-GROUP_ROWS = 32
+#: Rows read together (whole batches, about this many bytes of ``input_ids``,
+#: ``position_ids`` and ``labels``): the per-read Python, and with reader threads each
+#: hand-off of the GIL, is paid once per group.
+GROUP_BYTES = 16 << 20
+
+
+def group_batches(seq_len: int, batch: int) -> int:
+    """Batches of ``batch`` rows read together (at least one)."""
+    return max(1, GROUP_BYTES // max(1, batch * seq_len * 8 * 3))
 
 
 class Packer:
@@ -148,13 +155,16 @@ def read_packed(
     files = packer.files(ctx.view)
     chunks = plan.iter_worker_chunks(ctx.rank, ctx.num_workers, ctx.worker_id, first=first)
     watched = ctx.rows_tap is not None  # the audit: one batch per read, with its pieces
+    most = 1 if watched else group_batches(packer.packing.seq_len, plan.batch_size)
+    reads = 1  # batches per read: 1 at first (the first batch comes at once), then doubled
     for positions, length in chunks:
-        step = length if watched else max(1, GROUP_ROWS // length) * length
-        for lo in range(0, positions.size, step):
+        lo = 0
+        while lo < positions.size:
+            step, reads = min(reads, most) * length, min(2 * reads, most)
             seen: list[tuple[I64, ...]] | None = [] if watched else None
-            group = _rows(
-                ctx, packer.packing, files, epoch_rows, positions[lo : lo + step], spreader, seen
-            )
+            wanted = positions[lo : lo + step]
+            lo += step
+            group = _rows(ctx, packer.packing, files, epoch_rows, wanted, spreader, seen)
             for at in range(0, group["input_ids"].shape[0], length):
                 arrays = {k: v[at + drop : at + length] for k, v in group.items()}
                 if seen is not None:

@@ -16,15 +16,16 @@ workers, one globally shuffled epoch.
 * **limit**: the one-process limit: the Arrow files memory-mapped, the epoch's documents
   (shuffled) gathered into int64 ``[8, 2048]`` tensors by numpy, no DataLoader.
 
-Each contender runs in a fresh subprocess, interleaved over ``--rounds``; tokens/s counts
-the documents' tokens delivered (pads excluded) over the whole first epoch (workers'
-start included; the goals are on it) and, reported beside it, over a second epoch of the
-same loader (as ``bench_formats.py`` times epoch 2); every contender checks what it
-delivered against the corpus (token sum and count), so "missing" shows tokens an epoch
-did not deliver.  Memory: peak PSS of the process tree.  ``best_fit`` padding is planned over the same lengths (public API: a
-lengths-only source) and Grain's ``BestFitPackIterDataset`` (``num_packing_bins`` =
-evenly's ``open_rows``) packs the same pieces (documents longer than a row cut into
-``seq_len`` pieces, as ``best_fit`` does: Grain refuses longer ones) in the same order.
+Each contender runs in a fresh subprocess, interleaved over ``--rounds``; tokens/s
+counts the documents' tokens delivered (pads excluded) over the whole first epoch
+(workers' start included; the goals are on it) and, reported beside it, over a second
+epoch of the same loader (as ``bench_formats.py`` times epoch 2); every contender checks
+what it delivered against the corpus (token sum and count), so "missing" shows tokens an
+epoch did not deliver. Memory: peak PSS of the process tree. ``best_fit`` padding is
+planned over the same lengths (public API: a lengths-only source) and Grain's
+``BestFitPackIterDataset`` (``num_packing_bins`` = evenly's ``open_rows``) packs the
+same pieces (documents longer than a row cut into ``seq_len`` pieces, as ``best_fit``
+does: Grain refuses longer ones) in the same order.
 Planning 10^8 documents is ``bench_plan_packing.py``'s child (``--plan-docs``).
 
     bash bench/setup_peers.sh   # litdata, grain

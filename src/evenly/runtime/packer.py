@@ -31,6 +31,7 @@ from evenly.runtime.reader import ReadContext
 from evenly.runtime.rowtap import RowPieces, tap_part
 from evenly.runtime.seeds import RngState, SeedSpreader
 from evenly.runtime.token_mix import TokenItems, is_token_mix, mix_lengths, token_items
+from evenly.runtime.token_reads import check_lengths, direct_tokens
 from evenly.transport.slots import plain_collate
 
 __all__ = ["Packer", "collate_arrays", "packed_items", "read_packed"]
@@ -239,17 +240,24 @@ def _rows(
         pieces = table.pieces(wanted)
         where, inverse = distinct(pieces["pos"])
         index = where if order is None else np.asarray(order(where), dtype=np.int64)
-        tokens = _documents(ctx, packing, files, int(epoch), where, index, spreader)
         base: Any = 0  # where the document at a position starts in its real document
+        flat = None
         if isinstance(order, TokenItems):  # a token mixture's pieces of documents
+            tokens = _documents(ctx, packing, files, int(epoch), where, index, spreader)
             tokens = order.cut(where, tokens)
             base = order.starts(pieces["pos"])
+        else:
+            planned = files.lengths[index]
+            flat = direct_tokens(ctx, packing, planned, int(epoch), where, index, pieces, inverse)
+            if flat is None:
+                tokens = _documents(ctx, packing, files, int(epoch), where, index, spreader)
         if seen is not None:  # the audit: the one place a piece's absolute start is made
             first = pieces["start"].astype(np.int64) + base
             seen.append(
                 tap_part(int(epoch), sel, mine, table.num_rows, (pieces, where, index, first))
             )
-        flat = piece_tokens(pieces, tokens)
+        if flat is None:
+            flat = piece_tokens(pieces, tokens)
         _check_pads(flat, pieces, (index, inverse), packing, int(epoch))
         doc_index = index[inverse] if packing.document_ids else None
         arrays = place(
@@ -333,14 +341,7 @@ def _documents(
         ]  # fmt: skip
     planned = files.lengths[index]
     sizes = np.fromiter((a.size for a in arrays), dtype=np.int64, count=len(arrays))
-    if not np.array_equal(sizes, planned):  # one vectorised check; then name the culprit
-        bad = int(np.flatnonzero(sizes != planned)[0])
-        raise ValueError(
-            f"evenly: packing: document {wanted[bad]} (position {int(positions[bad])} of "
-            f"epoch {epoch}) holds {int(sizes[bad])} tokens, but {int(planned[bad])} when "
-            f"its lengths were computed: the transform must keep each document's token "
-            f"count (or the source changed since; its cached lengths are in cache_dir/lengths)"
-        )
+    check_lengths(sizes, planned, wanted, positions, epoch)  # one vectorised check
     return dict(zip(positions.tolist(), arrays, strict=True))
 
 

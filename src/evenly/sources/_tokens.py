@@ -17,7 +17,9 @@ import numpy as np
 import numpy.typing as npt
 import pyarrow as pa
 
-__all__ = ["TokenViews", "list_tokens", "token_views"]
+__all__ = ["TokenSpan", "TokenViews", "list_tokens", "token_views"]
+
+I64 = npt.NDArray[np.int64]
 
 #: a chunk's list column as (values, offsets, valid) numpy arrays (``valid``: None when
 #: no document is null or holds a null token)
@@ -106,3 +108,81 @@ def list_tokens(source: Any, indices: Sequence[int], field: str) -> list[npt.NDA
             )
         out.append(values[offsets[i] : offsets[i + 1]])
     return out
+
+
+class _Window:
+    """A read-only 1-D window of ``dtype`` from one address on, across several arrays
+    (their memory held by ``keep``): one fancy index reads elements of all of them; only
+    addresses inside the arrays are ever read."""
+
+    def __init__(self, low: int, count: int, dtype: np.dtype[Any], keep: list[Any]) -> None:
+        self.keep = keep
+        self.__array_interface__ = {
+            "version": 3,
+            "shape": (count,),
+            "typestr": dtype.str,
+            "data": (low, True),
+        }
+
+
+def _address(array: npt.NDArray[Any]) -> int:
+    data: tuple[int, bool] = array.__array_interface__["data"]
+    return data[0]
+
+
+def _window(arrays: list[npt.NDArray[Any]]) -> tuple[npt.NDArray[Any], npt.NDArray[np.int64]]:
+    """One window over ``arrays`` (one dtype, aligned to it) and where each starts in it."""
+    dtype = arrays[0].dtype
+    size = dtype.itemsize
+    used = [a for a in arrays if a.size]
+    addresses = np.array([_address(a) for a in arrays], dtype=np.int64)
+    low = min((_address(a) for a in used), default=0)
+    high = max((_address(a) + a.size * size for a in used), default=low + size)
+    bases = np.where([a.size > 0 for a in arrays], (addresses - low) // size, 0)
+    return np.asarray(_Window(low, max((high - low) // size, 1), dtype, arrays)), bases
+
+
+class TokenSpan:
+    """Every chunk's token ids and list offsets of one column as two windows (packing's
+    fast reads: a group's documents located, and its pieces' tokens gathered, with one
+    fancy index each and no Python per document).
+
+    ``of(views)``: the ``(values, offsets, valid)`` of every chunk of the source, in
+    order; None when a chunk has nulls, the values are not all of one integer dtype, or an
+    array is not aligned to its dtype (then the per-document reads apply)."""
+
+    def __init__(self, values: list[npt.NDArray[Any]], offsets: list[npt.NDArray[np.int64]]):
+        self.values, self._vbase = _window(values)
+        self.offsets, self._obase = _window(offsets)
+
+    @classmethod
+    def of(cls, views: list[TokenViews]) -> TokenSpan | None:
+        if not views or any(valid is not None for _, _, valid in views):
+            return None
+        values = [np.ascontiguousarray(v) for v, _, _ in views]
+        offsets = [np.ascontiguousarray(o, dtype=np.int64) for _, o, _ in views]
+        if len({v.dtype for v in values}) != 1 or values[0].dtype.kind not in "iu":
+            return None
+        for arrays in (values, offsets):
+            if any(_address(a) % a.dtype.itemsize for a in arrays):
+                return None
+        return cls(values, offsets)
+
+    def ranges(
+        self, chunks: npt.NDArray[np.int64], local: npt.NDArray[np.int64]
+    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        """Where document ``local[j]`` of chunk ``chunks[j]`` starts in :attr:`values`, and
+        how many tokens it holds."""
+        at = self._obase[chunks] + local
+        first = self.offsets[at]
+        return self._vbase[chunks] + first, self.offsets[at + 1] - first
+
+    def gather(self, starts: npt.NDArray[np.int64], lengths: npt.NDArray[np.int64]) -> I64:
+        """The tokens of ranges ``[starts[j], starts[j] + lengths[j])`` of :attr:`values`,
+        one after the other, as int64 (one slice a range: a copy of each run of tokens,
+        cheaper than building an index per token)."""
+        if not starts.size:
+            return np.zeros(0, dtype=np.int64)
+        values = self.values
+        runs = [values[a : a + n] for a, n in zip(starts.tolist(), lengths.tolist(), strict=True)]
+        return np.concatenate(runs, dtype=np.int64, casting="unsafe")

@@ -133,8 +133,8 @@ def place(
     count = len(rows)
     lens = pieces["len"].astype(np.int64)
     begins = np.cumsum(lens) - lens  # where each piece starts in flat
-    # each token's offset in its piece: no Python per piece
-    position = np.arange(flat.size, dtype=np.int64) - np.repeat(begins, lens)
+    ramp = _ramp(seq_len)
+    position = np.concatenate([ramp[:n] for n in lens.tolist()] or [ramp[:0]])
     columns = {"input_ids": (flat, pad_id), "position_ids": (position, 0), "labels": (flat, IGNORE)}
     if doc_index is not None:
         columns["document_ids"] = (np.repeat(doc_index + 1, lens), 0)
@@ -159,3 +159,15 @@ def place(
         starts = slot * seq_len + begins - np.repeat(lo, np.diff(np.append(first, slot.size)))
     out["labels"].reshape(-1)[starts[lens > 0]] = IGNORE  # every piece's first token
     return out
+
+
+_RAMPS: dict[int, I64] = {}
+
+
+def _ramp(seq_len: int) -> I64:
+    """``0, 1, ..., seq_len - 1`` (made once per ``seq_len``)."""
+    found = _RAMPS.get(seq_len)
+    if found is None:
+        found = _RAMPS[seq_len] = np.arange(seq_len, dtype=np.int64)
+        found.flags.writeable = False
+    return found

@@ -262,3 +262,60 @@ def test_infinite_best_fit_in_worker_processes_and_threads_is_the_in_process_str
     assert stream(num_workers=2, worker_type="thread") == alone
     assert stream(num_workers=2, worker_type="process") == alone
     assert stream(num_workers=1, multiprocessing_context="spawn") == alone
+
+
+def _arrow_files(tmp_path: Any, docs: list[list[int]], kind: pa.DataType) -> str:
+    """``docs`` in three Arrow files of several record batches each."""
+    for f, lo in enumerate(range(0, len(docs), 60)):
+        part = pa.table({"input_ids": pa.array(docs[lo : lo + 60], type=pa.list_(kind))})
+        with pa.ipc.new_file(str(tmp_path / f"docs-{f}.arrow"), part.schema) as writer:
+            for at in range(0, part.num_rows, 25):
+                writer.write_table(part.slice(at, 25))
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize("kind", [pa.int32(), pa.uint16(), pa.int64()])
+@pytest.mark.parametrize("strategy", ["concat", "best_fit"])
+def test_the_token_window_of_arrow_files_gives_the_rows_of_the_documents_themselves(
+    tmp_path, kind, strategy
+):
+    # documents located and gathered through one window over every file's token buffers
+    # give the rows the same documents give as Python lists (read one by one)
+    docs = [[t % 60000 for t in d] for d in _docs()]
+    source = evenly.from_arrow(_arrow_files(tmp_path, docs, kind))
+    assert len(source.urls) == 3 and source.token_ranges(np.arange(5), "input_ids") is not None
+    pack = evenly.Packing(SEQ, strategy=strategy, pad_id=60001)
+
+    def rows(src: Any, **kw: Any) -> list[list[int]]:
+        ds = evenly.Dataset(src, shuffle=True, seed=3, pack=pack)
+        loader = evenly.DataLoader(ds, batch_size=3, **kw)
+        return [r for b in _batches(loader) for r in b["input_ids"] + b["labels"]]
+
+    want = rows(docs)
+    assert rows(source) == want
+    assert rows(source, num_workers=2, worker_type="thread") == want
+    assert rows(source, num_workers=2, worker_type="process") == want
+
+
+def test_a_token_window_read_checks_each_file_it_reads_unchanged(tmp_path):
+    docs = _docs()
+    folder = _arrow_files(tmp_path, docs, pa.int32())
+    ds = evenly.Dataset(evenly.from_arrow(folder), shuffle=True, seed=1, pack=evenly.Packing(SEQ))
+    it = iter(evenly.DataLoader(ds, batch_size=2))
+    next(it)  # the first read: one batch; the next read comes after the rewrite
+    path = tmp_path / "docs-0.arrow"
+    size = path.stat().st_size
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    _arrow_files(scratch, [[t + 1 for t in d] for d in docs[:60]], pa.int32())
+    data = (scratch / "docs-0.arrow").read_bytes()
+    assert len(data) == size  # the same layout, other tokens
+    with open(path, "r+b") as f:  # rewritten in place: the map now shows other tokens
+        f.write(data)
+    with (
+        pytest.raises(ValueError, match=r"docs-0.arrow changed while it was mapped"),
+        warnings.catch_warnings(),
+    ):
+        warnings.simplefilter("ignore", evenly.EvenlyWarning)
+        for _ in it:
+            pass

@@ -271,7 +271,8 @@ class ArrowSource(ArrowBatchSource):
             return None
         rows = self._rows(self._check_indices(indices))
         chunk = self._chunk_of.of(rows)
-        for k in np.unique(self._cshard[chunk]).tolist():  # the files these documents are in
+        used = np.bincount(self._cshard[chunk], minlength=len(self.urls))  # (np.unique would
+        for k in np.flatnonzero(used).tolist():  # import numpy.ma: 12 ms in each process)
             self._handles[k].check()
         starts, lengths = span.ranges(chunk, rows - self._cstarts[chunk])
         return span, starts, lengths

@@ -18,7 +18,15 @@ import numpy.typing as npt
 import torch
 from torch.utils.data import default_collate
 
-from evenly.core.packing.pieces import IGNORE, RowTable, distinct, piece_tokens, place
+from evenly.core.packing.pieces import (
+    IGNORE,
+    Empty,
+    RowTable,
+    distinct,
+    fresh,
+    piece_tokens,
+    place,
+)
 from evenly.core.packing.settings import Packing
 from evenly.core.permutation import sample_seeds
 from evenly.core.plan import Order
@@ -32,6 +40,7 @@ from evenly.runtime.rowtap import RowPieces, tap_part
 from evenly.runtime.seeds import RngState, SeedSpreader
 from evenly.runtime.token_mix import TokenItems, is_token_mix, mix_lengths, token_items
 from evenly.runtime.token_reads import check_lengths, direct_tokens
+from evenly.transport.pool import BufferPool
 from evenly.transport.slots import plain_collate
 
 __all__ = ["Packer", "collate_arrays", "packed_items", "read_packed"]
@@ -60,6 +69,14 @@ class Packer:
         self.packing = packing
         self._files: PlanFiles | None = None
         self._items: dict[tuple[Any, ...], TokenItems] = {}
+        self._pools: dict[str, BufferPool] = {}  # the batches' memory, by array
+
+    def empty(self, name: str, size: int) -> I64:
+        """An int64 array of ``size`` for ``name`` from its recycled buffers (``Empty``)."""
+        pool = self._pools.get(name)
+        if pool is None:
+            pool = self._pools.setdefault(name, BufferPool())
+        return pool.empty((size,), np.int64)
 
     @classmethod
     def build(
@@ -165,7 +182,9 @@ def read_packed(
             seen: list[tuple[I64, ...]] | None = [] if watched else None
             wanted = positions[lo : lo + step]
             lo += step
-            group = _rows(ctx, packer.packing, files, epoch_rows, wanted, spreader, seen)
+            group = _rows(
+                ctx, packer.packing, files, epoch_rows, wanted, spreader, seen, packer.empty
+            )
             for at in range(0, group["input_ids"].shape[0], length):
                 arrays = {k: v[at + drop : at + length] for k, v in group.items()}
                 if seen is not None:
@@ -215,6 +234,7 @@ def _rows(
     positions: I64,
     spreader: SeedSpreader | None,
     seen: list[tuple[I64, ...]] | None = None,
+    alloc: Empty = fresh,
 ) -> Arrays:
     """The ``[len(positions), seq_len]`` arrays of the rows at ``positions``, in their
     order (a position past its epoch's rows is a pad row): per epoch one read of the
@@ -248,7 +268,9 @@ def _rows(
             base = order.starts(pieces["pos"])
         else:
             planned = files.lengths[index]
-            flat = direct_tokens(ctx, packing, planned, int(epoch), where, index, pieces, inverse)
+            flat = direct_tokens(
+                ctx, packing, planned, int(epoch), where, index, pieces, inverse, alloc
+            )
             if flat is None:
                 tokens = _documents(ctx, packing, files, int(epoch), where, index, spreader)
         if seen is not None:  # the audit: the one place a piece's absolute start is made
@@ -257,12 +279,12 @@ def _rows(
                 tap_part(int(epoch), sel, mine, table.num_rows, (pieces, where, index, first))
             )
         if flat is None:
-            flat = piece_tokens(pieces, tokens)
+            flat = piece_tokens(pieces, tokens, alloc)
         _check_pads(flat, pieces, (index, inverse), packing, int(epoch))
         doc_index = index[inverse] if packing.document_ids else None
         arrays = place(
             wanted, pieces, flat, seq_len=packing.seq_len, pad_id=packing.pad_id,
-            doc_index=doc_index,
+            doc_index=doc_index, empty=alloc,
         )  # fmt: skip
         if sel.size == positions.size and np.array_equal(wanted, mine):
             ctx.clock.collate += perf_counter() - started

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from evenly.core.packing.pieces import Empty
 from evenly.core.packing.settings import Packing
 from evenly.runtime.clock import perf_counter
 from evenly.runtime.reader import ReadContext
@@ -45,11 +46,13 @@ def direct_tokens(
     index: I64,
     pieces: npt.NDArray[np.void],
     inverse: I64,
+    empty: Empty,
 ) -> I64 | None:
     """The tokens of every piece, one after the other (int64; what ``piece_tokens`` gives
     from documents read one by one), read through the source's token window; None where
     the source has none.  ``where``/``index``: each distinct document's epoch position and
-    source index; ``planned``: their planned lengths; ``inverse``: each piece's document."""
+    source index; ``planned``: their planned lengths; ``inverse``: each piece's document;
+    ``empty``: where the tokens go."""
     ranges: Any = getattr(ctx.view.source, "token_ranges", None)
     if ranges is None or packing.tokenize is not None or ctx.transform is not None:
         return None
@@ -64,6 +67,8 @@ def direct_tokens(
         return None
     span, starts, lengths = found
     check_lengths(lengths, planned, index, where, epoch)
-    tokens: I64 = span.gather(starts[inverse] + pieces["start"], pieces["len"].astype(np.int64))
+    lengths = pieces["len"].astype(np.int64)
+    out = empty("flat", int(lengths.sum()))
+    tokens: I64 = span.gather(starts[inverse] + pieces["start"], lengths, out)
     ctx.clock.read += perf_counter() - started
     return tokens

@@ -11,8 +11,6 @@ floats as float64, fixed-size lists as ``[B, L]`` of their own dtype).
 
 from __future__ import annotations
 
-import weakref
-from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -129,7 +127,7 @@ class ColumnViews:
         self.spans: list[npt.NDArray[np.uint8]] = []
         self._windows: list[_Span] = []
         self._torch: list[Any] | None = None
-        self._free: list[deque[Any]] = []  # per column: buffers no batch views any more
+        self._pools: list[Any] = []  # per column: the recycled buffers of gather_group
         for j, width in enumerate(self.widths):
             addresses = np.array([_address(c[j]) for c in chunks], dtype=np.int64)
             lengths = np.array([len(c[j]) for c in chunks], dtype=np.int64)
@@ -174,69 +172,30 @@ class ColumnViews:
         self, chunks: npt.NDArray[np.int64], local: npt.NDArray[np.int64]
     ) -> dict[str, npt.NDArray[Any]]:
         """What :meth:`gather` returns, gathered by torch (which releases the GIL for
-        the whole copy) into recycled buffers: each column's rows in a buffer whose numpy
-        base hands it back to this window's pool once no array (or tensor) views it any
-        more, so a steady stream of groups reuses the same memory instead of faulting in
-        fresh pages."""
+        the whole copy) into recycled buffers (:class:`evenly.transport.pool.BufferPool`,
+        one per column): a steady stream of groups reuses the same memory instead of
+        faulting in fresh pages, and a buffer is reused only once no array or tensor
+        views it."""
         import torch
+
+        from evenly.transport.pool import BufferPool
 
         if not all(self.widths):  # a fixed-size list of size 0: nothing to copy
             return self.gather(chunks, local)
         if self._torch is None:
             self._torch = [torch.from_numpy(np.asarray(w)) for w in self._windows]
-            self._free = [deque() for _ in self.names]
+            self._pools = [BufferPool(keep=2) for _ in self.names]
         n = chunks.size
         out: dict[str, npt.NDArray[Any]] = {}
         for j, name in enumerate(self.names):
             width = self.widths[j]
-            buffer = _pooled(self._free[j], n * width)
+            rows = self._pools[j].empty((n, width), np.uint8)
             offsets = torch.from_numpy(self.starts[j][chunks] + local * width)
-            torch.index_select(self._torch[j], 0, offsets, out=buffer[: n * width].view(n, width))
-            base = np.asarray(_Hold(buffer, self._free[j]))
-            column = base[: n * width].view(self.raw[j]).reshape(n, *self.shapes[j])
+            torch.index_select(self._torch[j], 0, offsets, out=torch.from_numpy(rows))
+            column = rows.view(self.raw[j]).reshape(n, *self.shapes[j])
             dtype = self.dtypes[j]
             out[name] = column if column.dtype == dtype else column.astype(dtype)
         return out
-
-
-def _pooled(pool: deque[Any], size: int) -> Any:
-    """A free buffer of at least ``size`` bytes from ``pool``, else a new one."""
-    import torch
-
-    while pool:
-        try:
-            candidate = pool.popleft()
-        except IndexError:  # taken meanwhile by another reader of the same window
-            break
-        if candidate.numel() >= size:
-            return candidate
-    return torch.empty(size, dtype=torch.uint8)
-
-
-#: free buffers a window keeps per column for reuse (the rest are freed)
-POOLED = 2
-
-
-class _Hold:
-    """The numpy base of one group buffer's arrays: when the last of them (and of the
-    tensors made from them) is gone, the buffer goes back to its window's pool."""
-
-    __slots__ = ("__array_interface__", "__weakref__", "buffer")
-
-    def __init__(self, buffer: Any, pool: deque[Any]) -> None:
-        self.buffer = buffer
-        self.__array_interface__ = {
-            "version": 3,
-            "shape": (buffer.numel(),),
-            "typestr": "|u1",
-            "data": (buffer.data_ptr(), False),
-        }
-        weakref.finalize(self, _release, buffer, pool)
-
-
-def _release(buffer: Any, pool: deque[Any]) -> None:
-    if len(pool) < POOLED:
-        pool.append(buffer)
 
 
 class ChunkLookup:

@@ -177,12 +177,14 @@ class TokenSpan:
         first = self.offsets[at]
         return self._vbase[chunks] + first, self.offsets[at + 1] - first
 
-    def gather(self, starts: npt.NDArray[np.int64], lengths: npt.NDArray[np.int64]) -> I64:
+    def gather(
+        self, starts: npt.NDArray[np.int64], lengths: npt.NDArray[np.int64], out: I64
+    ) -> I64:
         """The tokens of ranges ``[starts[j], starts[j] + lengths[j])`` of :attr:`values`,
-        one after the other, as int64 (one slice a range: a copy of each run of tokens,
-        cheaper than building an index per token)."""
+        one after the other, into ``out`` (int64, ``lengths.sum()`` of them; one slice a
+        range: a copy of each run of tokens, cheaper than building an index per token)."""
         if not starts.size:
-            return np.zeros(0, dtype=np.int64)
+            return out
         values = self.values
         runs = [values[a : a + n] for a, n in zip(starts.tolist(), lengths.tolist(), strict=True)]
-        return np.concatenate(runs, dtype=np.int64, casting="unsafe")
+        return np.concatenate(runs, out=out, casting="unsafe")

@@ -27,10 +27,12 @@ import numpy.typing as npt
 __all__ = [
     "IGNORE",
     "PIECE",
+    "Empty",
     "Lengths",
     "RowTable",
     "assemble",
     "distinct",
+    "fresh",
     "piece_tokens",
     "pieces_of",
     "place",
@@ -82,8 +84,20 @@ def distinct(values: npt.ArrayLike) -> tuple[I64, I64]:
     return v[new], np.cumsum(new) - 1
 
 
+#: where the arrays a batch is built in come from: ``empty(name, size)`` gives an int64
+#: array of ``size`` elements for ``name`` ("flat", "ramp", or an output's name)
+Empty = Callable[[str, int], I64]
+
+
+def fresh(name: str, size: int) -> I64:
+    """The default :data:`Empty`: a new array."""
+    return np.empty(size, dtype=np.int64)
+
+
 def piece_tokens(
-    pieces: npt.NDArray[np.void], tokens: Mapping[int, npt.NDArray[np.integer]]
+    pieces: npt.NDArray[np.void],
+    tokens: Mapping[int, npt.NDArray[np.integer]],
+    empty: Empty = fresh,
 ) -> I64:
     """The tokens of every piece, one after the other (int64): one copy of each token."""
     if not pieces.size:
@@ -94,7 +108,8 @@ def piece_tokens(
             pieces["pos"].tolist(), pieces["start"].tolist(), pieces["len"].tolist(), strict=True
         )
     ]
-    return np.concatenate(parts, dtype=np.int64, casting="unsafe")
+    out = empty("flat", sum(len(part) for part in parts))
+    return np.concatenate(parts, out=out, casting="unsafe")
 
 
 def assemble(
@@ -126,15 +141,19 @@ def place(
     seq_len: int,
     pad_id: int,
     doc_index: I64 | None = None,
+    empty: Empty = fresh,
 ) -> dict[str, I64]:
     """:func:`assemble` from the pieces' tokens already gathered (``flat``, from
     :func:`piece_tokens`) and each piece's source index (``doc_index``; ``None``: no
-    ``document_ids``): one pass over each output array, no Python per token."""
+    ``document_ids``): one pass over each output array, no Python per token.  ``empty``
+    gives the arrays they are built in (default: fresh ones)."""
     count = len(rows)
     lens = pieces["len"].astype(np.int64)
     begins = np.cumsum(lens) - lens  # where each piece starts in flat
     ramp = _ramp(seq_len)
-    position = np.concatenate([ramp[:n] for n in lens.tolist()] or [ramp[:0]])
+    position = np.concatenate(
+        [ramp[:n] for n in lens.tolist()] or [ramp[:0]], out=empty("ramp", flat.size)
+    )
     columns = {"input_ids": (flat, pad_id), "position_ids": (position, 0), "labels": (flat, IGNORE)}
     if doc_index is not None:
         columns["document_ids"] = (np.repeat(doc_index + 1, lens), 0)
@@ -142,7 +161,9 @@ def place(
     if flat.size == count * seq_len:  # every row full: the gathered tokens are the rows
         starts = begins
         out = {k: v.reshape(count, seq_len) for k, (v, _) in columns.items()}
-        out["labels"] = out["labels"].copy()
+        labels = empty("labels", flat.size).reshape(count, seq_len)
+        np.copyto(labels, out["labels"])
+        out["labels"] = labels
     else:
         new_row = np.ones(slot.size, dtype=np.bool_)
         new_row[1:] = slot[1:] != slot[:-1]
@@ -152,7 +173,8 @@ def place(
         spans = list(zip(filled, lo.tolist(), np.append(lo, flat.size)[1:].tolist(), strict=True))
         out = {}
         for key, (values, fill) in columns.items():
-            array = np.full((count, seq_len), fill, dtype=np.int64)
+            array = empty(key, count * seq_len).reshape(count, seq_len)
+            array.fill(fill)
             for b, start, end in spans:
                 array[b, : end - start] = values[start:end]
             out[key] = array

@@ -319,3 +319,51 @@ def test_a_token_window_read_checks_each_file_it_reads_unchanged(tmp_path):
         warnings.simplefilter("ignore", evenly.EvenlyWarning)
         for _ in it:
             pass
+
+
+def test_a_packer_pickles_without_its_recycled_buffers(tmp_path):
+    # a spawned worker gets the dataset pickled: the main process's pooled buffers (tens
+    # of MB after reading in-process) must not travel with it
+    import pickle
+
+    ds = evenly.Dataset(_arrow(tmp_path, _docs()), shuffle=True, seed=2, pack=evenly.Packing(SEQ))
+    kept = _batches(evenly.DataLoader(ds, batch_size=4))  # read here: the pools fill
+    assert kept
+    packer = ds._planner.packer
+    assert packer is not None and packer._pools
+    assert sum(len(pool._free) for pool in packer._pools.values()) > 0
+    copy = pickle.loads(pickle.dumps(packer))
+    assert copy._pools == {}
+
+
+def test_reads_through_the_windows_go_on_after_the_source_closes_its_files(tmp_path):
+    # the token window (packing) and the column window (columnar batches) view the files'
+    # maps: after source.close() they are made again from the reopened files (the
+    # columnar one raised KeyError before)
+    docs = _docs()
+    (tmp_path / "t").mkdir()
+    source = evenly.from_arrow(_arrow_files(tmp_path / "t", docs, pa.int32()))
+    ds = evenly.Dataset(source, shuffle=True, seed=6, pack=evenly.Packing(SEQ))
+    want = [r for b in _batches(evenly.DataLoader(ds, batch_size=2)) for r in b["input_ids"]]
+    it = iter(evenly.DataLoader(ds, batch_size=2))
+    got = next(it)["input_ids"].tolist()
+    source.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", evenly.EvenlyWarning)
+        got += [r for b in it for r in b["input_ids"].tolist()]
+    assert got == want
+
+    schema = pa.schema([("idx", pa.int64()), ("x", pa.list_(pa.int16(), 3))])
+    rows = ({"idx": i, "x": np.full(3, i % 97, np.int16)} for i in range(500))
+    evenly.write(rows, tmp_path / "c", "arrow", 120, schema=schema, progress=False)
+    columns = evenly.from_arrow(tmp_path / "c")
+    loader = evenly.DataLoader(evenly.Dataset(columns, shuffle=True, seed=2), batch_size=16)
+    first = [b["idx"].tolist() for b in loader]
+    it = iter(loader)
+    seen = [next(it)["idx"].tolist()]
+    columns.close()
+    for b in it:
+        assert torch.equal(b["x"], (b["idx"] % 97).to(torch.int16)[:, None].expand(-1, 3))
+        seen.append(b["idx"].tolist())
+    assert sorted(i for b in seen for i in b) == list(range(500))
+    assert len(first) == len(seen)

@@ -137,9 +137,11 @@ class Packer:
         return found
 
     def __getstate__(self) -> dict[str, Any]:
-        """A worker maps the node's files again (a memory map is not pickled)."""
+        """A worker maps the node's files again (a memory map is not pickled) and
+        starts with empty buffer pools (a spawned worker would get copies of them)."""
         state = self.__dict__.copy()
         state["_items"] = {}
+        state["_pools"] = {}
         files = state["_files"]
         if files is not None and isinstance(files.lengths, np.memmap):
             state["_files"] = None

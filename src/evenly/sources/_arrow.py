@@ -32,7 +32,7 @@ from ._columns import ArrowBatchSource, schema_meta
 from ._gather import ColumnViews, chunk_views
 from ._manifest import FileEntry
 from ._rowviews import RowAccess
-from ._tokens import TokenSpan
+from ._tokens import TokenSpan, arrow_token_ranges
 
 __all__ = ["ArrowSource", "from_arrow"]
 
@@ -189,8 +189,8 @@ class ArrowSource(ArrowBatchSource):
         self, batches: Sequence[Sequence[int] | npt.NDArray[Any]]
     ) -> list[dict[str, npt.NDArray[Any] | list[Any]]]:
         """Several batches in one call: item ``j`` equals ``read_columns(batches[j])``,
-        with one chunk lookup and one check of each file in use for all of them (each
-        batch is still gathered into arrays of its own)."""
+        with one chunk lookup and one check of each file in use for all of them (the
+        batches are views of one gather's arrays)."""
         whole = self._check_indices(np.concatenate(batches)) if len(batches) > 1 else None
         if whole is not None:
             bounds = np.cumsum([len(b) for b in batches])[:-1].tolist()
@@ -226,15 +226,16 @@ class ArrowSource(ArrowBatchSource):
             names = list(self.schema.names)
             self._window = ColumnViews(names, ready) if len(ready) == len(chunks) else None
             self._window_files = np.array(files, dtype=np.int64)  # chunk -> file
+            self._window_handles = list(self._handles.get(k) for k in range(len(self.urls)))
             self._window_pid = os.getpid()
         window: ColumnViews | None = self._window
         if window is None:
             return None
         rows = self._rows(np.concatenate(parts) if len(parts) > 1 else parts[0])
         chunk = self._chunk_of.of(rows)
-        used = np.bincount(self._window_files[chunk], minlength=len(self.urls))
-        for k in np.flatnonzero(used).tolist():  # the files these batches read
-            self._handles[k].check()
+        if not self._unchanged(self._window_files[chunk], self._window_handles):
+            self._window_pid = -1  # the files were closed since: map them again
+            return self._gather_many(parts)
         local = rows - self._cstarts[chunk]
         whole = window.gather_group(chunk, local)  # one gather per column, every batch
         out, lo = [], 0
@@ -252,30 +253,18 @@ class ArrowSource(ArrowBatchSource):
         (remote files, more files than stay open, nulls, mixed dtypes)."""
         if self.cache is not None or len(self.urls) > self.max_open_files:
             return None
-        spans: dict[str, TokenSpan | None] = self.__dict__.setdefault("_spans", {})
-        if self.__dict__.get("_spans_pid") != os.getpid():
-            spans.clear()
-            self._spans_pid = os.getpid()
-        if field not in spans:
-            if field not in self.schema.names:
-                return None  # read_tokens names the missing column
-            views: list[Any] = []
-            for k in range(len(self.urls)):
-                handle = self._handle(k)
-                views.extend(
-                    self._token_views(k, g, handle, field) for g in range(len(handle.batches))
-                )
-            spans[field] = TokenSpan.of(views)
-        span = spans[field]
-        if span is None:
-            return None
-        rows = self._rows(self._check_indices(indices))
-        chunk = self._chunk_of.of(rows)
-        used = np.bincount(self._cshard[chunk], minlength=len(self.urls))  # (np.unique would
-        for k in np.flatnonzero(used).tolist():  # import numpy.ma: 12 ms in each process)
-            self._handles[k].check()
-        starts, lengths = span.ranges(chunk, rows - self._cstarts[chunk])
-        return span, starts, lengths
+        return arrow_token_ranges(self, indices, field)
+
+    def _unchanged(self, files: npt.NDArray[np.int64], built: list[Any]) -> bool:
+        """Check each of ``files`` unchanged (raising if one was rewritten); False if one
+        was closed since ``built`` (its handles) was made, so views of it are stale."""
+        used = np.bincount(files, minlength=len(self.urls))  # (np.unique imports numpy.ma)
+        for k in np.flatnonzero(used).tolist():
+            handle = self._handles.get(k)
+            if handle is None or handle is not built[k]:
+                return False
+            handle.check()
+        return True
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
@@ -284,6 +273,7 @@ class ArrowSource(ArrowBatchSource):
         state.pop("_window", None)
         state.pop("_window_pid", None)
         state.pop("_window_files", None)
+        state.pop("_window_handles", None)
         return state
 
 

@@ -10,6 +10,7 @@ few microseconds per document instead of building a dict and a copy per row.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -17,7 +18,7 @@ import numpy as np
 import numpy.typing as npt
 import pyarrow as pa
 
-__all__ = ["TokenSpan", "TokenViews", "list_tokens", "token_views"]
+__all__ = ["TokenSpan", "TokenViews", "arrow_token_ranges", "list_tokens", "token_views"]
 
 I64 = npt.NDArray[np.int64]
 
@@ -188,3 +189,37 @@ class TokenSpan:
         values = self.values
         runs = [values[a : a + n] for a, n in zip(starts.tolist(), lengths.tolist(), strict=True)]
         return np.concatenate(runs, out=out, casting="unsafe")
+
+
+def arrow_token_ranges(
+    source: Any, indices: npt.NDArray[np.int64], field: str
+) -> tuple[TokenSpan, I64, I64] | None:
+    """``ArrowSource.token_ranges``: the span of ``field`` over every file (made once per
+    process, made again if a file was closed since), and where each document starts in
+    it and how many tokens it holds; each file they are in checked unchanged first."""
+    spans: dict[str, tuple[TokenSpan | None, list[Any]]]
+    spans = source.__dict__.setdefault("_spans", {})
+    if source.__dict__.get("_spans_pid") != os.getpid():
+        spans.clear()
+        source._spans_pid = os.getpid()
+    if field not in spans:
+        if field not in source.schema.names:
+            return None  # read_tokens names the missing column
+        views: list[Any] = []
+        for k in range(len(source.urls)):
+            handle = source._handle(k)
+            views.extend(
+                source._token_views(k, g, handle, field) for g in range(len(handle.batches))
+            )
+        built = [source._handles.get(k) for k in range(len(source.urls))]
+        spans[field] = (TokenSpan.of(views), built)
+    span, built = spans[field]
+    if span is None:
+        return None
+    rows = source._rows(source._check_indices(indices))
+    chunk = source._chunk_of.of(rows)
+    if not source._unchanged(source._cshard[chunk], built):
+        del spans[field]  # a file was closed since: map them again
+        return arrow_token_ranges(source, indices, field)
+    starts, lengths = span.ranges(chunk, rows - source._cstarts[chunk])
+    return span, starts, lengths

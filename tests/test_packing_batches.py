@@ -187,8 +187,10 @@ def test_a_custom_collate_gets_the_rows_of_the_default_batches(tmp_path):
 
 @pytest.mark.parametrize("worker_type", ["thread", "process"])
 def test_a_resume_inside_a_read_group_continues_exactly(tmp_path, worker_type):
-    """Rows are read 32 at a time: a state saved after 7 batches of 3 (row 21) resumes
-    under 1 worker and batches of 5 with the rows the uninterrupted run had left."""
+    """Rows are read in groups of batches (1, 2, 4, ... per read): a state saved after 8
+    batches of 3 (row 24, inside the fourth read of one reader thread and the third of
+    each worker process) resumes under 1 worker and batches of 5 with the rows the
+    uninterrupted run had left."""
     ds = evenly.Dataset(_arrow(tmp_path, _docs()), shuffle=True, seed=2, pack=evenly.Packing(SEQ))
     loader = evenly.DataLoader(ds, batch_size=3, num_workers=2, worker_type=worker_type)
     whole = [row for b in _batches(loader) for row in b["input_ids"]]
@@ -196,7 +198,7 @@ def test_a_resume_inside_a_read_group_continues_exactly(tmp_path, worker_type):
     it = iter(loader)  # the same epoch 0, interrupted
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", evenly.EvenlyWarning)
-        before = [row for _ in range(7) for row in next(it)["input_ids"].tolist()]
+        before = [row for _ in range(8) for row in next(it)["input_ids"].tolist()]
     state = loader.state_dict()
     del it
     other = evenly.DataLoader(ds, batch_size=5, num_workers=1, worker_type=worker_type)
@@ -207,7 +209,7 @@ def test_a_resume_inside_a_read_group_continues_exactly(tmp_path, worker_type):
 
 
 def test_a_worker_restored_inside_a_read_group_skips_exactly_its_rows(tmp_path):
-    """A restored worker skips ``skip`` rows of its share (rows are read 32 at a time, in
+    """A restored worker skips ``skip`` rows of its share (rows are read in groups of
     whole batches): what it yields is its share from row ``skip`` on, for any skip."""
     from evenly.core.spec import PassSpec
 

@@ -195,15 +195,15 @@ def tokens(rec: Records) -> Finding:
     by tokens: every planned piece exactly once (its streams' share of the epoch)."""
     lengths, _ = _pack(rec)
     assert rec.pack is not None
+    title = "Every token once (packing)"
     if rec.pack.expected is not None:
         found = _planned(rec)
         if not found:
             planned = sum(int(x[2].sum()) for x in rec.pack.expected)
             detail = f"every planned token of the mixture ({planned} over the epochs) once"
-            return Finding("tokens", "Every token once (packing)", "PASS", 0, detail)
+            return Finding("tokens", title, "PASS", 0, detail)
     else:
         found = record_coverage(rec)
-    title = "Every token once (packing)"
     if not found:
         detail = (
             f"every token of the {len(lengths)} documents ({int(lengths.sum())} tokens) "

@@ -60,10 +60,9 @@ def pack_info(dataset: Any, epochs: int, settings: Settings | None = None) -> Pa
     assert packer is not None
     files = packer.files(planner.view)
     rows = tuple(planner.units(e) for e in range(epochs))
+    lengths = np.array(files.lengths, dtype=np.int64)
     if not is_token_mix(dataset.source):
-        lengths = np.array(files.lengths, dtype=np.int64)
         return PackInfo(packer.packing.seq_len, planner.pad, lengths, rows)
-    lengths = np.array(files.lengths[np.arange(len(files.lengths))], dtype=np.int64)
     shuffle = planner.shuffle_mode != "none"
     changes = sorted(settings.set_weights) if settings is not None else []
     step = settings.world_size * settings.batch_size if settings is not None else 1

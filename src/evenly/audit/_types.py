@@ -237,7 +237,7 @@ class Records:
     ``evenly.Mix``, ``mix`` describes the mixture and ``reads`` holds the global index
     (into the concatenated sources) each sample was read from, ``-1`` when unknown.
     For a packed dataset (``pack``), a row is a sample (its id: its first token, see
-    ``evenly.audit._trace.row_id``) and ``pieces`` holds every row's pieces, ``(n, 4)``:
+    ``row_id``) and ``pieces`` holds every row's pieces, ``(n, 4)``:
     (row of these records, document, absolute start, token count).
     """
 

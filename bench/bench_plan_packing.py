@@ -18,6 +18,7 @@ Pass ``--child`` only internally.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import shutil
@@ -65,8 +66,8 @@ def _child(lengths_path: str, n: int, strategy: str, seq_len: int) -> None:
     thread = threading.Thread(target=sample, daemon=True)
     thread.start()
     t0, c0 = time.perf_counter(), time.process_time()
-    if strategy == "mix-tokens":
-        rows, tokens = _plan_mix(lengths, n, seq_len)
+    if strategy in MIXES:
+        rows, tokens = _plan_mix(lengths, n, seq_len, MIXES[strategy])
     else:
         files = PlanFiles(Packing(seq_len, strategy=strategy), lengths, "bench")
         table = files.table(0, (0, "global", 8), FeistelPermutation(n, seed=0, epoch=0))
@@ -89,22 +90,31 @@ def _child(lengths_path: str, n: int, strategy: str, seq_len: int) -> None:
     )
 
 
-def _plan_mix(lengths: np.memmap, n: int, seq_len: int) -> tuple[int, int]:
-    """A Mix by tokens of the two halves (weights 0.7 / 0.3, every token once per epoch
-    on average): the merged order written to the node's file, then its concat rows."""
+#: The token mixtures planned: the documents cut into equal parts, one per weight (every
+#: token once per epoch on average).  ``0.85 / 0.05 * 3`` is merged by deadline.
+MIXES = {"mix-tokens": (0.7, 0.3), "mix-tokens-dominant": (0.85, 0.05, 0.05, 0.05)}
+
+
+def _plan_mix(
+    lengths: np.memmap, n: int, seq_len: int, weights: tuple[float, ...]
+) -> tuple[int, int]:
+    """A Mix by tokens of equal parts of the documents under ``weights``: the merged
+    order written to the node's file, then its concat rows."""
     from evenly.core.mix.tokens import ITEM, token_epoch_chunks, token_shares
     from evenly.core.packing.settings import Packing
     from evenly.runtime.packed_plans import PlanFiles
     from evenly.runtime.token_mix import _open_items
 
-    parts = [lengths[: n // 2], lengths[n // 2 :]]
+    cuts = [n * k // len(weights) for k in range(len(weights) + 1)]
+    parts = [lengths[a:b] for a, b in itertools.pairwise(cuts)]
     totals = [int(np.sum(p, dtype=np.int64)) for p in parts]
-    shares = token_shares(totals, [0.7, 0.3], sum(totals))
+    shares = token_shares(totals, weights, sum(totals))
     path = os.path.join(os.environ["EVENLY_CACHE_DIR"], "mix.items")
     os.makedirs(os.path.dirname(path), exist_ok=True)
+    names = list("abcd")[: len(parts)]
     with open(path, "wb") as f:
         for chunk in token_epoch_chunks(parts, shares, seq_len=seq_len, seed=0, epoch=0,
-                                        shuffle=True, names=["a", "b"]):  # fmt: skip
+                                        shuffle=True, names=names):  # fmt: skip
             chunk.tofile(f)
     items = _open_items(path, os.path.getsize(path) // ITEM.itemsize, "bench")
     files = PlanFiles(Packing(seq_len), lengths, "bench", sum(shares))
@@ -118,7 +128,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--child", nargs=3)
-    parser.add_argument("--strategies", default="concat,best_fit,mix-tokens")
+    parser.add_argument("--strategies", default="concat,best_fit,mix-tokens,mix-tokens-dominant")
     args = parser.parse_args()
     if args.child:
         path, n, strategy = args.child
@@ -174,7 +184,7 @@ def main() -> None:
             )
         per_doc = statistics.median(run["cpu_seconds"] for run in runs) / args.docs * 1e9
         print(
-            f"  {strategy:9s} "
+            f"  {strategy:19s} "
             + "  ".join(cells)
             + f"  ({per_doc:.0f} CPU ns/document, rows {runs[0]['rows']:,}, "
             f"padding {100 * runs[0]['padding']:.2f}%)"

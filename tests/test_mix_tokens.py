@@ -13,12 +13,14 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import evenly
+from evenly.core.mix.deadline import floor_mul_div
 from evenly.core.mix.tokens import (
     deviation_bound,
+    merge_of,
     offsets_at,
     segmented_chunks,
     token_epoch,
@@ -89,8 +91,8 @@ def _cache(tmp_path, monkeypatch):
 # ---- the planning core ---------------------------------------------------------------
 @settings(max_examples=60, deadline=None)
 @given(
-    lengths=st.lists(st.lists(st.integers(0, 30), min_size=1, max_size=12), min_size=1, max_size=4),
-    weights=st.lists(st.integers(1, 9), min_size=4, max_size=4),
+    lengths=st.lists(st.lists(st.integers(0, 30), min_size=1, max_size=12), min_size=1, max_size=6),
+    weights=st.lists(st.sampled_from([1, 2, 3, 9, 40]), min_size=6, max_size=6),
     tokens=st.integers(1, 400),
     seq_len=st.integers(1, 12),
     shuffle=st.booleans(),
@@ -108,6 +110,7 @@ def test_core_every_token_once_before_twice_pieces_and_the_share_bound(
     names = [f"s{d}" for d in range(len(lengths))]
     bases = np.concatenate([[0], np.cumsum([len(x) for x in lengths])[:-1]])
     bound = deviation_bound(shares, seq_len)
+    assert max(bound) <= seq_len  # within one row, whatever the weights
     seen: Counter[tuple[int, int]] = Counter()
     for epoch in range(3):
         items = token_epoch(arrays, shares, seq_len=seq_len, seed=seed, epoch=epoch,
@@ -137,13 +140,13 @@ def test_core_every_token_once_before_twice_pieces_and_the_share_bound(
         assert set(counts) <= {q, q + 1} and counts.count(q + 1) == extra
 
 
+WEIGHTS_5 = st.lists(st.sampled_from([0, 1, 2, 5, 30]), min_size=5, max_size=5)
+
+
 @settings(max_examples=40, deadline=None)
 @given(
-    lengths=st.lists(st.lists(st.integers(0, 20), min_size=1, max_size=8), min_size=2, max_size=3),
-    changes=st.lists(
-        st.tuples(st.floats(0.01, 0.99), st.lists(st.integers(0, 5), min_size=3, max_size=3)),
-        max_size=3,
-    ),
+    lengths=st.lists(st.lists(st.integers(0, 20), min_size=1, max_size=8), min_size=2, max_size=5),
+    changes=st.lists(st.tuples(st.floats(0.01, 0.99), WEIGHTS_5), max_size=3),
     tokens=st.integers(2, 200),
     seq_len=st.integers(1, 8),
 )
@@ -154,7 +157,7 @@ def test_core_weight_changes_continue_every_stream_with_the_bound_per_segment(
     if not all(totals):
         return
     arrays = [np.array(x, dtype=np.int32) for x in lengths]
-    kw = {"seq_len": seq_len, "seed": 1, "shuffle": True, "names": ["a", "b", "c"][: len(lengths)]}
+    kw = {"seq_len": seq_len, "seed": 1, "shuffle": True, "names": list("abcde")[: len(lengths)]}
     segments = token_segments(None, 0, totals, None, tokens)
     part: dict[str, Any] = {"anchor_epoch": 0, "anchor_offsets": [0] * len(lengths),
                             "weights": None, "changes": []}  # fmt: skip
@@ -195,6 +198,69 @@ def test_core_weight_changes_continue_every_stream_with_the_bound_per_segment(
 def test_the_bound_is_under_one_row_for_up_to_three_sources():
     assert max(deviation_bound([5, 5], 100)) == 50
     assert max(deviation_bound([8, 1, 1], 100)) < 100
+    assert merge_of([8, 1, 1]) == merge_of([3, 3, 2, 2]) == "midpoint"
+    assert merge_of([6, 1, 1, 1]) == "deadline" and max(deviation_bound([6, 1, 1, 1], 100)) == 100
+
+
+def _worst(items: np.ndarray, bases: np.ndarray, shares: list[int]) -> float:
+    """The largest ``|tokens_d - p_d * t|`` over every item boundary of the order."""
+    src = np.searchsorted(bases, items["doc"], side="right") - 1
+    per = np.zeros((len(shares), items.size + 1))
+    np.add.at(per, (src, np.arange(1, items.size + 1)), items["len"])
+    cum = np.cumsum(per, axis=1)
+    p = np.array(shares) / sum(shares)
+    return float(np.abs(cum - p[:, None] * cum.sum(axis=0)[None, :]).max())
+
+
+def test_a_dominant_source_among_many_stays_within_one_row(monkeypatch):
+    """One source with 80% of the tokens and five small ones: merged by midpoint, the
+    small sources' pieces line up and the dominant one falls more than a row behind;
+    merged by deadline, every source stays within one row at every prefix."""
+    import evenly.core.mix.tokens as tokens_mod
+
+    rng = np.random.default_rng(3)
+    seq_len = 64
+    sizes = (800, 40, 40, 40, 40, 40)
+    arrays = [rng.integers(1, 4 * seq_len, size=n).astype(np.int32) for n in sizes]
+    totals = [int(a.sum()) for a in arrays]
+    shares = list(token_shares(totals, [80, 4, 4, 4, 4, 4], sum(totals)))
+    bases = np.concatenate([[0], np.cumsum([len(a) for a in arrays])[:-1]])
+    kw = {"seq_len": seq_len, "seed": 2, "epoch": 0, "shuffle": True, "names": list("abcdef")}
+    assert merge_of(shares) == "deadline"
+    items = token_epoch(arrays, shares, **kw)
+    assert _worst(items, bases, shares) <= seq_len
+    assert int(items["len"].sum()) == sum(shares)
+    monkeypatch.setattr(tokens_mod, "merge_of", lambda shares: "midpoint")
+    assert _worst(token_epoch(arrays, shares, **kw), bases, shares) > seq_len
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    a=st.lists(st.integers(-(10**12), 10**12), min_size=1, max_size=20),
+    num=st.integers(1, 10**12),
+    den=st.integers(1, 10**12),
+)
+def test_the_deadline_keys_are_exact_past_int64s_range(a, num, den):
+    """``floor(a * num / den)`` in int64 equals Python's exact integers, where ``a *
+    num`` is far past int64 (10^24) and the result is not."""
+    assume(all(abs(x * num // den) < 2**62 for x in a))
+    got = floor_mul_div(np.array(a, dtype=np.int64), num, den).tolist()
+    assert got == [x * num // den for x in a]
+
+
+def test_the_deadline_merge_is_the_same_whatever_its_windows(monkeypatch):
+    """Fetched a few tokens at a time (pieces cut across windows), the same order."""
+    import evenly.core.mix.deadline as deadline_mod
+
+    rng = np.random.default_rng(4)
+    arrays = [rng.integers(1, 50, size=n).astype(np.int32) for n in (300, 30, 30, 30)]
+    shares = list(token_shares([int(a.sum()) for a in arrays], [9, 1, 1, 1], 9000))
+    kw = {"seq_len": 16, "seed": 1, "epoch": 1, "shuffle": True, "names": list("abcd")}
+    whole = token_epoch(arrays, shares, **kw)
+    monkeypatch.setattr(deadline_mod, "FETCH", 37)
+    assert token_epoch(arrays, shares, **kw).tolist() == whole.tolist()
+    monkeypatch.setattr(deadline_mod, "FETCH", 5)  # windows where no piece starts
+    assert token_epoch(arrays, shares, **kw).tolist() == whole.tolist()
 
 
 # ---- through the loader --------------------------------------------------------------
@@ -240,6 +306,88 @@ def test_every_share_exact_and_the_same_rows_for_every_topology(strategy):
         glob = interleave(per_rank, batch)
         assert real(glob) == real(ref)
         _check_shares(glob, world * batch, strategy)
+
+
+def test_a_dominant_mix_of_four_is_within_one_row_at_every_step_through_real_workers():
+    """Four sources, one with 85% of the tokens: merged by deadline; every global step
+    boundary of two ranks with worker processes within one row of every share, the rows
+    those of one process, every token of the epoch's shares once, and a resume onto
+    another topology exact."""
+    rng = np.random.default_rng(8)
+    sizes = {"web": 60, "code": 6, "math": 6, "books": 6}
+    base = {name: 1_000_000 * (k + 1) for k, name in enumerate(sizes)}
+    corpus = {
+        name: [[base[name] + 1000 * i + t for t in range(int(n))]
+               for i, n in enumerate(rng.integers(8, 48, size=size))]
+        for name, size in sizes.items()
+    }  # fmt: skip
+    weights = {"web": 0.85, "code": 0.05, "math": 0.05, "books": 0.05}
+
+    def make(rank: int | None = None, world: int | None = None) -> evenly.Dataset:
+        m = evenly.Mix(corpus, weights=weights, unit="tokens", tokens_per_epoch=1600)
+        return evenly.Dataset(m, shuffle=True, seed=3, rank=rank, world_size=world,
+                              pack=evenly.Packing(SEQ))  # fmt: skip
+
+    m = make().source
+    shares = dict(zip(sizes, m.token_shares([sum(map(len, corpus[n])) for n in sizes]),
+                      strict=True))  # fmt: skip
+    assert merge_of(list(shares.values())) == "deadline"
+    ref = rows_of(list(evenly.DataLoader(make(), batch_size=1)))
+    per_rank = [rows_of(list(evenly.DataLoader(make(r, 2), batch_size=2, num_workers=2)))
+                for r in range(2)]  # fmt: skip
+    glob = interleave(per_rank, 2)
+    assert real(glob) == real(ref)
+    owner = {t: name for name, d in corpus.items() for doc in d for t in doc}
+    have: Counter[str] = Counter()
+    for k in range(0, len(glob), 4):  # global steps of 2 ranks * 2 rows
+        for row in glob[k : k + 4]:
+            have.update(owner[t] for t in row if t)
+        t = sum(have.values())
+        for name, share in shares.items():
+            assert abs(have[name] - share / 1600 * t) <= SEQ
+    assert dict(have) == shares
+    tokens = Counter(t for row in glob for t in row if t)
+    assert max(tokens.values()) == 1  # every share fits in one pass of its source here
+    loader = evenly.DataLoader(make(), batch_size=3)
+    it = iter(loader)
+    head = [next(it) for _ in range(7)]
+    state = loader.state_dict()
+    del it
+    fresh = evenly.DataLoader(make(), batch_size=2, num_workers=2)  # another batch size
+    fresh.load_state_dict(state)
+    assert real(rows_of(head) + rows_of(list(fresh))) == real(ref)
+
+
+@pytest.mark.parametrize("sources", [2, 4])
+def test_a_state_saved_before_the_deadline_merge_loads_only_where_the_order_is_the_same(sources):
+    """A state without ``merge`` (saved by the midpoint-only evenly) loads where the
+    order did not change (no source dominates four or more); elsewhere it raises,
+    naming why, instead of resuming other tokens."""
+    names = ["web", "code", "math", "books"][:sources]
+    corpus = {n: [[10 * k + i + 1 for i in range(5)]] * 8 for k, n in enumerate(names)}
+    weights = dict(zip(names, [0.85, 0.05, 0.05, 0.05] if sources == 4 else [0.85, 0.15],
+                       strict=True))  # fmt: skip
+
+    def make() -> evenly.DataLoader:
+        m = evenly.Mix(corpus, weights=weights, unit="tokens")
+        ds = evenly.Dataset(m, shuffle=True, seed=1, pack=evenly.Packing(4))
+        return evenly.DataLoader(ds, batch_size=1)
+
+    loader = make()
+    it = iter(loader)
+    next(it)
+    state = loader.state_dict()
+    del it
+    old = json.loads(json.dumps(state))
+    del old["source_state"]["merge"]
+    fresh = make()
+    if sources == 2:
+        fresh.load_state_dict(old)
+        assert rows_of(list(fresh)) == rows_of(list(make()))[1:]
+    else:
+        with pytest.raises(evenly.StateError, match="merged by deadline"):
+            fresh.load_state_dict(old)
+        fresh.load_state_dict(state)  # the state this evenly saved loads
 
 
 def test_streams_continue_across_epochs_once_before_twice():

@@ -374,6 +374,7 @@ class Mix(Sources):
             "lengths": list(self.lengths),
             "weights": None if self.weights is None else list(self.weights.values()),
             "tokens_per_epoch": self.tokens_per_epoch,
+            "merge": 2,  # midpoint, or deadline where a source dominates (since 0.2)
         }
 
     def __repr__(self) -> str:

@@ -20,7 +20,14 @@ import numpy as np
 import numpy.typing as npt
 
 from evenly.core.mix.apportion import check_weights
-from evenly.core.mix.tokens import ITEM, TokenSegment, offsets_at, segmented_chunks, token_segments
+from evenly.core.mix.tokens import (
+    ITEM,
+    TokenSegment,
+    merge_of,
+    offsets_at,
+    segmented_chunks,
+    token_segments,
+)
 from evenly.core.packing.settings import Packing
 from evenly.runtime.lengths import document_lengths
 from evenly.runtime.packed_plans import prune
@@ -160,7 +167,8 @@ def token_items(
     (``part``: what the pass carries after a loaded state or ``set_weights``)."""
     segments = _segments(mix, lengths, epoch, part)
     total = sum(mix.token_shares(lengths.totals))
-    text = f"{lengths_key}/{mix.names}/{segments}/{seed}/{shuffle}/{packing.seq_len}/tokens-v2"
+    merges = [merge_of(s.shares) for s in segments]
+    text = f"{lengths_key}/{mix.names}/{segments}/{seed}/{shuffle}/{packing.seq_len}/{merges}"
     key = hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
     folder = cache_subdir("packing")
     path = os.path.join(folder, f"{key}-e{epoch}.items")

@@ -24,9 +24,12 @@ import numpy.typing as npt
 
 from evenly.core.permutation import keyed_bijection, mix64
 
-__all__ = ["STRIDE", "TokenStream"]
+__all__ = ["ITEM", "STRIDE", "TokenStream"]
 
 I64 = npt.NDArray[np.int64]
+#: One item of a mixture's epoch order: tokens ``[start, start + len)`` of global
+#: document ``doc`` (16 bytes, the layout of the node's plan file too).
+ITEM = np.dtype([("doc", "<i8"), ("start", "<i4"), ("len", "<i4")])
 #: Positions of a pass between two resume points.
 STRIDE = 1024
 #: Positions whose lengths are gathered per numpy call while finding resume points.

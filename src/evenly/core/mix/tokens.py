@@ -23,8 +23,12 @@ deviation from its share ``p_d * t`` is ``r_d (1 - p_d) - p_d * sum_{k != d} r_k
 
     |tokens_d(t) - p_d * t| <= seq_len / 2 * (1 + p_d * (D - 2))
 
-for ``D`` sources (:func:`deviation_bound`): under half a row for two sources, under one
-row (``seq_len``) for three, and for more whenever ``p_d <= 1 / (D - 2)``.
+for ``D`` sources with a share: under half a row for two sources, under one row
+(``seq_len``) for three, and for more whenever ``p_d <= 1 / (D - 2)``.  Where some
+source's ``p_d > 1 / (D - 2)`` (:func:`merge_of`), the pieces are merged by deadline
+instead (:mod:`evenly.core.mix.deadline`), which keeps every source within ``seq_len``:
+every source is within one row of its share at every prefix, whatever the weights
+(:func:`deviation_bound`).
 
 >>> lengths = [np.array([3, 3, 3, 3]), np.array([5, 1])]
 >>> shares = token_shares([12, 6], [2, 1], 12)
@@ -48,7 +52,8 @@ import numpy as np
 import numpy.typing as npt
 
 from evenly.core.mix.apportion import mix_counts
-from evenly.core.mix.token_stream import TokenStream
+from evenly.core.mix.deadline import deadline_chunks
+from evenly.core.mix.token_stream import ITEM, TokenStream
 from evenly.core.permutation import derive_keys
 from evenly.errors import StateError, check_int
 
@@ -58,6 +63,7 @@ __all__ = [
     "check_token_state",
     "check_unit",
     "deviation_bound",
+    "merge_of",
     "offsets_at",
     "segmented_chunks",
     "token_epoch",
@@ -67,9 +73,6 @@ __all__ = [
 ]
 
 I64 = npt.NDArray[np.int64]
-#: One item of the epoch's order: tokens ``[start, start + len)`` of global document
-#: ``doc`` (16 bytes, the layout of the node's plan file too).
-ITEM = np.dtype([("doc", "<i8"), ("start", "<i4"), ("len", "<i4")])
 #: Items per window of the merge (about).
 CHUNK = 1 << 17
 
@@ -115,7 +118,19 @@ def check_unit(
 def check_token_state(state: Any, mine: dict[str, Any], names: Sequence[str]) -> dict[str, Any]:
     """A token mixture's part of a checkpoint must match the Mix it is loaded into;
     returns what the pass carries from it (the streams' anchor and weight changes)."""
-    for key in ("unit", "names", "lengths", "weights", "tokens_per_epoch"):
+    if isinstance(state, dict) and "merge" not in state:  # saved before the deadline merge
+        part = state.get("part") or {}
+        vectors = [state.get("weights"), part.get("weights")] if isinstance(part, dict) else []
+        vectors += [c[1] for c in part.get("changes", ())] if isinstance(part, dict) else []
+        if any(_may_dominate(w, len(names)) for w in vectors):
+            raise StateError(
+                "evenly.Mix: this state was saved by an evenly that merged every token "
+                "mixture by midpoint; one where a source dominates four or more is now "
+                "merged by deadline (docs/packing.md), so its position would name other "
+                "tokens: resume it with the evenly that saved it, or start the epoch over"
+            )
+        state = {**state, "merge": mine["merge"]}
+    for key in ("unit", "names", "lengths", "weights", "tokens_per_epoch", "merge"):
         if not isinstance(state, dict) or state.get(key) != mine[key]:
             got = state.get(key) if isinstance(state, dict) else state
             raise StateError(
@@ -141,11 +156,32 @@ def check_token_state(state: Any, mine: dict[str, Any], names: Sequence[str]) ->
     return dict(part)
 
 
+def _may_dominate(weights: Any, sources: int) -> bool:
+    """Whether a token mixture saved with these weights (``None``: by tokens) may be
+    merged by deadline (the shares, not known here, round the weights)."""
+    if weights is None:
+        return sources >= 4
+    held = [float(w) for w in weights if float(w) > 0]
+    return len(held) >= 4 and max(held) * (len(held) - 2) >= sum(held) * (1 - 1e-9)
+
+
+def merge_of(shares: Sequence[int]) -> str:
+    """How an epoch with these shares is merged: ``"midpoint"``, or ``"deadline"`` where
+    the midpoint bound would pass one row (some ``p_d * (D - 2) > 1``, ``D`` the sources
+    with a share)."""
+    held = [int(s) for s in shares if int(s)]
+    if len(held) >= 4 and max(held) * (len(held) - 2) > sum(held):
+        return "deadline"
+    return "midpoint"
+
+
 def deviation_bound(shares: Sequence[int], seq_len: int) -> tuple[float, ...]:
     """Per source, the most its tokens among any prefix of the epoch's order may differ
-    from its share of that prefix (see the module)."""
+    from its share of that prefix (see the module): at most ``seq_len``."""
+    if merge_of(shares) == "deadline":
+        return tuple(float(seq_len) for _ in shares)
     total = sum(int(s) for s in shares)
-    d = len(shares)
+    d = sum(1 for s in shares if int(s))
     return tuple(seq_len / 2 * (1 + int(s) / total * max(d - 2, 0)) for s in shares)
 
 
@@ -174,9 +210,11 @@ def token_epoch_chunks(
     concatenated in ``names`` order); ``offsets``: each stream's token offset at the epoch
     start (default ``epoch * share``: the weights never changed).
 
-    The merge runs over windows of virtual time: an item belongs to the window of its
-    midpoint tag, and each source's items of a window lie in a token range of the
-    window's width (plus one piece), so windows are sorted one by one."""
+    The midpoint merge runs over windows of virtual time: an item belongs to the window
+    of its midpoint tag, and each source's items of a window lie in a token range of the
+    window's width (plus one piece), so windows are sorted one by one.  Where
+    :func:`merge_of` says ``"deadline"``, :func:`~evenly.core.mix.deadline.deadline_chunks`
+    merges them."""
     total = sum(int(x) for x in shares)
     if offsets is None:
         offsets = [epoch * int(x) for x in shares]
@@ -185,6 +223,10 @@ def token_epoch_chunks(
     for d, lens in enumerate(lengths):
         (key,) = derive_keys(f"mix-tokens/{len(names[d])}:{names[d]}", seed, 0, 1)
         streams.append(TokenStream(lens, seq_len=seq_len, key=key, shuffle=shuffle))
+    if merge_of(shares) == "deadline":
+        yield from deadline_chunks(streams, shares, offsets, seq_len=seq_len,
+                                   bases=bases.tolist(), chunk=chunk)  # fmt: skip
+        return
     pieces = sum(
         int(x) * st.pieces / st.total for x, st in zip(shares, streams, strict=True) if int(x)
     )

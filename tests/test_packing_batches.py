@@ -299,6 +299,28 @@ def test_the_token_window_of_arrow_files_gives_the_rows_of_the_documents_themsel
     assert rows(source, num_workers=2, worker_type="process") == want
 
 
+def test_more_files_than_stay_open_give_the_rows_of_the_documents_themselves(tmp_path):
+    # over max_open_files the documents are read one by one, and a read group's files
+    # evict each other's maps mid-read: the views taken before an eviction keep their
+    # map (pyarrow unmaps on the last view's release), so the rows stay exact
+    docs = _docs()
+    source = evenly.from_arrow(_arrow_files(tmp_path, docs, pa.int32()))
+    source.max_open_files = 1  # three files: every read opens and closes maps
+    assert source.token_ranges(np.arange(5), "input_ids") is None  # the one-by-one path
+    pack = evenly.Packing(SEQ, pad_id=0)
+
+    def rows(src: Any, **kw: Any) -> list[list[int]]:
+        ds = evenly.Dataset(src, shuffle=True, seed=4, pack=pack)
+        return [r for b in _batches(evenly.DataLoader(ds, batch_size=5, **kw))
+                for r in b["input_ids"]]  # fmt: skip
+
+    want = rows(docs)
+    assert rows(source) == want
+    assert rows(source, num_workers=2, worker_type="thread") == want
+    assert rows(source, num_workers=2, worker_type="process") == want
+    assert len(source._handles) <= 1
+
+
 def test_a_token_window_read_checks_each_file_it_reads_unchanged(tmp_path):
     docs = _docs()
     folder = _arrow_files(tmp_path, docs, pa.int32())

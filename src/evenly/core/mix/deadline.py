@@ -31,7 +31,8 @@ than ``x - t0 - L``, too few to keep the merge busy from the end of the piece at
     |tokens_d(t) - S_d / T * t| <= seq_len
 
 All of it is integer arithmetic, so the order is the same on every machine.  The merge
-is sequential: about a microsecond of CPU per piece (docs/packing.md states the cost).
+is sequential, one heap step per piece: about twice the midpoint merge's planning CPU
+(docs/packing.md states the cost).
 
 >>> from evenly.core.mix.token_stream import TokenStream
 >>> streams = [TokenStream(np.array(x), seq_len=4, key=0, shuffle=False)

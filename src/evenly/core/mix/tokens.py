@@ -120,9 +120,13 @@ def check_token_state(state: Any, mine: dict[str, Any], names: Sequence[str]) ->
     returns what the pass carries from it (the streams' anchor and weight changes)."""
     if isinstance(state, dict) and "merge" not in state:  # saved before the deadline merge
         part = state.get("part") or {}
-        vectors = [state.get("weights"), part.get("weights")] if isinstance(part, dict) else []
-        vectors += [c[1] for c in part.get("changes", ())] if isinstance(part, dict) else []
-        if any(_may_dominate(w, len(names)) for w in vectors):
+        try:
+            vectors = [state.get("weights"), part.get("weights")]
+            vectors += [c[1] for c in part.get("changes", ())]
+            dominated = any(_may_dominate(w, len(names)) for w in vectors)
+        except (AttributeError, TypeError, IndexError, ValueError):
+            dominated = False  # malformed: named by the checks below
+        if dominated:
             raise StateError(
                 "evenly.Mix: this state was saved by an evenly that merged every token "
                 "mixture by midpoint; one where a source dominates four or more is now "

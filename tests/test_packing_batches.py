@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 import evenly
 from evenly.core.packing.concat import ConcatRows, concat_checkpoints
 from evenly.core.packing.pieces import IGNORE, PIECE, piece_tokens, place
+from evenly.sources._tokens import TokenSpan
 
 pytestmark = pytest.mark.filterwarnings("ignore:evenly.*pad row:evenly.EvenlyWarning")
 SEQ = 16
@@ -279,7 +280,7 @@ def _arrow_files(tmp_path: Any, docs: list[list[int]], kind: pa.DataType) -> str
 @pytest.mark.parametrize("kind", [pa.int32(), pa.uint16(), pa.int64()])
 @pytest.mark.parametrize("strategy", ["concat", "best_fit"])
 def test_the_token_window_of_arrow_files_gives_the_rows_of_the_documents_themselves(
-    tmp_path, kind, strategy
+    tmp_path, kind, strategy, monkeypatch
 ):
     # documents located and gathered through one window over every file's token buffers
     # give the rows the same documents give as Python lists (read one by one)
@@ -294,7 +295,11 @@ def test_the_token_window_of_arrow_files_gives_the_rows_of_the_documents_themsel
         return [r for b in _batches(loader) for r in b["input_ids"] + b["labels"]]
 
     want = rows(docs)
+    gathers = []
+    gather = TokenSpan.gather
+    monkeypatch.setattr(TokenSpan, "gather", lambda self, *a: gathers.append(1) or gather(self, *a))
     assert rows(source) == want
+    assert gathers  # the loader read through the window, not document by document
     assert rows(source, num_workers=2, worker_type="thread") == want
     assert rows(source, num_workers=2, worker_type="process") == want
 

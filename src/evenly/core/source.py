@@ -30,6 +30,7 @@ __all__ = [
     "Source",
     "SourceView",
     "TokenLengthsSource",
+    "TokenRangesSource",
     "TokenReadingSource",
 ]
 
@@ -123,6 +124,16 @@ class TokenReadingSource(Protocol):
 
 
 @runtime_checkable
+class TokenRangesSource(Protocol):
+    """Locates documents' token ids in one window over its memory (local Arrow files):
+    ``token_ranges(indices, field)`` gives ``(span, starts, lengths)``, the window (its
+    ``gather(starts, lengths, out)`` copies ranges out), where each document starts in
+    it and how many tokens it holds; or None where documents are read one by one."""
+
+    def token_ranges(self, indices: Any, field: str) -> Any: ...
+
+
+@runtime_checkable
 class IdentifiedSource(Protocol):
     """Has an identity that changes when its data does (checked on resume)."""
 
@@ -182,6 +193,8 @@ class SourceView:
     token_lengths: Callable[[str], Any] | None = None
     #: (indices, field) -> each document's token ids, or None
     read_tokens: Callable[[Sequence[int], str], list[Any]] | None = None
+    #: (indices, field) -> the documents' ranges in one token window, or None
+    token_ranges: Callable[[Any, str], Any] | None = None
     #: the source's cumulative I/O counters in this process (``loader.stats()``): a
     #: mapping with any of ``bytes_read``, ``bytes_decoded``, ``decode_seconds``,
     #: ``cache_hits``, ``cache_misses``
@@ -218,6 +231,7 @@ class SourceView:
             shuffle_advice=getattr(source, "shuffle_advice", None),
             token_lengths=source.token_lengths if isinstance(source, TokenLengthsSource) else None,
             read_tokens=source.read_tokens if isinstance(source, TokenReadingSource) else None,
+            token_ranges=source.token_ranges if isinstance(source, TokenRangesSource) else None,
             io_stats=io_stats if callable(io_stats := getattr(source, "io_stats", None)) else None,
             read_column_batches=source.read_column_batches
             if isinstance(source, GroupedColumnarSource)

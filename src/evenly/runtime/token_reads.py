@@ -6,8 +6,6 @@ per document or per piece.  Anything else reads documents one by one (the packer
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 import numpy.typing as npt
 
@@ -53,7 +51,7 @@ def direct_tokens(
     the source has none.  ``where``/``index``: each distinct document's epoch position and
     source index; ``planned``: their planned lengths; ``inverse``: each piece's document;
     ``empty``: where the tokens go."""
-    ranges: Any = getattr(ctx.view.source, "token_ranges", None)
+    ranges = ctx.view.token_ranges
     if ranges is None or packing.tokenize is not None or ctx.transform is not None:
         return None
     started = perf_counter()

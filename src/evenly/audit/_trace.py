@@ -430,13 +430,13 @@ def batch_ids(batch: Any, id_fn: IdFn) -> list[Any]:
     >>> batch_ids(torch.tensor([5, 6]), default_id), batch_ids({"__key__": ["a", "b"]}, default_id)
     ([5, 6], ['a', 'b'])
     """
-    ids = _fast_ids(batch) if id_fn is default_id else None
-    if ids is None:
-        ids = [id_fn(sample) for sample in uncollate(batch)]
-    out = []
-    for i in ids:  # an id_fn applied to a collated sample may give a tensor
-        out.append(default_id(i) if isinstance(i, torch.Tensor | np.ndarray | np.generic) else i)
-    return out
+    fast = _fast_ids(batch) if id_fn is default_id else None
+    if fast is not None:
+        return fast
+    ids = [id_fn(sample) for sample in uncollate(batch)]
+    # an id_fn applied to a collated sample may give a tensor
+    scalar = torch.Tensor | np.ndarray | np.generic
+    return [default_id(i) if isinstance(i, scalar) else i for i in ids]
 
 
 def _take(metas: MetaBatch, ids: list[Any]) -> MetaBatch:
@@ -473,12 +473,10 @@ def received(batch: Any, samples: list[Any], metas: MetaBatch, id_fn: IdFn) -> M
         ids = batch_ids(batch, id_fn)
     except Exception as exc:
         return _unread(metas, f"{type(exc).__name__}: {exc}")
-    have = metas.ids
-    if len(ids) == len(have) and (
-        np.array_equal(have, ids) if isinstance(have, np.ndarray) else have == ids
-    ):
+    have = metas.table["id"].tolist() if metas.labels is None else metas.labels
+    if have == ids:
         return metas  # the batch holds what was read
-    read = set(have.tolist() if isinstance(have, np.ndarray) else have)
+    read = set(have)
     if not ids:
         return _take(metas, ids) if read else metas
     if not any(i in read for i in ids):

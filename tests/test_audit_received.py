@@ -221,6 +221,15 @@ def test_received_rows_cuts_a_piece_at_a_changed_token_and_names_only_that_token
         length=np.r_[3, kept[:, 3]],
     )
     assert found.text.startswith("1 token missing (document 1 tokens [4, 5)"), found.text
+    # a collate_fn that leaves a row out: that row's pieces are gone, the others follow
+    two = [rows[0], {"input_ids": torch.tensor([30, 31, 0, 0, 0])}]
+    both = np.r_[pieces, [[1, 3, 0, 2]]].astype(np.int64)
+    metas = MetaBatch.of([(0, 1, 0.1, 0.2, 0.3, -1), (0, 2, 0.4, 0.5, 0.6, -1)])
+    left = received(
+        {"input_ids": two[1]["input_ids"][None]}, two, metas._replace(pieces=both), default_id
+    )
+    assert left.samples == 1 and left.ids.tolist() == [2]
+    assert left.pieces is not None and left.pieces.tolist() == [[0, 3, 0, 2]]
 
 
 def test_ids_are_read_back_from_the_batch_the_collate_fn_returned() -> None:

@@ -123,7 +123,17 @@ def build_records(
         reads=None if mix is None else np.concatenate(reads).astype(np.int64),
         pack=pack,
         pieces=pieces,
+        dropped=_dropped(ranks),
     )
+
+
+def _dropped(ranks: list[RankResult]) -> dict[int, list[str]]:
+    """Per epoch, the samples read but left out of the collated batches, once each."""
+    out: dict[int, list[str]] = {}
+    for result in ranks:
+        for epoch, i in result.dropped:
+            out.setdefault(epoch, []).append(str(i))
+    return {e: list(dict.fromkeys(names)) for e, names in sorted(out.items())}
 
 
 def _check(name: str, value: int, minimum: int) -> int:

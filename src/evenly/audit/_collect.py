@@ -85,6 +85,8 @@ class RankResult:
     #: packed rows: ``(n, 4)`` pieces (row of this result, document, start, tokens)
     pieces: I64 | None = None
     pack: PackInfo | None = None
+    #: ``(epoch, id)`` of each sample read but not in the collated batch the loop got
+    dropped: list[tuple[int, Any]] = field(default_factory=list)
     expected: int | None = None
     expected_source: str = "unknown"
     warnings: list[str] = field(default_factory=list)
@@ -168,7 +170,7 @@ def _build(
         tagged: Any = TagCollate(id_fn, user_collate)
         if isinstance(dataset.dataset, EvenlyDataset):  # its own loader over an evenly.Dataset
             trace_evenly(dataset.dataset, id_fn)
-            tagged = SplitCollate(user_collate)
+            tagged = SplitCollate(user_collate, id_fn)
         made = dataset.make(
             batch_size=settings.batch_size,
             num_workers=settings.num_workers,
@@ -176,7 +178,7 @@ def _build(
             **kwargs,
         )
         return made, True
-    collate = SplitCollate(kwargs.pop("collate_fn", None))
+    collate = SplitCollate(kwargs.pop("collate_fn", None), id_fn)
     if isinstance(dataset, EvenlyDataset):
         loader: DataLoader[Any] = EvenlyLoader(
             trace_evenly(dataset, id_fn),
@@ -260,6 +262,17 @@ class Columns:
         """Set ``result``'s columns (``first_batch``: epoch -> the batch number the first
         recorded batch of that epoch had, for a run that resumed inside it)."""
         metas = self.metas
+        unread = sorted({m.unread for m in metas if m.unread is not None})
+        if unread:  # kept with the rank's warnings: the report shows them
+            result.warnings.append(
+                f"evenly audit: the samples of {sum(m.unread is not None for m in metas)} "
+                f"batch(es) were recorded as read, not as the loop received them: the "
+                f"collated batch could not be read back ({unread[0]}); pass id_fn= that "
+                f"also names a collated sample"
+            )
+        result.dropped = [
+            (e, i) for m, e in zip(metas, self.epochs, strict=True) for i in m.dropped or ()
+        ]
         sizes = np.asarray([m.samples for m in metas], dtype=np.int64)
         epochs = np.asarray(self.epochs, dtype=np.int64)
         # batch number within its epoch: counts restart where the epoch changes
@@ -341,7 +354,7 @@ def run_job(job: Job, settings: Settings, rank: int) -> RankResult:
     result.mix = mix_info(_inner(dataset), settings)
     result.pack = pack_info(_inner(dataset), settings.epochs, settings)
     columns.fill(result)
-    result.warnings = log.lines()
+    result.warnings = log.lines() + result.warnings
     return result
 
 

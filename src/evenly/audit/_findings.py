@@ -46,6 +46,9 @@ __all__ = [
 #: Draws compared per stream when looking for shared random streams.
 RNG_PREFIX = 8
 
+#: Sample ids named per finding part.
+SHOWN_IDS = 5
+
 
 def _worst(statuses: list[Status]) -> Status:
     for status in ("FAIL", "WARN"):
@@ -110,7 +113,10 @@ def missing(rec: Records) -> Finding:
         seen = len(np.unique(rec.ids[rec.epoch == e]))
         gap = reference - seen
         if gap > 0:
-            parts.append(f"epoch {e}: {gap} of {reference} never delivered ({seen} seen)")
+            parts.append(
+                f"epoch {e}: {gap} of {reference} never delivered ({seen} seen"
+                f"{_dropped(rec.dropped.get(e, []))})"
+            )
             statuses.append("FAIL")
         elif gap < 0:
             parts.append(f"epoch {e}: {seen} distinct samples, more than the {reference} expected")
@@ -119,6 +125,14 @@ def missing(rec: Records) -> Finding:
     if not parts:
         parts.append(f"all {reference} samples delivered every epoch")
     return Finding("missing", f"Missing (vs {source})", _worst(statuses), worst, "; ".join(parts))
+
+
+def _dropped(names: list[str]) -> str:
+    """The samples read but left out of the collated batches, named."""
+    if not names:
+        return ""
+    shown = ", ".join(names[:SHOWN_IDS]) + (", ..." if len(names) > SHOWN_IDS else "")
+    return f", {len(names)} read but not in the batches collate_fn returned: {shown}"
 
 
 def rank_balance(rec: Records) -> Finding:

@@ -30,7 +30,7 @@ from ._launch import launch
 from ._packfindings import coverage, merged_pieces
 from ._resume import Resumed, ResumeItem, Stop, reference_task, resume_task
 from ._resumecheck import Run, check_stop, prefix_matches
-from ._types import Finding, PackInfo, Settings, Status
+from ._types import I64, Finding, MixInfo, PackInfo, Settings, Status
 
 __all__ = ["ResumeReport", "StopRun", "run_resume"]
 
@@ -251,6 +251,50 @@ def resumed_tokens(
     return [f"epoch {c.epoch}: {c.text}" for c in found]
 
 
+def _per_source(mix: MixInfo, results: list[RankResult], shift: list[int], epochs: int) -> I64:
+    """Samples per epoch and source of ``results`` (``shift``: epochs added to each
+    result's, as ``_next_epoch`` does; samples of no known source are not counted)."""
+    out = np.zeros((epochs, len(mix.names)), dtype=np.int64)
+    for result, d in zip(results, shift, strict=True):
+        reads = np.asarray(result.reads, dtype=np.int64).reshape(-1)
+        epoch = np.asarray(result.epoch, dtype=np.int64) + d
+        if len(reads) != len(epoch):
+            continue
+        ok = (reads >= 0) & (reads < int(sum(mix.lengths))) & (epoch < epochs)
+        np.add.at(out, (epoch[ok], mix.source_of(reads[ok])), 1)
+    return out
+
+
+def resumed_shares(
+    mix: MixInfo,
+    refs: list[RankResult],
+    segments: list[list[RankResult]],
+    epochs: int,
+    step: int,
+    later: bool = False,
+) -> list[str]:
+    """Each source's samples per epoch in a stopped and resumed run of a Mix against the
+    uninterrupted run's, beyond what padding or ``drop_last`` can move: the reference's
+    own (its samples more or fewer than ``sum(mix.counts)``) and the resumed run's, less
+    than one global ``step`` (the larger one)."""
+    want = _per_source(mix, refs, [0] * len(refs), epochs)
+    results = [r for seg in segments for r in seg]
+    shift = [int(later and k > 0) for k, seg in enumerate(segments) for _ in seg]
+    have = _per_source(mix, results, shift, epochs)
+    n = int(sum(mix.counts))
+    out = []
+    for e in range(epochs):
+        w, h = want[e], have[e]
+        slack = abs(int(w.sum()) - n) + min(abs(int(h.sum()) - n), step - 1)
+        off = [d for d in range(len(mix.names)) if abs(int(h[d]) - int(w[d])) > slack]
+        if off:
+            shown = ", ".join(
+                f"{mix.names[d]!r} {int(h[d])} ({int(w[d])} uninterrupted)" for d in off
+            )
+            out.append(f"epoch {e}: samples per source {shown}")
+    return out
+
+
 def resume_findings(
     report: ResumeReport,
     refs: list[RankResult],
@@ -268,6 +312,9 @@ def resume_findings(
         return [Finding("resume", "Resume", "WARN", 0, f"cannot resume: {report.cannot}")]
     ref = _run_of(refs, [encode(r) for r in refs], 0, settings.world_size)
     pack = refs[0].pack if refs else None
+    # a Mix by samples is apportioned on world_size x batch_size steps: its order after
+    # a resume onto another world size is another one by design (docs/mixtures.md)
+    mix = refs[0].mix if refs and pack is None else None
     if pack is not None:  # pad rows hold no data (their count may differ on another topology)
         ref = ref.select(ref.ids >= 0)
     # what the uninterrupted run got wrong already is its own finding (``tokens``)
@@ -296,6 +343,7 @@ def resume_findings(
                 batch_size=settings.batch_size,
                 reproducible=prefix_matches(ref, segs[0]),
                 label=label,
+                topology_free=mix is None,
             )
             check = judge(got)
             later = False  # the passes after the load counted one epoch later
@@ -315,12 +363,23 @@ def resume_findings(
             if pack is not None:  # packed: every token once, resumed too
                 tokens = resumed_tokens(pack, s.segments, settings.epochs, later)
                 check.problems += [t for t in tokens if t not in unresumed]
+            moved = mix is not None and s.world_size != settings.world_size
+            if mix is not None and moved:  # judged by exactly-once and each source's share
+                step = max(s.world_size, settings.world_size) * settings.batch_size
+                check.problems += resumed_shares(
+                    mix, refs, s.segments, settings.epochs, step, later
+                )
             check.problems += s.length_errors
             if check.problems:
                 status = "FAIL"
             elif check.notes:
                 status = "WARN"
             where = f"onto {s.world_size} ranks x {s.num_workers} workers"
+            if moved:
+                where += (
+                    " (a Mix's order depends on world_size x batch_size: judged by "
+                    "exactly-once and samples per source, not by order)"
+                )
             detail = "; ".join(check.problems + check.notes) or f"exact after resuming {where}"
         notes.extend(s.notes)
         findings.append(Finding(_slug(s.stop), f"Resume: {s.stop}", status, 0, detail))

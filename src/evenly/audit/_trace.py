@@ -45,6 +45,7 @@ __all__ = [
     "default_id",
     "draws_of",
     "metas_of",
+    "received",
     "trace_evenly",
 ]
 
@@ -238,11 +239,15 @@ META = np.dtype(
 class MetaBatch(NamedTuple):
     """The metas of one batch: ``table``, one ``META`` record a sample; ``labels``, the
     ids when they are not all integers (else ``table["id"]`` holds them); for packed
-    rows, ``pieces`` is ``(n, 4)``: (row in the batch, document, start, token count)."""
+    rows, ``pieces`` is ``(n, 4)``: (row in the batch, document, start, token count);
+    ``unread``: why the collated batch could not be read (the reader's record kept);
+    ``dropped``: the ids read for the batch that it does not hold."""
 
     table: npt.NDArray[np.void]
     labels: list[Any] | None = None
     pieces: I64 | None = None
+    unread: str | None = None
+    dropped: list[Any] | None = None
 
     @property
     def worker(self) -> I64:
@@ -300,13 +305,20 @@ def draws_of(table: npt.NDArray[np.void]) -> F64:
 
 
 class SplitCollate:
-    """Split ``(sample, meta)`` items into the user's collated batch and a ``MetaBatch``."""
+    """Split ``(sample, meta)`` items into the user's collated batch and a ``MetaBatch``
+    of what that batch holds (``received``): the loop's view, not the reader's."""
 
-    def __init__(self, collate: Callable[[list[Any]], Any] | None) -> None:
+    def __init__(
+        self, collate: Callable[[list[Any]], Any] | None, id_fn: IdFn | None = None
+    ) -> None:
         self.collate = default_collate if collate is None else collate
+        self.id_fn = default_id if id_fn is None else id_fn
 
     def __call__(self, items: list[tuple[Any, Meta]]) -> tuple[Any, MetaBatch]:
-        return self.collate([s for s, _ in items]), MetaBatch.of([m for _, m in items])
+        samples = [s for s, _ in items]
+        metas = MetaBatch.of([m for _, m in items])
+        batch = self.collate(samples)
+        return batch, received(batch, samples, metas, self.id_fn)
 
 
 class TagCollate:
@@ -330,7 +342,10 @@ class TagCollate:
     def __call__(self, samples: list[Any]) -> dict[str, Any]:
         worker = _worker_id()
         metas = MetaBatch.of([_meta(worker, s, self.id_fn) for s in samples])
-        return {"samples": metas.table, "batch": self.collate(samples), "metas": metas}
+        batch = self.collate(samples)
+        # "samples" stays what the loader read (its own position counts those)
+        seen = received(batch, samples, metas, self.id_fn)
+        return {"samples": metas.table, "batch": batch, "metas": seen}
 
 
 def metas_of(item: Any) -> MetaBatch:
@@ -340,3 +355,205 @@ def metas_of(item: Any) -> MetaBatch:
         metas: MetaBatch = item["metas"]
         return metas
     return item[1]  # type: ignore[no-any-return]
+
+
+# ---- what the loop received -----------------------------------------------------------
+# The metas are taken where the samples are read; the user's collate_fn may still drop,
+# repeat or change samples on their way to the loop.  ``received`` keeps the records of
+# what the collated batch holds: the samples whose ids it holds (read back from the batch
+# with the id function), or, for packed rows, the pieces whose tokens it holds unchanged.
+
+
+def _unread(metas: MetaBatch, why: str) -> MetaBatch:
+    return metas._replace(unread=why)
+
+
+def _column(value: Any) -> list[Any] | None:
+    """The per-sample entries of one collated field (None: not a per-sample field)."""
+    if isinstance(value, torch.Tensor | np.ndarray):
+        return None if value.ndim == 0 else list(value)
+    if isinstance(value, list | tuple):
+        return list(value)
+    return None
+
+
+def uncollate(batch: Any) -> list[Any]:
+    """The samples of a collated batch, as far as its structure tells: a tensor's rows,
+    a dict of columns as one dict a sample, a list of columns zipped, a list of samples.
+
+    >>> [s["idx"].item() for s in uncollate({"idx": torch.tensor([3, 4]), "n": 2})]
+    [3, 4]
+    >>> uncollate(["a/1", "a/2"])
+    ['a/1', 'a/2']
+    >>> [int(y) for _, y in uncollate([torch.zeros(2, 5), torch.tensor([7, 8])])]
+    [7, 8]
+    """
+    if isinstance(batch, Mapping):
+        columns = {k: c for k, c in ((k, _column(v)) for k, v in batch.items()) if c is not None}
+        sizes = [len(c) for c in columns.values()]
+        if not sizes:
+            raise TypeError("a dict with no per-sample field")
+        n = max(set(sizes), key=sizes.count)  # fields of another length are not per sample
+        kept = {k: c for k, c in columns.items() if len(c) == n}
+        return [{k: c[i] for k, c in kept.items()} for i in range(n)]
+    if isinstance(batch, list | tuple):
+        fields = [_column(v) for v in batch]
+        if batch and all(isinstance(v, torch.Tensor | np.ndarray) for v in batch):
+            lengths = {len(f) for f in fields if f is not None}
+            if len(lengths) == 1 and all(f is not None for f in fields):
+                n = lengths.pop()
+                return [tuple(f[i] for f in fields if f is not None) for i in range(n)]
+        return list(batch)
+    column = _column(batch)
+    if column is None:
+        raise TypeError(f"a {type(batch).__name__} is not a batch of samples")
+    return column
+
+
+def _fast_ids(batch: Any) -> list[Any] | None:
+    """The ids of a default-collated batch of default ids in one call (None: not one)."""
+    if isinstance(batch, torch.Tensor) and batch.ndim == 1 and not batch.is_floating_point():
+        return batch.tolist()  # type: ignore[no-any-return]
+    if isinstance(batch, Mapping):
+        for key in ID_KEYS:
+            if key in batch:
+                return _fast_ids(batch[key])
+        return None
+    if isinstance(batch, list) and all(type(v) is str for v in batch):
+        return batch
+    return None
+
+
+def batch_ids(batch: Any, id_fn: IdFn) -> list[Any]:
+    """The id of each sample the collated ``batch`` holds (raises where it cannot tell).
+
+    >>> batch_ids(torch.tensor([5, 6]), default_id), batch_ids({"__key__": ["a", "b"]}, default_id)
+    ([5, 6], ['a', 'b'])
+    """
+    fast = _fast_ids(batch) if id_fn is default_id else None
+    if fast is not None:
+        return fast
+    ids = [id_fn(sample) for sample in uncollate(batch)]
+    # an id_fn applied to a collated sample may give a tensor
+    scalar = torch.Tensor | np.ndarray | np.generic
+    return [default_id(i) if isinstance(i, scalar) else i for i in ids]
+
+
+def _take(metas: MetaBatch, ids: list[Any]) -> MetaBatch:
+    """The records of the samples ``ids`` names, in its order: each the next unused
+    record with that id (an id the reader produced fewer times reuses its last record;
+    one it never produced takes the batch's first record, with that id)."""
+    have = metas.ids
+    have_list = have.tolist() if isinstance(have, np.ndarray) else list(have)
+    free: dict[Any, list[int]] = {}
+    for i, v in enumerate(have_list):
+        free.setdefault(v, []).append(i)
+    last: dict[Any, int] = {}
+    take = []
+    for v in ids:
+        queue = free.get(v)
+        if queue:
+            last[v] = queue.pop(0)
+        take.append(last.get(v, 0))
+    dropped = [have_list[i] for i in sorted(i for queue in free.values() for i in queue)]
+    table = metas.table[np.asarray(take, dtype=np.int64)]
+    if all(type(v) is int for v in ids):
+        table["id"] = ids
+        return metas._replace(table=table, labels=None, dropped=dropped)
+    return metas._replace(table=table, labels=list(ids), dropped=dropped)
+
+
+def received(batch: Any, samples: list[Any], metas: MetaBatch, id_fn: IdFn) -> MetaBatch:
+    """``metas`` reduced to what the collated ``batch`` holds (see ``batch_ids`` and
+    ``received_rows``); where the batch cannot be read, the reader's ``metas`` with
+    ``unread`` saying why."""
+    if metas.pieces is not None:
+        return received_rows(batch, samples, metas)
+    try:
+        ids = batch_ids(batch, id_fn)
+    except Exception as exc:
+        return _unread(metas, f"{type(exc).__name__}: {exc}")
+    have = metas.table["id"].tolist() if metas.labels is None else metas.labels
+    if have == ids:
+        return metas  # the batch holds what was read
+    read = set(have)
+    if not ids:
+        return _take(metas, ids) if read else metas
+    if not any(i in read for i in ids):
+        shown = ", ".join(repr(i) for i in ids[:3])
+        return _unread(metas, f"its ids ({shown}...) are none of the samples read")
+    return _take(metas, ids)
+
+
+def _tokens(row: Any) -> torch.Tensor | None:
+    value = row.get("input_ids") if isinstance(row, Mapping) else None
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def received_rows(batch: Any, rows: list[Any], metas: MetaBatch) -> MetaBatch:
+    """Packed rows: the pieces whose tokens the collated batch's ``input_ids`` holds
+    unchanged.  Row for row when the batch has as many rows (a changed token cuts its
+    piece: the tokens around it stay received); otherwise each row the batch holds
+    unchanged, in the batch's order (a row it lost or changed: its pieces missing)."""
+    got = batch.get("input_ids") if isinstance(batch, Mapping) else None
+    before = [_tokens(row) for row in rows]
+    if not isinstance(got, torch.Tensor) or got.ndim != 2 or any(t is None for t in before):
+        what = type(got).__name__ if isinstance(batch, Mapping) else type(batch).__name__
+        return _unread(metas, f"no 2-D input_ids tensor in the collated batch (a {what})")
+    sent = [t for t in before if t is not None]
+    pieces = metas.pieces
+    assert pieces is not None
+    if got.shape[0] != len(sent):
+        return _matched_rows(got, sent, metas, pieces)
+    changed = [
+        i for i, t in enumerate(sent) if t.shape != got[i].shape or not torch.equal(t, got[i])
+    ]
+    if not changed:
+        return metas
+    offsets = _offsets(pieces)
+    keep: list[I64] = [pieces[~np.isin(pieces[:, 0], changed)]]
+    for i in changed:
+        t, g = sent[i], got[i]
+        n = min(len(t), len(g))
+        same = np.zeros(len(t), dtype=np.bool_)
+        same[:n] = (t[:n] == g[:n]).numpy()
+        for j in np.flatnonzero(pieces[:, 0] == i).tolist():
+            slot, doc, start, length = pieces[j].tolist()
+            at = int(offsets[j])
+            ok = np.r_[False, same[at : at + length], False].astype(np.int8)
+            edges = np.flatnonzero(np.diff(ok))  # runs of unchanged tokens: [a, b) pairs
+            for a, b in zip(edges[::2].tolist(), edges[1::2].tolist(), strict=True):
+                keep.append(np.array([[slot, doc, start + a, b - a]], dtype=np.int64))
+    kept = np.concatenate(keep)
+    return metas._replace(pieces=kept[np.argsort(kept[:, 0], kind="stable")])
+
+
+def _offsets(pieces: I64) -> I64:
+    """Each piece's first position in its row (pieces are in row order)."""
+    ends = np.cumsum(pieces[:, 3])
+    starts = ends - pieces[:, 3]
+    first = np.r_[True, pieces[1:, 0] != pieces[:-1, 0]] if len(pieces) else np.zeros(0, bool)
+    out: I64 = starts - np.maximum.accumulate(np.where(first, starts, 0))
+    return out
+
+
+def _matched_rows(
+    got: torch.Tensor, sent: list[torch.Tensor], metas: MetaBatch, pieces: I64
+) -> MetaBatch:
+    """The rows of ``sent`` that ``got`` holds unchanged, in ``got``'s order."""
+    free = list(range(len(sent)))
+    take = []
+    for row in got:
+        hit = next(
+            (i for i in free if sent[i].shape == row.shape and torch.equal(sent[i], row)), None
+        )
+        if hit is not None:
+            free.remove(hit)
+            take.append(hit)
+    parts = [pieces[pieces[:, 0] == i] for i in take]
+    for slot, part in enumerate(parts):
+        part[:, 0] = slot
+    kept = np.concatenate(parts) if parts else np.zeros((0, 4), dtype=np.int64)
+    table = metas.table[np.asarray(take, dtype=np.int64)]
+    labels = None if metas.labels is None else [metas.labels[i] for i in take]
+    return metas._replace(table=table, labels=labels, pieces=kept)

@@ -238,7 +238,8 @@ class Records:
     (into the concatenated sources) each sample was read from, ``-1`` when unknown.
     For a packed dataset (``pack``), a row is a sample (its id: its first token, see
     ``row_id``) and ``pieces`` holds every row's pieces, ``(n, 4)``:
-    (row of these records, document, absolute start, token count).
+    (row of these records, document, absolute start, token count).  ``dropped`` names,
+    per epoch, the samples read but not in the collated batches the loop received.
     """
 
     ids: I64
@@ -262,6 +263,7 @@ class Records:
     reads: I64 | None = None
     pack: PackInfo | None = None
     pieces: I64 | None = None
+    dropped: dict[int, list[str]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         n = len(self.ids)

@@ -5,7 +5,12 @@ entry is decoded again, with one ``EvenlyWarning``)."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import subprocess
+import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +21,7 @@ import pytest
 
 import evenly
 import evenly.sources as es
+from evenly.errors import EvenlyWarning
 from tests.sources_helpers import as_list
 
 ROWS, GROUP, BAD = 400, 100, 250  # row 250 (row group 2) gets a flipped bit
@@ -153,3 +159,97 @@ def test_evenly_write_and_its_cli_write_page_checksums(tmp_path: Path) -> None:
     write_plain(plain / "a.parquet", checksums=False)
     src = es.from_parquet(plain, cache_dir=str(tmp_path / "c"))
     assert [s["id"] for s in src.__getitems__(list(range(ROWS)))] == list(range(ROWS))
+
+
+# ---- the decoded-row cache: an entry whose bytes changed on disk --------------------------
+def payload(i: int) -> bytes:
+    return hashlib.sha256(str(i).encode()).digest() * 4  # 128 bytes, one per id
+
+
+CACHED_ROWS, CACHED_GROUP, VICTIM = 200, 50, 120  # row 120 is in row group 2
+
+
+def cached_data(tmp_path: Path) -> tuple[Path, Path]:
+    """Shards written by ``evenly.write``, and a cache holding every row group, one of
+    them with a flipped byte inside row ``VICTIM``'s payload."""
+    data, cache = tmp_path / "data", tmp_path / "cache"
+    rows = [{"id": i, "payload": payload(i)} for i in range(CACHED_ROWS)]
+    es.write(rows, data, rows_per_shard=CACHED_ROWS, row_group_size=CACHED_GROUP, progress=False)
+    src = es.from_parquet(data, cache_dir=str(cache))
+    assert [r["id"] for r in src.__getitems__(list(range(CACHED_ROWS)))] == list(range(200))
+    flipped = 0
+    for name in os.listdir(cache / "rows"):
+        if name.endswith(".arrow"):
+            entry = bytearray((cache / "rows" / name).read_bytes())
+            at = entry.find(payload(VICTIM))
+            if at >= 0:
+                entry[at + 5] ^= 0x20
+                (cache / "rows" / name).write_bytes(bytes(entry))
+                flipped += 1
+    assert flipped == 1
+    return data, cache
+
+
+def check_payloads(rows: list[dict[str, Any]]) -> None:
+    bad = [r["id"] for r in rows if r["payload"] != payload(r["id"])]
+    assert not bad, f"rows served with bytes never written: {bad}"
+
+
+def test_a_flipped_byte_in_a_cached_entry_is_decoded_again_with_one_warning(
+    tmp_path: Path,
+) -> None:
+    """0 workers: served as data before (row 120's payload changed); now the entry fails
+    its checksum when it is mapped, is removed and decoded again: the right rows, one
+    ``EvenlyWarning`` naming the entry and the source."""
+    data, cache = cached_data(tmp_path)
+    src = es.from_parquet(data, cache_dir=str(cache))
+    ds = evenly.Dataset(src, shuffle=True, seed=1, rank=0, world_size=1)
+    loader = evenly.DataLoader(ds, batch_size=BATCH, collate_fn=as_list)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rows = [r for batch in loader for r in batch]
+    assert sorted(r["id"] for r in rows) == list(range(CACHED_ROWS))
+    check_payloads(rows)
+    said = [str(w.message) for w in caught if issubclass(w.category, EvenlyWarning)]
+    assert len(said) == 1, said
+    assert "decoded-row cache entry" in said[0] and "is damaged" in said[0]
+    assert f"row group 2 of {data / 'shard-00000.parquet'}" in said[0]
+    assert src.decoded_cache is not None and src.decoded_cache.decodes == 1
+    check_payloads(es.from_parquet(data, cache_dir=str(cache)).__getitems__([VICTIM]))
+
+
+_TWO_WORKERS = """
+import json, sys
+import evenly, evenly.sources as es
+from tests.test_checksums import as_list, payload
+
+data, cache = sys.argv[1], sys.argv[2]
+ds = evenly.Dataset(es.from_parquet(data, cache_dir=cache), shuffle=True, seed=1)
+loader = evenly.DataLoader(ds, batch_size=8, num_workers=2, collate_fn=as_list, timeout=60)
+rows = [r for batch in loader for r in batch]
+bad = [r["id"] for r in rows if r["payload"] != payload(r["id"])]
+print(json.dumps({"ids": sorted(r["id"] for r in rows), "bad": bad}))
+"""
+
+
+def test_two_workers_rebuild_a_damaged_entry_once_and_serve_the_right_rows(
+    tmp_path: Path,
+) -> None:
+    """2 workers (in a fresh interpreter, so the workers' warnings reach its stderr under
+    Python's default filters): the right rows, the warning printed once (one worker
+    removes the entry under its lock; the other maps the new one)."""
+    data, cache = cached_data(tmp_path)
+    run = subprocess.run(
+        [sys.executable, "-c", _TWO_WORKERS, str(data), str(cache)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONWARNINGS": "default"},
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out["ids"] == list(range(CACHED_ROWS))
+    assert out["bad"] == [], f"rows served with bytes never written: {out['bad']}"
+    assert run.stderr.count("EvenlyWarning") == 1, run.stderr
+    assert "is damaged" in run.stderr

@@ -36,7 +36,7 @@ from fsspec.core import url_to_fs
 from evenly.errors import EvenlyWarning
 
 from ._base import Paths
-from ._cachedir import network_fs
+from ._cachedir import CacheDirError, network_fs, unwritable, where_from
 from ._columns import ArrowBatchSource, schema_meta
 from ._gather import chunk_views
 from ._manifest import FileEntry, local_fingerprint
@@ -313,7 +313,20 @@ def _node_cache(cache_dir: str | None, value: int | None) -> RowCache | None:
     bound = decoded_cache_bytes(value)
     if not bound:
         return None
-    cache = RowCache(cache_dir, bound)
+    try:
+        cache = RowCache(cache_dir, bound)
+        why = unwritable(cache.dir)
+    except CacheDirError as exc:
+        why = exc.why
+    if why is not None:
+        warnings.warn(
+            f"evenly.from_parquet: the decoded-row cache is off: {why}; the data is read "
+            f"without it (correct, slower). To use it, {where_from(cache_dir)}; "
+            f"decoded_cache_bytes=0 silences this",
+            EvenlyWarning,
+            stacklevel=4,
+        )
+        return None
     kind = network_fs(cache.dir)
     if kind is not None:
         used = value is not None

@@ -5,6 +5,9 @@ A row group is decoded once per node into the decoded-row cache (Arrow IPC files
 worker of every rank; with that cache off (``decoded_cache_bytes=0``), decoded row groups
 stay Arrow tables in a per-process LRU budgeted by their real buffer size.  A batch is one
 lookup for the whole batch and one ``take`` (or per-row accessor) per row group present.
+Every page read is checked against its CRC-32 when the file has page checksums
+(:class:`VerifiedParquetFile`; ``evenly.write`` writes them): a flipped bit is an error
+naming the file, the row group and the sample, never a value served.
 
 >>> import os, tempfile, pyarrow as pa, pyarrow.parquet as pq
 >>> d = tempfile.mkdtemp()

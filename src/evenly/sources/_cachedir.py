@@ -11,6 +11,7 @@ reader trusts.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import uuid
 from collections.abc import Callable
@@ -18,13 +19,17 @@ from collections.abc import Callable
 from filelock import FileLock
 
 __all__ = [
+    "ENV_DIR",
     "MOUNTS",
     "NETWORK_FS",
     "PART",
+    "CacheDirError",
     "cache_subdir",
     "default_cache_dir",
     "network_fs",
     "publish",
+    "unwritable",
+    "where_from",
 ]
 
 #: the infix of a file being written (``<target>.part-<pid>-<random>``)
@@ -41,18 +46,113 @@ NETWORK_FS = frozenset(
 
 #: where :func:`network_fs` reads the mounted file systems
 MOUNTS = "/proc/mounts"
+#: the environment variable naming the cache directory
+ENV_DIR = "EVENLY_CACHE_DIR"
+#: free bytes below which a write error that names no cause is put down to a full disk
+_NEARLY_FULL = 1 << 20
+
+
+class CacheDirError(OSError):
+    """``cache_dir`` (or the file evenly writes in it) cannot be written: a file in the
+    path, a read-only file system, no permission, a full disk.  The message names the
+    directory, the cause, and the setting to change; ``why`` is the cause alone."""
+
+    def __init__(self, message: str, *, why: str = "", code: int | None = None) -> None:
+        super().__init__(message)
+        self.why = why or message
+        self.errno = code  # type: ignore[assignment]  # typeshed: int; None for no errno
 
 
 def default_cache_dir() -> str:
     """``$EVENLY_CACHE_DIR``, else ``~/.cache/evenly``."""
-    return os.environ.get("EVENLY_CACHE_DIR") or os.path.join(
-        os.path.expanduser("~"), ".cache", "evenly"
+    return os.environ.get(ENV_DIR) or os.path.join(os.path.expanduser("~"), ".cache", "evenly")
+
+
+def where_from(cache_dir: str | None) -> str:
+    """How to point the cache elsewhere, given the ``cache_dir`` argument in use.
+
+    >>> where_from("/x")
+    'pass cache_dir= a writable local directory with room'
+    """
+    if cache_dir:
+        return "pass cache_dir= a writable local directory with room"
+    if os.environ.get(ENV_DIR):
+        return (
+            f"set ${ENV_DIR} (now {os.environ[ENV_DIR]!r}) to a writable local directory "
+            f"with room, or pass cache_dir="
+        )
+    return (
+        f"cache_dir defaults to ~/.cache/evenly: set ${ENV_DIR} or pass cache_dir= a "
+        f"writable local directory with room"
+    )
+
+
+def unwritable(directory: str, exc: OSError | None = None) -> str | None:
+    """Why nothing can be written in ``directory`` (after ``exc``, a failed write there,
+    if given): a file in its path, a read-only file system, no permission, a full disk;
+    None if it looks writable (``exc`` then had another cause).
+
+    >>> import tempfile
+    >>> unwritable(tempfile.mkdtemp()) is None
+    True
+    """
+    code = getattr(exc, "errno", None)
+    if exc is None or code in (errno.ENOTDIR, errno.EEXIST):
+        blocking = _file_in_path(directory)
+        if blocking is not None:
+            return f"{blocking} is a file, not a directory"
+    existing = directory
+    while not os.path.isdir(existing) and os.path.dirname(existing) != existing:
+        existing = os.path.dirname(existing)
+    try:
+        st = os.statvfs(existing)
+    except OSError:
+        st = None
+    if code == errno.EROFS or (st is not None and st.f_flag & os.ST_RDONLY):
+        return f"{existing} is on a read-only file system"
+    free = -1 if st is None else st.f_bavail * st.f_frsize
+    if code in (errno.ENOSPC, errno.EDQUOT) or (
+        exc is not None and code is None and 0 <= free < _NEARLY_FULL
+    ):
+        space = "" if free < 0 else f" ({free >> 10} KiB free)"
+        return f"the disk holding {existing} is full{space}"
+    denied = code in (errno.EACCES, errno.EPERM) and str(
+        getattr(exc, "filename", "") or ""
+    ).startswith(existing)
+    if denied or (exc is None and not os.access(existing, os.W_OK)):
+        return f"no permission to write in {existing}"
+    return None
+
+
+def _file_in_path(path: str) -> str | None:
+    """The first part of ``path`` that exists and is not a directory."""
+    parts = os.path.abspath(path).split(os.sep)
+    for i in range(2, len(parts) + 1):
+        head = os.sep.join(parts[:i])
+        if os.path.lexists(head) and not os.path.isdir(head):
+            return head
+    return None
+
+
+def cache_error(path: str, cache_dir: str | None, exc: OSError) -> CacheDirError | None:
+    """``exc`` (a failed write at ``path``) as a :class:`CacheDirError` naming the cause
+    and the setting, or None when the directory is not at fault."""
+    if isinstance(exc, CacheDirError):
+        return exc
+    why = unwritable(os.path.dirname(path), exc)
+    if why is None:
+        return None
+    why = f"{why} (writing {path}: {exc})"
+    return CacheDirError(
+        f"evenly: cannot write in the cache directory: {why}; {where_from(cache_dir)}",
+        why=why,
+        code=exc.errno,
     )
 
 
 def cache_subdir(kind: str, cache_dir: str | None = None) -> str:
     """``<cache_dir>/<kind>``, created if needed (``cache_dir`` defaults to
-    :func:`default_cache_dir`).
+    :func:`default_cache_dir`); :class:`CacheDirError` if it cannot be.
 
     >>> import os
     >>> d = cache_subdir("doctest", "/tmp/evenly-cache-doctest")
@@ -60,7 +160,13 @@ def cache_subdir(kind: str, cache_dir: str | None = None) -> str:
     (True, True)
     """
     path = os.path.abspath(os.path.join(cache_dir or default_cache_dir(), kind))
-    os.makedirs(path, exist_ok=True)
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        why = f"cannot create {path}: {unwritable(path, exc) or exc}"
+        raise CacheDirError(
+            f"evenly: {why}; {where_from(cache_dir)}", why=why, code=exc.errno
+        ) from exc
     return path
 
 
@@ -92,13 +198,15 @@ def network_fs(path: str, mounts: str | None = None) -> str | None:
     return kind if kind in NETWORK_FS else None
 
 
-def publish(target: str, write: Callable[[str], None]) -> str:
+def publish(target: str, write: Callable[[str], None], cache_dir: str | None = None) -> str:
     """Make ``target`` exist, written once per machine by whichever process comes first.
 
     ``write(tmp)`` writes the whole file at ``tmp`` (a ``.part-`` name beside ``target``);
     it is renamed into place only when ``write`` returns, so a reader never sees a partial
     file; on error the partial file is removed, and one left by a killed process has a
     unique name no reader opens.  Other processes wait on the target's lock, then find it.
+    A write that fails because the directory cannot be written (full, read-only...)
+    raises :class:`CacheDirError` naming the cause and the setting to change.
 
     >>> import os, pathlib
     >>> t = os.path.join(cache_subdir("doctest", "/tmp/evenly-cache-doctest"), "x.bin")
@@ -109,15 +217,26 @@ def publish(target: str, write: Callable[[str], None]) -> str:
     """
     if os.path.exists(target):
         return target
-    os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
-    with FileLock(target + ".lock"):
-        if os.path.exists(target):
-            return target
-        tmp = f"{target}{PART}{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        try:
-            write(tmp)
-            os.replace(tmp, target)
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
+    try:
+        os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
+        with FileLock(target + ".lock"):
+            if os.path.exists(target):
+                return target
+            tmp = f"{target}{PART}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            try:
+                write(tmp)
+                os.replace(tmp, target)
+            except OSError as exc:  # diagnosed before the partial file frees its space
+                error = cache_error(target, cache_dir, exc)
+                if error is None:
+                    raise
+                raise error from exc
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
+    except OSError as exc:
+        error = cache_error(target, cache_dir, exc)
+        if error is None or error is exc:
+            raise
+        raise error from exc
     return target

@@ -5,6 +5,9 @@ A row group is decoded once per node into the decoded-row cache (Arrow IPC files
 worker of every rank; with that cache off (``decoded_cache_bytes=0``), decoded row groups
 stay Arrow tables in a per-process LRU budgeted by their real buffer size.  A batch is one
 lookup for the whole batch and one ``take`` (or per-row accessor) per row group present.
+Every page read is checked against its CRC-32 when the file has page checksums
+(:class:`VerifiedParquetFile`; ``evenly.write`` writes them): a flipped bit is an error
+naming the file, the row group and the sample, never a value served.
 
 >>> import os, tempfile, pyarrow as pa, pyarrow.parquet as pq
 >>> d = tempfile.mkdtemp()
@@ -36,14 +39,14 @@ from fsspec.core import url_to_fs
 from evenly.errors import EvenlyWarning
 
 from ._base import Paths
-from ._cachedir import network_fs
+from ._cachedir import CacheDirError, network_fs, unwritable, where_from
 from ._columns import ArrowBatchSource, schema_meta
 from ._gather import chunk_views
 from ._manifest import FileEntry, local_fingerprint
 from ._rowcache import _TOUCH_EVERY, RowCache, decoded_cache_bytes
 from ._rowviews import RowAccess
 
-__all__ = ["ParquetSource", "from_parquet"]
+__all__ = ["ParquetSource", "VerifiedParquetFile", "from_parquet"]
 
 #: Decoded row groups kept per process (bytes of Arrow buffers) when the decoded-row
 #: cache is off; with it on, the bytes the per-row accessors add (the tables are mapped).
@@ -134,7 +137,7 @@ class ParquetSource(ArrowBatchSource):
         )
 
     def _open(self, k: int, path: str) -> Any:
-        return pq.ParquetFile(path)
+        return VerifiedParquetFile(path, self.urls[k])
 
     def _handle(self, k: int) -> Any:
         """With the decoded-row cache, shard ``k`` is opened only when one of its row
@@ -256,6 +259,36 @@ class ParquetSource(ArrowBatchSource):
         return state
 
 
+class VerifiedParquetFile(pq.ParquetFile):  # type: ignore[misc]  # pyarrow: untyped
+    """A Parquet file whose pages are checked against their CRC-32 checksums when they
+    are read (files written without checksums are read unverified: there is nothing to
+    check them against); a page that fails raises naming the file and the row group.
+
+    >>> import os, tempfile, pyarrow as pa, pyarrow.parquet as pq
+    >>> path = os.path.join(tempfile.mkdtemp(), "a.parquet")
+    >>> pq.write_table(pa.table({"x": [7, 8]}), path, write_page_checksum=True)
+    >>> VerifiedParquetFile(path).read_row_group(0)["x"].to_pylist()
+    [7, 8]
+    """
+
+    def __init__(self, path: str, url: str | None = None) -> None:
+        super().__init__(path, page_checksum_verification=True)
+        self.url = url or path
+
+    def read_row_group(self, i: int, *args: Any, **kwargs: Any) -> pa.Table:
+        try:
+            table: pa.Table = super().read_row_group(i, *args, **kwargs)
+        except OSError as exc:
+            if "checksum" not in str(exc).lower():
+                raise
+            raise ValueError(
+                f"row group {i} of {self.url} fails its page checksum ({exc}): the file is "
+                f"damaged (bytes changed on disk or in a copy); restore it from a good copy, "
+                f"or write it again"
+            ) from exc
+        return table
+
+
 class _Deferred:
     """A shard opened only to decode a row group, and closed right after: with the
     decoded-row cache a row group is decoded once per node, and an open ``ParquetFile``
@@ -272,7 +305,7 @@ class _Deferred:
             path = self.src.local_path(self.k)  # evicted by another process just now
         if not os.path.exists(path):
             raise FileNotFoundError(f"shard not found: {self.src.urls[self.k]}")
-        with pq.ParquetFile(path) as handle:
+        with VerifiedParquetFile(path, self.src.urls[self.k]) as handle:
             table: pa.Table = handle.read_row_group(g, **kwargs)
         return table
 
@@ -283,7 +316,20 @@ def _node_cache(cache_dir: str | None, value: int | None) -> RowCache | None:
     bound = decoded_cache_bytes(value)
     if not bound:
         return None
-    cache = RowCache(cache_dir, bound)
+    try:
+        cache = RowCache(cache_dir, bound)
+        why = unwritable(cache.dir)
+    except CacheDirError as exc:
+        why = exc.why
+    if why is not None:
+        warnings.warn(
+            f"evenly.from_parquet: the decoded-row cache is off: {why}; the data is read "
+            f"without it (correct, slower). To use it, {where_from(cache_dir)}; "
+            f"decoded_cache_bytes=0 silences this",
+            EvenlyWarning,
+            stacklevel=4,
+        )
+        return None
     kind = network_fs(cache.dir)
     if kind is not None:
         used = value is not None

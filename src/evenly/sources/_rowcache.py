@@ -5,8 +5,9 @@ page cache: file-backed, reclaimable memory instead of a private decode per proc
 
 - An entry is named by a hash of (shard URL, shard fingerprint, chunk, columns), so a
   changed file (new size, mtime, ctime, inode or ETag) is decoded again, never served
-  stale; the file also records that identity and its row count, checked when it is
-  mapped, so a damaged or foreign file is decoded again rather than trusted.
+  stale; the file also records that identity and its row count, and ends with a CRC-32
+  of all its other bytes, both checked when it is mapped, so a damaged (a flipped bit)
+  or foreign file is removed and decoded again, with an ``EvenlyWarning``, never served.
 - It is written once per node through :func:`evenly.sources._cachedir.publish` (a
   ``.part-`` file renamed into place under the entry's lock): a killed writer leaves
   only a ``.part-`` file no reader opens, removed by the next eviction.
@@ -36,14 +37,19 @@ import json
 import logging
 import mmap
 import os
+import struct
 import time
+import warnings
+import zlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import pyarrow as pa
 from filelock import FileLock, Timeout
 
-from ._cachedir import PART, cache_subdir, publish
+from evenly.errors import EvenlyWarning
+
+from ._cachedir import PART, CacheDirError, cache_subdir, publish, where_from
 
 __all__ = ["DEFAULT_DECODED_CACHE_BYTES", "ENV_BYTES", "RowCache", "decoded_cache_bytes"]
 
@@ -54,6 +60,11 @@ DEFAULT_DECODED_CACHE_BYTES = 16 << 30
 #: the environment variable that overrides the default bound (0: no cache)
 ENV_BYTES = "EVENLY_DECODED_CACHE_BYTES"
 _META = b"evenly.rows"
+#: the entry layout, part of its name: 2 = an Arrow IPC file, then :data:`_TRAILER`
+_LAYOUT = 2
+#: what follows the Arrow IPC file: the CRC-32 of every byte before it, and a magic
+_TRAILER = struct.Struct("<I8s")
+_MAGIC = b"evenlyck"
 _SUFFIX = ".arrow"
 _LEDGER = ".usage"
 _EVICT_LOCK = ".evict.lock"
@@ -99,9 +110,12 @@ class RowCache:
     def __init__(self, cache_dir: str | None, max_bytes: int) -> None:
         if max_bytes < 1:
             raise ValueError(f"the decoded-row cache needs max_bytes >= 1, got {max_bytes}")
+        self.cache_dir = cache_dir
         self.dir = cache_subdir("rows", cache_dir)
         self.max_bytes = int(max_bytes)
         self.hits = self.misses = self.decodes = 0
+        #: whether this process still writes entries (off after the directory refused one)
+        self.writes = True
         self._touched: dict[str, float] = {}
         self._paths: dict[tuple[str, str, int, tuple[str, ...] | None], str] = {}
 
@@ -133,11 +147,25 @@ class RowCache:
             return table
         self.misses += 1
         for _ in range(2):  # once more if another process evicts it before we map it
+            if not self.writes:
+                return decode()
             try:
                 made = self._publish(path, key, decode)
             except _DecodeError as exc:  # the shard's own error, as it is
                 raise exc.error from None
-            except OSError as exc:  # disk full, read-only cache dir...
+            except CacheDirError as exc:  # full, read-only...: read without writing
+                self.writes = False
+                warnings.warn(
+                    f"evenly.from_parquet: the decoded-row cache stops writing in this "
+                    f"process: {exc.why}; the data is read without it (correct, slower). "
+                    f"decoded_cache_bytes (or ${ENV_BYTES}) is {self.max_bytes >> 20} MiB: "
+                    f"lower it below the free space, or {where_from(self.cache_dir)}; "
+                    f"decoded_cache_bytes=0 silences this",
+                    EvenlyWarning,
+                    stacklevel=5,
+                )
+                return decode()
+            except OSError as exc:
                 logger.warning("evenly: cannot write the decoded-row cache %s: %s", self.dir, exc)
                 return decode()
             if made is not None:
@@ -160,9 +188,9 @@ class RowCache:
             _write(tmp, decoded, key)
             del decoded
             pa.default_memory_pool().release_unused()  # the decode's memory, to the OS
-            made.append(_map(tmp))  # the same inode once renamed (or evicted)
+            made.append(_map(tmp, verify=False))  # the same inode once renamed (or evicted)
 
-        publish(path, write)
+        publish(path, write, self.cache_dir)
         if not made:
             return None
         with contextlib.suppress(FileNotFoundError):
@@ -180,24 +208,57 @@ class RowCache:
                 os.utime(path)
 
     def _load(self, path: str, key: Key, rows: int) -> pa.Table | None:
-        """The entry mapped, or None if it is missing; one that is damaged or does not
-        hold this chunk is removed (and None)."""
+        """The entry mapped, or None if it is missing (or cannot be read); one that is
+        damaged or does not hold this chunk is removed, with a warning (and None)."""
         try:
-            table = _map(path)
-            found = table.schema.metadata or {}
-            if found.get(_META) != _identity(key, rows) or table.num_rows != rows:
-                raise ValueError("it records another chunk")
+            table = self._entry(path, key, rows)
         except FileNotFoundError:
             return None
-        except (OSError, ValueError, pa.ArrowException) as exc:
-            logger.warning("evenly: decoded-row cache entry %s is unusable (%s)", path, exc)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+        except _Damaged as damage:
+            return self._drop(path, key, rows, damage)
+        except OSError as exc:  # no permission...: this entry is decoded, not cached
+            logger.warning("evenly: cannot read the decoded-row cache entry %s: %s", path, exc)
             return None
         self._touched[path] = time.monotonic()
         with contextlib.suppress(OSError):
             os.utime(path)
         return table
+
+    def _entry(self, path: str, key: Key, rows: int) -> pa.Table:
+        """The entry mapped, its checksum and the chunk it records checked; raises
+        :class:`_Damaged` if they fail, ``OSError`` if it cannot be opened."""
+        try:
+            table = _map(path)
+            found = table.schema.metadata or {}
+        except (ValueError, pa.ArrowException) as exc:
+            raise _Damaged(str(exc)) from exc
+        if found.get(_META) != _identity(key, rows) or table.num_rows != rows:
+            raise _Damaged("it records another chunk")
+        return table
+
+    def _drop(self, path: str, key: Key, rows: int, damage: _Damaged) -> pa.Table | None:
+        """Remove the damaged entry at ``path``, with a warning, unless another process
+        has replaced it meanwhile (checked under the entry's lock, so one process warns
+        and every process then decodes or maps the new entry); the replacement if so."""
+        try:
+            with FileLock(path + ".lock"):
+                try:
+                    return self._entry(path, key, rows)
+                except (OSError, _Damaged):
+                    pass
+                os.unlink(path)
+        except OSError:  # gone meanwhile, or the directory cannot be written
+            return None
+        url, _, chunk, _ = key
+        warnings.warn(
+            f"evenly.from_parquet: the decoded-row cache entry {path} (row group {chunk} of "
+            f"{url}) is damaged ({damage}): bytes changed on disk since it was written; it "
+            f"is removed and the row group decoded again. If this repeats, check the disk "
+            f"holding {self.dir}, or pass decoded_cache_bytes=0",
+            EvenlyWarning,
+            stacklevel=5,
+        )
+        return None
 
     # ---- the bound -----------------------------------------------------------------
     def usage(self) -> int:
@@ -268,6 +329,10 @@ class RowCache:
         return total
 
 
+class _Damaged(Exception):
+    """An entry whose bytes are not what was written (checksum, layout or identity)."""
+
+
 class _DecodeError(Exception):
     """The decode's own error, carried through the write (so it is not taken for a
     failure to write the cache)."""
@@ -285,6 +350,7 @@ def _identity(key: Key, rows: int) -> bytes:
     url, fingerprint, chunk, columns = key
     cols = None if columns is None else list(columns)
     record = {"url": url, "fingerprint": fingerprint, "chunk": int(chunk), "columns": cols}
+    record["layout"] = _LAYOUT
     if rows >= 0:
         record["rows"] = int(rows)
     return json.dumps(record, sort_keys=True).encode()
@@ -292,25 +358,45 @@ def _identity(key: Key, rows: int) -> bytes:
 
 def _write(tmp: str, table: pa.Table, key: Key) -> None:
     """``table`` as one uncompressed Arrow IPC file (one record batch: zero-copy views of
-    whole columns once mapped), recording the chunk it holds."""
+    whole columns once mapped), recording the chunk it holds, then the CRC-32 of those
+    bytes (read back: just written, they are in the page cache)."""
     meta = {_META: _identity(key, table.num_rows)}
     table = table.combine_chunks().replace_schema_metadata(meta)
     with pa.OSFile(tmp, "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
         writer.write_table(table, max_chunksize=max(table.num_rows, 1))
+    with open(tmp, "r+b") as f:
+        crc = 0
+        while chunk := f.read(_CRC_BLOCK):
+            crc = zlib.crc32(chunk, crc)
+        f.write(_TRAILER.pack(crc, _MAGIC))
 
 
-def _map(path: str) -> pa.Table:
-    """An IPC file as a table whose buffers live in a read-only memory map (no file
-    descriptor kept: the map holds the file, even once it is renamed or removed)."""
+#: bytes read at a time to checksum a new entry
+_CRC_BLOCK = 8 << 20
+
+
+def _map(path: str, *, verify: bool = True) -> pa.Table:
+    """An entry as a table whose buffers live in a read-only memory map (no file
+    descriptor kept: the map holds the file, even once it is renamed or removed); with
+    ``verify``, its CRC-32 is checked first (``ValueError`` if it fails)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         size = os.fstat(fd).st_size
-        if size == 0:
-            raise ValueError("it is empty")
+        if size <= _TRAILER.size:
+            raise ValueError(f"it is {size} bytes, too short for an entry")
         mapped = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
     finally:
         os.close(fd)
-    reader = pa.ipc.open_file(pa.py_buffer(mapped))
+    body = size - _TRAILER.size
+    crc, magic = _TRAILER.unpack_from(mapped, body)
+    if magic != _MAGIC:
+        raise ValueError("it does not end with a checksum")
+    if verify:
+        with memoryview(mapped) as view, view[:body] as data:
+            found = zlib.crc32(data)
+        if found != crc:
+            raise ValueError(f"its CRC-32 is {found:08x}, {crc:08x} when it was written")
+    reader = pa.ipc.open_file(pa.py_buffer(mapped).slice(0, body))
     batches = [reader.get_batch(i) for i in range(reader.num_record_batches)]
     return pa.Table.from_batches(batches, schema=reader.schema)
 

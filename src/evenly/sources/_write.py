@@ -225,7 +225,10 @@ class _Shard:
         return schema
 
     def _write_parquet(self, table: pa.Table) -> None:
-        pq.write_table(table, self.tmp, row_group_size=self.row_group_size)
+        # page checksums: ``from_parquet`` verifies them, so a flipped bit is an error
+        pq.write_table(
+            table, self.tmp, row_group_size=self.row_group_size, write_page_checksum=True
+        )
 
     def _write_arrow(self, table: pa.Table) -> None:
         with pa.OSFile(self.tmp, "wb") as sink, pa.ipc.new_file(sink, table.schema) as w:

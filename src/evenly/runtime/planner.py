@@ -69,7 +69,7 @@ class Planner:
         self.shuffle_mode = shuffle_mode(shuffle, self.view)
         self.block_shards = check_int("block_shards", block_shards, minimum=1)
         if on_error not in ON_ERROR:
-            raise ValueError(f"on_error must be one of {list(ON_ERROR)}, got {on_error!r}")
+            raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
         self.on_error = on_error
         self.seed = check_int("seed", seed)
         self.drop_last = bool(drop_last)

@@ -101,7 +101,7 @@ def check_unit(
 ) -> Unit:
     """``evenly.Mix(unit=...)`` and the arguments that go with it, checked."""
     if unit not in UNITS:
-        raise ValueError(f"evenly.Mix(unit=...) must be one of {list(UNITS)}, got {unit!r}")
+        raise ValueError(f"evenly.Mix(unit=...) must be 'samples' or 'tokens', got {unit!r}")
     if unit == "samples" and tokens is not None:
         raise ValueError("evenly.Mix(tokens_per_epoch=...) needs unit='tokens'")
     if unit == "tokens":

@@ -197,6 +197,22 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         self._plan: EpochPlan | StreamPlan | None = None  # of the pass in progress or last
         self._stats = StatsLog()
 
+    @property
+    def check_plan(self) -> bool:
+        """Deprecated: whether the plan agreement runs (``agreement_timeout is not None``)."""
+        warn_deprecated("evenly.DataLoader.check_plan", "evenly.DataLoader.agreement_timeout")
+        return self.agreement_timeout is not None
+
+    @check_plan.setter
+    def check_plan(self, value: bool) -> None:
+        warn_deprecated(
+            "evenly.DataLoader.check_plan", "agreement_timeout (None switches the check off)"
+        )
+        if not value:
+            self.agreement_timeout = None
+        elif self.agreement_timeout is None:
+            self.agreement_timeout = DEFAULT_TIMEOUT
+
     def stats(self) -> LoaderStats:
         """Per pass: batches, samples/s, the loop's wait, the workers' time per stage,
         bytes and cache hits where the source reports them (:class:`evenly.LoaderStats`)."""

@@ -38,7 +38,7 @@ def rank_main(rank: int, world: int, port: int, queue: mp.Queue) -> None:  # typ
         check_agreement(view)
         times.append(time.perf_counter() - t0)
     with_check = [first_batch_seconds(loader) for _ in range(50)]
-    loader.check_plan = False
+    loader.agreement_timeout = None
     without = [first_batch_seconds(loader) for _ in range(50)]
     if rank == 0:
         queue.put(

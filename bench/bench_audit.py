@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 
 import examples.talk_attempts as talk  # noqa: E402
 
-from evenly.audit import audit  # noqa: E402
+from evenly.audit import run  # noqa: E402
 
 
 def main() -> int:
@@ -36,7 +36,7 @@ def main() -> int:
     parser.add_argument("--report", default=None, help="also time writing the HTML report")
     args = parser.parse_args()
     start = time.perf_counter()
-    result = audit(
+    result = run(
         functools.partial(talk.evenly_dataset, size=args.size),
         num_workers=args.workers,
         world_size=args.world_size,

@@ -40,8 +40,8 @@ def plan_billion() -> tuple[float, float]:
     n, world, rank, batch = 10**9, 8, 3, 256
     before = rss_mb()
     t0 = time.perf_counter()
-    order = evenly.FeistelPermutation(n, seed=0, epoch=0)
-    plan = evenly.EpochPlan(num_samples=n, world_size=world, batch_size=batch, order=order)
+    order = evenly.core.FeistelPermutation(n, seed=0, epoch=0)
+    plan = evenly.core.EpochPlan(num_samples=n, world_size=world, batch_size=batch, order=order)
     per_window = 10**6 // batch
     per_chunk = 32  # as the Dataset reads: 8192 positions per numpy call
     checksum = 0
@@ -80,7 +80,7 @@ def seeding_cost(generators: tuple[str, ...], n: int = 200_000) -> float:
     reader does it: spread a batch's seeds at once, then seed before each sample)."""
     from evenly.runtime.seeds import RngState, SeedSpreader
 
-    plan = evenly.EpochPlan(num_samples=n, batch_size=256)
+    plan = evenly.core.EpochPlan(num_samples=n, batch_size=256)
     spreader = SeedSpreader(generators)
     t0 = time.perf_counter()
     for lo in range(0, n, 256):

@@ -25,7 +25,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from evenly import EpochPlan
+from evenly.core import EpochPlan
 from evenly.core.order import make_order
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from evenly import EpochPlan
+from evenly.core import EpochPlan
 from evenly.core.order import make_order
 
 

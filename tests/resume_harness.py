@@ -30,7 +30,7 @@ it resumed in (:func:`check_resume` sees ``Rig.infinite``).
 The factories at the end build rigs for evenly.DataLoader, a plain torch DataLoader over
 evenly.Dataset, evenly.BatchSampler under torch's DataLoader and torchdata's
 StatefulDataLoader.  Only public API is used: positions are dealt as the documented
-:class:`evenly.EpochPlan` deals them.
+:class:`evenly.core.EpochPlan` deals them.
 """
 
 from __future__ import annotations
@@ -264,7 +264,7 @@ def _undeal(
 ) -> dict[int, int]:
     """Virtual position -> sample, from each rank's batches of a pass from ``start``
     (``complete``: the whole pass; else a prefix of it)."""
-    plan = evenly.EpochPlan(
+    plan = evenly.core.EpochPlan(
         num_samples=num_samples, world_size=world_size, batch_size=plan_batch, start=start
     )
     out: dict[int, int] = {}
@@ -416,7 +416,7 @@ def check_resume(
         assert len(order) == num_samples, (e, len(order))
         if samples is not None:
             assert Counter(order) == Counter(samples), f"epoch {e} is not every sample once"
-        plan = evenly.EpochPlan(
+        plan = evenly.core.EpochPlan(
             num_samples=num_samples, world_size=before.world_size, batch_size=plan_batch
         )
         what = f"reference epoch {e} under {before}"
@@ -458,11 +458,11 @@ def check_resume(
         assert position is None or position == (epoch, start), (
             f"{where}: the state resumes (epoch, position) {position}, not {(epoch, start)}"
         )
-        plan = evenly.EpochPlan(
+        plan = evenly.core.EpochPlan(
             num_samples=num_samples, world_size=after.world_size, batch_size=after_plan_batch,
             start=start or 0,
         )  # fmt: skip
-        nxt = evenly.EpochPlan(
+        nxt = evenly.core.EpochPlan(
             num_samples=num_samples, world_size=after.world_size, batch_size=after_plan_batch
         )
         lengths = [rig.length() for rig in fresh]

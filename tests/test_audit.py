@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from evenly.audit import AuditError, AuditResult, Records, audit, audit_many, default_id
+from evenly.audit import AuditError, AuditResult, Records, audit_many, default_id, run
 from evenly.audit._api import _encode, build_records
 from evenly.audit._collect import RankResult, Settings, resolve
 from evenly.audit._findings import (
@@ -375,19 +375,19 @@ def broken_factory() -> Any:
 
 def test_a_failing_factory_reports_the_rank_and_the_cause() -> None:
     with pytest.raises(AuditError, match=r"rank 0 failed while auditing .*broken_factory"):
-        audit(broken_factory, num_workers=0, world_size=1, epochs=1, batch_size=2)
+        run(broken_factory, num_workers=0, world_size=1, epochs=1, batch_size=2)
 
 
 def test_an_unpicklable_factory_is_explained() -> None:
     with pytest.raises(AuditError, match="must be module-level functions"):
-        audit(lambda: [1, 2], num_workers=0, world_size=1, epochs=1)
+        run(lambda: [1, 2], num_workers=0, world_size=1, epochs=1)
 
 
 def test_bad_arguments_fail_before_any_process_starts() -> None:
     with pytest.raises(ValueError, match="world_size must be an integer >= 1"):
-        audit(talk.naive, world_size=0)
+        run(talk.naive, world_size=0)
     with pytest.raises(AuditError, match="cannot import module 'nowhere'"):
-        audit("nowhere:factory")
+        run("nowhere:factory")
 
 
 def test_hf_datasets_and_webdataset_pipelines() -> None:
@@ -514,7 +514,7 @@ def test_timeout_stops_the_ranks_and_their_blocked_workers(
 def test_a_failing_rank_stops_the_other_ranks_blocked_workers(stuck_dir: Path) -> None:
     factory = functools.partial(rank0_fails_once_rank1_is_stuck, str(stuck_dir))
     with pytest.raises(AuditError, match=r"(?s)rank 0 failed .*this worker fails on purpose"):
-        audit(factory, num_workers=2, world_size=2, epochs=1, batch_size=2, timeout=300)
+        run(factory, num_workers=2, world_size=2, epochs=1, batch_size=2, timeout=300)
     pids = _recorded(stuck_dir)
     assert len(pids["rank"]) == 2 and len(pids["worker"]) == 4, pids
     assert [pid for kind in pids.values() for pid in kind if _running(pid)] == []

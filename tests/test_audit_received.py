@@ -11,7 +11,7 @@ the Mix promises.
   that loses a batch after the load still FAILs, for what it lost.
 
 Real audits: gloo rank processes with DataLoader workers, launched by the audit (the CLI,
-``evenly.audit.audit`` and ``evenly.testing.assert_loader_correct``).
+``evenly.audit.run`` and ``evenly.testing.assert_loader_correct``).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import torch
 from torch.utils.data import DistributedSampler, default_collate
 
 import evenly
-from evenly.audit import LoaderFactory, audit
+from evenly.audit import LoaderFactory, run
 from evenly.audit._collect import RankResult
 from evenly.audit._packfindings import coverage
 from evenly.audit._resumeplan import resumed_shares
@@ -174,7 +174,7 @@ def _last_row_tokens() -> dict[int, int]:
             zoo_packed.packed(rank=rank, world_size=WORLD),
             batch_size=BATCH,
             collate_fn=list,
-            check_plan=False,
+            agreement_timeout=None,
         )
         for epoch in range(EPOCHS):
             loader.set_epoch(epoch)
@@ -186,7 +186,7 @@ def _last_row_tokens() -> dict[int, int]:
 def test_a_collate_fn_that_zeroes_a_packed_row_fails_naming_its_tokens() -> None:
     with pytest.warns(evenly.EvenlyWarning, match="pad row"):
         lost = _last_row_tokens()
-    result = audit(
+    result = run(
         "tests.test_audit_received:zeroed_packed_row",
         world_size=WORLD,
         num_workers=1,
@@ -267,7 +267,7 @@ def test_a_mix_resumed_onto_three_ranks_passes_judged_by_exactly_once_and_shares
 
 
 def test_a_mix_that_loses_a_batch_after_a_resume_onto_three_ranks_fails_for_what_it_lost() -> None:
-    result = audit(
+    result = run(
         losing_mix,
         world_size=WORLD,
         num_workers=1,

@@ -210,9 +210,9 @@ def test_topology_comes_from_torchrun_variables_and_arguments_override(
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("LOCAL_RANK", "1")
     ds = evenly.Dataset(list(range(40)))
-    assert ds.topology() == evenly.Topology(rank=3, world_size=4)
+    assert ds.topology() == evenly.core.Topology(rank=3, world_size=4)
     assert len(ds) == 10
-    assert evenly.Dataset([1], rank=0, world_size=1).topology() == evenly.Topology(0, 1)
+    assert evenly.Dataset([1], rank=0, world_size=1).topology() == evenly.core.Topology(0, 1)
 
 
 def test_bad_arguments_say_what_is_wrong() -> None:

@@ -20,7 +20,7 @@ def train_two_epochs(rank: int, world: int) -> dict[str, Any]:
     # no rank/world_size given: they come from the initialised process group
     ds = evenly.Dataset(list(range(N)), shuffle=True, seed=9, transform=record_draws)
     loader = evenly.DataLoader(ds, batch_size=BATCH, num_workers=2)
-    assert dist.is_initialized() and ds.topology() == evenly.Topology(rank, world)
+    assert dist.is_initialized() and ds.topology() == evenly.core.Topology(rank, world)
     epochs, draws = [], {}
     for epoch in range(2):
         batches = []

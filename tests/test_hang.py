@@ -131,7 +131,7 @@ def train_matrix(
     return out
 
 
-def planned(name: str, world: int, epoch: int) -> evenly.EpochPlan:
+def planned(name: str, world: int, epoch: int) -> evenly.core.EpochPlan:
     n, batch, _, drop_last, _, resume = CONFIGS[name]
     return make_plan(
         num_samples=n,
@@ -145,7 +145,7 @@ def planned(name: str, world: int, epoch: int) -> evenly.EpochPlan:
     )
 
 
-def planned_batches(plan: evenly.EpochPlan, rank: int) -> list[list[int]]:
+def planned_batches(plan: evenly.core.EpochPlan, rank: int) -> list[list[int]]:
     ids = plan.indices(plan.rank_positions(rank)).tolist()
     return [ids[i : i + plan.batch_size] for i in range(0, len(ids), plan.batch_size)]
 

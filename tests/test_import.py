@@ -46,20 +46,19 @@ def _heavy(names: list[str]) -> list[str]:
 
 
 def test_import_evenly_loads_no_plotting_tables_or_audit_runner() -> None:
-    names = _modules_after("import evenly\nassert callable(evenly.audit)")
+    names = _modules_after("import evenly\nassert callable(evenly.audit.run)")
     assert "evenly" in names
     assert _heavy(names) == []
 
 
 def test_the_audit_package_and_its_public_names_are_cheap_to_import() -> None:
     names = _modules_after(
-        "from evenly.audit import AuditError, AuditResult, Finding, Records, audit, audit_many"
+        "from evenly.audit import AuditError, AuditResult, Finding, Records, audit_many, run"
     )
     assert _heavy(names) == []
 
 
 def test_every_public_name_of_evenly_audit_resolves() -> None:
-    # Not ``import evenly.audit as package``: that binds ``evenly.audit``, the function.
     package = importlib.import_module("evenly.audit")
     for name in package.__all__:
         assert getattr(package, name) is not None, name
@@ -68,10 +67,12 @@ def test_every_public_name_of_evenly_audit_resolves() -> None:
         _ = package.nope
 
 
-def test_evenly_audit_stays_the_function_after_the_package_is_imported() -> None:
+def test_evenly_audit_is_the_module_and_run_its_entry_after_its_modules_load() -> None:
     names = _modules_after(
-        "import evenly\nfrom evenly.audit import AuditError\nimport evenly.audit._api\n"
-        "from evenly.audit._api import audit\nassert evenly.audit is audit, evenly.audit"
+        "import sys, evenly\nfrom evenly.audit import AuditError\nimport evenly.audit._api\n"
+        "from evenly.audit._api import run\n"
+        "assert evenly.audit is sys.modules['evenly.audit'], evenly.audit\n"
+        "assert evenly.audit.run is run"
     )
     assert "evenly.audit._api" in names
 

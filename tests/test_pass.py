@@ -165,7 +165,7 @@ def test_a_rank_local_evaluation_loader_keeps_working() -> None:
 def test_numpy_gets_the_full_per_sample_seed() -> None:
     """With 32 bits, ~N**2/2**33 pairs of samples share all numpy draws (~10 here)."""
     n = 300_000
-    seeds = evenly.EpochPlan(num_samples=n, seed=7).seeds(np.arange(n))
+    seeds = evenly.core.EpochPlan(num_samples=n, seed=7).seeds(np.arange(n))
     spreader = SeedSpreader(("numpy",))
     spreader.prepare(seeds)
     draws = []
@@ -178,7 +178,7 @@ def test_numpy_gets_the_full_per_sample_seed() -> None:
 def test_the_three_generators_get_unrelated_streams() -> None:
     import random
 
-    seeds = evenly.EpochPlan(num_samples=100, seed=3).seeds(np.arange(100))
+    seeds = evenly.core.EpochPlan(num_samples=100, seed=3).seeds(np.arange(100))
     spreader = SeedSpreader(("random", "numpy", "torch"))
     spreader.prepare(seeds)
     for i in range(100):
@@ -217,7 +217,7 @@ def test_sample_seed_is_the_samples_own_and_only_inside_transforms() -> None:
 
     ds = evenly.Dataset(list(range(5)), transform=record, seed_generators=(), seed=4)
     list(ds)
-    assert seen == evenly.EpochPlan(num_samples=5, seed=4).seeds(np.arange(5)).tolist()
+    assert seen == evenly.core.EpochPlan(num_samples=5, seed=4).seeds(np.arange(5)).tolist()
     with pytest.raises(RuntimeError, match="only available inside"):
         evenly.sample_seed()
 
@@ -237,7 +237,7 @@ def test_sample_seed_is_a_context_variable_reset_after_each_call() -> None:
     ds = evenly.Dataset(list(range(3)), transform=keep, seed_generators=(), seed=4)
     with pytest.raises(ValueError, match="boom"):
         list(ds)
-    expected = evenly.EpochPlan(num_samples=3, seed=4).seeds(np.arange(3)).tolist()
+    expected = evenly.core.EpochPlan(num_samples=3, seed=4).seeds(np.arange(3)).tolist()
     assert [c.run(evenly.sample_seed) for c in contexts] == expected
     with pytest.raises(RuntimeError, match="only available inside"):
         evenly.sample_seed()
@@ -245,12 +245,12 @@ def test_sample_seed_is_a_context_variable_reset_after_each_call() -> None:
 
 # ---- 14. smaller holes --------------------------------------------------------------
 def test_permutation_and_plan_take_any_shape() -> None:
-    perm = evenly.FeistelPermutation(100, seed=0, epoch=0)
+    perm = evenly.core.FeistelPermutation(100, seed=0, epoch=0)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         scalar = perm(5)
         grid = perm(np.arange(20).reshape(4, 5))
-        plan = evenly.EpochPlan(num_samples=100, order=perm)
+        plan = evenly.core.EpochPlan(num_samples=100, order=perm)
         assert plan.indices(7).shape == () and int(plan.indices(7)) == int(perm(7))
         assert plan.indices(np.arange(6).reshape(2, 3)).shape == (2, 3)
     assert scalar.shape == () and int(scalar) == int(perm([5])[0])
@@ -320,8 +320,8 @@ def test_pickling_before_the_process_group_exists_fixes_nothing(
     pickle.dumps(ds)
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert ds.topology() == evenly.Topology(1, 2)
-    assert pickle.loads(pickle.dumps(ds)).topology() == evenly.Topology(1, 2)
+    assert ds.topology() == evenly.core.Topology(1, 2)
+    assert pickle.loads(pickle.dumps(ds)).topology() == evenly.core.Topology(1, 2)
 
 
 def _store_host_leaves(rank: int, world: int) -> str:

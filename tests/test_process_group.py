@@ -74,7 +74,7 @@ def _explicit_world_size_one(rank: int, world: int) -> tuple[list[str], list[str
     with w.catch_warnings(record=True) as caught:
         w.simplefilter("always")
         ds = evenly.Dataset(list(range(10)), rank=0, world_size=1)
-        loader = evenly.DataLoader(ds, batch_size=5, check_plan=False)
+        loader = evenly.DataLoader(ds, batch_size=5, agreement_timeout=None)
         first = [int(x) for b in loader for x in b]
         list(loader)  # a second epoch: still one warning
     loud = [str(c.message) for c in caught if issubclass(c.category, evenly.EvenlyWarning)]

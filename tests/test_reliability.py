@@ -41,7 +41,7 @@ def test_disagreements_name_each_field_and_the_ranks() -> None:
 
 def mismatched_seed(rank: int, world: int, check: bool) -> str:
     ds = evenly.Dataset(list(range(64)), shuffle=True, seed=rank)  # a bug: seed per rank
-    loader = evenly.DataLoader(ds, batch_size=4, check_plan=check)
+    loader = evenly.DataLoader(ds, batch_size=4, agreement_timeout=30 if check else None)
     try:
         next(iter(loader))
     except PlanMismatchError as exc:
@@ -53,7 +53,7 @@ def test_ranks_that_disagree_all_raise_the_same_clear_error() -> None:
     messages = run_ranks(mismatched_seed, 2, True)
     assert messages[0] == messages[1]
     assert "seed: rank 0 has 0; rank 1 has 1" in messages[0]
-    assert "check_plan=False" in messages[0]
+    assert "agreement_timeout=None" in messages[0]
     assert run_ranks(mismatched_seed, 2, False) == ["no error", "no error"]
 
 

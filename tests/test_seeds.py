@@ -125,7 +125,7 @@ def test_the_spreader_seeds_the_states_hashed_from_the_samples_seed(
 ) -> None:
     """Distinct seeds give distinct full states; the same seed in another batch (at
     another index) gives the same state."""
-    seeds = evenly.EpochPlan(num_samples=64, seed=2).seeds(np.arange(64))
+    seeds = evenly.core.EpochPlan(num_samples=64, seed=2).seeds(np.arange(64))
     saved = RngState()
     try:
         spreader = SeedSpreader(generators)

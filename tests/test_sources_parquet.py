@@ -60,7 +60,7 @@ def test_shuffle_true_is_global_for_local_parquet_whatever_the_cache(parquet_dir
     small = es.from_parquet(parquet_dir, row_group_cache_bytes=1024)  # far below the data
     assert default.preferred_shuffle == small.preferred_shuffle == "global"
     plans = [evenly.Dataset(s, shuffle=True, seed=5).plan() for s in (default, small)]
-    assert all(isinstance(p.order, evenly.FeistelPermutation) for p in plans)  # no block
+    assert all(isinstance(p.order, evenly.core.FeistelPermutation) for p in plans)  # no block
     assert plans[0].indices(np.arange(N)).tolist() == plans[1].indices(np.arange(N)).tolist()
 
 

@@ -37,7 +37,7 @@ def packed(strategy: str = "concat", **kwargs: Any) -> evenly.Dataset[Any]:
 
 
 def one_rank_share() -> tuple[evenly.Dataset[Any], dict[str, Any]]:
-    return packed(rank=0, world_size=2), {"check_plan": False}
+    return packed(rank=0, world_size=2), {"agreement_timeout": None}
 
 
 class ForgetfulLoader(evenly.DataLoader):
@@ -66,4 +66,4 @@ def mixed(**kwargs: Any) -> evenly.Dataset[Any]:
 
 
 def mixed_one_rank_share() -> tuple[evenly.Dataset[Any], dict[str, Any]]:
-    return mixed(rank=0, world_size=2), {"check_plan": False}
+    return mixed(rank=0, world_size=2), {"agreement_timeout": None}

@@ -16,14 +16,9 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-# the function shadows its (light) package's module attribute, so it is bound eagerly
-from evenly.audit import audit
+from evenly import audit
 from evenly.core.packing.settings import Packing
-from evenly.core.permutation import FeistelPermutation
-from evenly.core.plan import EpochPlan
-from evenly.core.source import Source
-from evenly.core.topology import Topology
-from evenly.errors import EvenlyWarning, PlanMismatchError, StateError
+from evenly.errors import EvenlyWarning, PlanMismatchError, StateError, warn_deprecated
 from evenly.mixture import Mix
 
 if TYPE_CHECKING:
@@ -31,7 +26,6 @@ if TYPE_CHECKING:
     from evenly.loader.loader import DataLoader
     from evenly.loader.sampler import BatchSampler
     from evenly.loader.stats import EpochStats, LoaderStats
-    from evenly.runtime.detect import detect_topology
     from evenly.runtime.seeds import is_padding, sample_seed
     from evenly.sources import (
         from_arrow,
@@ -47,20 +41,15 @@ __all__ = [
     "BatchSampler",
     "DataLoader",
     "Dataset",
-    "EpochPlan",
     "EpochStats",
     "EvenlyWarning",
-    "FeistelPermutation",
     "LoaderStats",
     "Mix",
     "Packing",
     "PlanMismatchError",
-    "Source",
     "StateError",
-    "Topology",
     "__version__",
     "audit",
-    "detect_topology",
     "from_arrow",
     "from_jsonl",
     "from_megatron",
@@ -82,7 +71,6 @@ _LAZY = {
     "Dataset": ("evenly.dataset", "Dataset"),
     "EpochStats": ("evenly.loader.stats", "EpochStats"),
     "LoaderStats": ("evenly.loader.stats", "LoaderStats"),
-    "detect_topology": ("evenly.runtime.detect", "detect_topology"),
     "sample_seed": ("evenly.runtime.seeds", "sample_seed"),
     "is_padding": ("evenly.runtime.seeds", "is_padding"),
     "from_arrow": ("evenly.sources", "from_arrow"),
@@ -94,6 +82,16 @@ _LAZY = {
     "write": ("evenly.sources", "write"),
 }
 
+#: Names that moved (old ``evenly.<name>`` -> new home): they still resolve, with a
+#: ``DeprecationWarning``, until evenly 0.3.
+_MOVED = {
+    "EpochPlan": "evenly.core",
+    "FeistelPermutation": "evenly.core",
+    "Source": "evenly.core",
+    "Topology": "evenly.core",
+    "detect_topology": "evenly.runtime.detect",
+}
+
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
@@ -101,6 +99,9 @@ def __getattr__(name: str) -> Any:
         value = getattr(importlib.import_module(module), attribute)
         globals()[name] = value
         return value
+    if name in _MOVED:  # never cached: every use warns
+        warn_deprecated(f"evenly.{name}", f"{_MOVED[name]}.{name}")
+        return getattr(importlib.import_module(_MOVED[name]), name)
     raise AttributeError(f"module 'evenly' has no attribute {name!r}")
 
 

@@ -23,6 +23,7 @@ from evenly.core.topology import Topology
 from evenly.errors import StateError, check_int
 from evenly.interop.accelerate import Wrapped, before_pass, check_pass, driving, len_asked, under
 from evenly.interop.skip import delegation_of, read_delegated
+from evenly.options import Generator, OnError, Pad, Shuffle
 from evenly.runtime.checks import warn_about
 from evenly.runtime.detect import (
     group_of,
@@ -101,17 +102,17 @@ class Dataset(IterableDataset[Any], Generic[T_co]):
         self,
         source: Source[T_co],
         *,
-        shuffle: bool | str = False,
+        shuffle: Shuffle = False,
         seed: int = 0,
         drop_last: bool = False,
         transform: Callable[[Any], Any] | None = None,
-        seed_generators: tuple[str, ...] | list[str] = GENERATORS,
+        seed_generators: tuple[Generator, ...] | list[Generator] = GENERATORS,
         rank: int | None = None,
         world_size: int | None = None,
         process_group: Any = None,
         block_shards: int = 8,
-        on_error: str = "raise",
-        pad: str = "repeat",
+        on_error: OnError = "raise",
+        pad: Pad = "repeat",
         pack: Packing | None = None,
     ) -> None:
         self._planner = Planner(  # plans, reads and checkpoints passes: what loaders use

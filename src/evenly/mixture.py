@@ -29,6 +29,7 @@ from evenly.core.mix.order import MixOrder, TooSmallStep
 from evenly.core.mix.sources import Sources
 from evenly.core.mix.tokens import check_token_state, check_unit, token_shares
 from evenly.errors import StateError, check_int
+from evenly.options import Unit
 
 __all__ = ["Mix"]
 
@@ -87,7 +88,7 @@ class Mix(Sources):
         samples_per_epoch: int | None = None,
         *,
         min_step: int | None = None,
-        unit: str = "samples",
+        unit: Unit = "samples",
         tokens_per_epoch: int | None = None,
     ) -> None:
         if not isinstance(sources, Mapping) or not sources:

@@ -65,16 +65,16 @@ def assert_loader_correct(
     expected: int | None = None,
     timeout: float = 300.0,
 ) -> AuditResult:
-    """Audit ``factory`` (see ``evenly.audit.audit`` for the arguments) and raise
+    """Audit ``factory`` (see ``evenly.audit.run`` for the arguments) and raise
     ``AssertionError`` naming every FAIL finding (every WARN too with ``strict=True``:
     a loader that cannot resume, an unknown length...).  Returns the result otherwise.
 
     ``evenly.audit.AuditError`` (the audit could not run: a factory that does not
     import, a rank that failed, a timeout) propagates as it is.
     """
-    from evenly.audit import audit
+    from evenly.audit import run
 
-    result = audit(
+    result = run(
         factory,
         num_workers=num_workers,
         world_size=world_size,
@@ -118,7 +118,7 @@ class Topology:
     resume_at: float | None = None
 
     def kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for ``assert_loader_correct`` (or ``evenly.audit.audit``)."""
+        """Keyword arguments for ``assert_loader_correct`` (or ``evenly.audit.run``)."""
         return {
             "world_size": self.world_size,
             "num_workers": self.num_workers,

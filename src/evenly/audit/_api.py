@@ -1,10 +1,9 @@
 """``evenly.audit``: run a dataset factory under real ranks and workers, and judge it.
 
 >>> import functools, evenly
->>> from evenly.audit import audit
 >>> import examples.talk_attempts as talk                       # doctest: +SKIP
->>> result = audit(functools.partial(talk.naive, size=40),      # doctest: +SKIP
-...                num_workers=2, world_size=2, epochs=2, batch_size=10)
+>>> result = evenly.audit.run(functools.partial(talk.naive, size=40),  # doctest: +SKIP
+...                           num_workers=2, world_size=2, epochs=2, batch_size=10)
 >>> result.ok, result.finding("duplicates").detail              # doctest: +SKIP
 (False, 'epoch 0: 120 extra deliveries, every sample delivered 4x; ...')
 """
@@ -28,7 +27,7 @@ I64_EMPTY = np.zeros(0, dtype=np.int64)
 if TYPE_CHECKING:
     from ._collect import RankResult
 
-__all__ = ["AuditResult", "audit", "audit_many", "build_records"]
+__all__ = ["AuditResult", "audit_many", "build_records", "run"]
 
 
 def _encode(ids: I64 | list[Any]) -> tuple[I64, list[str] | None, list[Any]]:
@@ -196,7 +195,7 @@ def audit_many(
     progress: Callable[[str], None] | None = None,
 ) -> list[AuditResult]:
     """Audit several factories in one group of rank processes (cheaper than one
-    ``audit`` each); arguments as for ``audit``."""
+    ``run`` each); arguments as for ``run``."""
     settings = Settings(
         num_workers=_check("num_workers", num_workers, 0),
         world_size=_check("world_size", world_size, 1),
@@ -259,7 +258,7 @@ def audit_many(
     return results
 
 
-def audit(
+def run(
     factory: Factory,
     *,
     num_workers: int = 2,
@@ -278,6 +277,10 @@ def audit(
 ) -> AuditResult:
     """Run ``factory`` in ``world_size`` real rank processes, each through a DataLoader
     with ``num_workers`` workers for ``epochs`` epochs, and judge what was delivered.
+
+    ``evenly.audit.run``: the Python entry of ``evenly audit`` (it replaces calling
+    ``evenly.audit(...)``, which still works until evenly 0.3 with a
+    ``DeprecationWarning``).
 
     Args:
         factory: a picklable callable (module-level function, ``functools.partial``) or

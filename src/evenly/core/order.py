@@ -18,10 +18,9 @@ from collections.abc import Sequence
 from evenly.core.block import BlockPermutation
 from evenly.core.permutation import FeistelPermutation
 from evenly.core.plan import Order
+from evenly.options import SHUFFLE_MODES
 
 __all__ = ["SHUFFLE_MODES", "make_order"]
-
-SHUFFLE_MODES = ("none", "global", "block")
 
 
 def make_order(

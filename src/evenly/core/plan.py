@@ -37,6 +37,7 @@ import numpy.typing as npt
 from evenly.core.permutation import as_int64 as as_positions
 from evenly.core.permutation import sample_seeds
 from evenly.errors import check_int
+from evenly.options import PAD_MODES
 
 __all__ = ["PAD_MODES", "PLAN_PAD_MODES", "EpochPlan", "Order", "as_positions"]
 
@@ -49,8 +50,6 @@ class Order(Protocol):
     def __call__(self, positions: npt.ArrayLike) -> I64: ...
 
 
-#: How the short last step of an epoch is shared (see the module docstring).
-PAD_MODES = ("repeat", "none", "mask")
 #: What a plan also takes: ``"full"`` pads the short last step up to a full global step
 #: (every rank a full batch; packing's pad rows, at virtual positions ``>= N``).
 PLAN_PAD_MODES = (*PAD_MODES, "full")
@@ -68,7 +67,7 @@ class EpochPlan:
     [[0, 1, 2], [6, 8]]
     >>> [plan.batch_positions(rank=1, batch=i).tolist() for i in range(plan.num_batches)]
     [[3, 4, 5], [7, 9]]
-    >>> from evenly import FeistelPermutation
+    >>> from evenly.core import FeistelPermutation
     >>> shuffled = EpochPlan(num_samples=10, order=FeistelPermutation(10, seed=0, epoch=0))
     >>> sorted(shuffled.indices(range(10)).tolist()) == list(range(10))
     True

@@ -4,20 +4,17 @@ refused outright."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 from torch.utils.data import default_collate
 
 from evenly.dataset import Dataset
 from evenly.loader.threads import thread_safety_problem
+from evenly.options import WORKER_TYPES, WorkerType
 from evenly.runtime.token_mix import is_token_mix
 
 __all__ = ["WORKER_TYPES", "WorkerType", "check_worker_type", "refuse_planned_source",
            "use_columns", "use_threads"]  # fmt: skip
-
-#: ``evenly.DataLoader(worker_type=...)``: who reads the ``num_workers`` shares of a pass
-WorkerType = Literal["auto", "process", "thread"]
-WORKER_TYPES: tuple[str, ...] = ("auto", "process", "thread")
 
 
 def refuse_planned_source(dataset: Dataset[Any]) -> None:
@@ -51,7 +48,7 @@ def use_columns(
     return view.columnar_exact and dataset.transform is None and collate in (None, default_collate)
 
 
-def check_worker_type(worker_type: str, kwargs: dict[str, Any]) -> str:
+def check_worker_type(worker_type: WorkerType, kwargs: dict[str, Any]) -> WorkerType:
     """Validate ``worker_type=`` (raising where threads are asked for and unsafe)."""
     if worker_type not in WORKER_TYPES:
         raise ValueError(f"worker_type must be one of {list(WORKER_TYPES)}, got {worker_type!r}")

@@ -23,11 +23,10 @@ from evenly.core.spec import PassSpec
 from evenly.core.state import PassState
 from evenly.core.stream import StreamPlan
 from evenly.dataset import SKIP_SLOTS, Dataset
-from evenly.errors import EvenlyWarning, check_int
+from evenly.errors import EvenlyWarning, check_int, check_timeout, warn_deprecated
 from evenly.interop import gather, skip
 from evenly.loader import mixing
 from evenly.loader.choices import (
-    WorkerType,
     check_worker_type,
     refuse_planned_source,
     use_columns,
@@ -36,10 +35,26 @@ from evenly.loader.choices import (
 from evenly.loader.engine import Engine
 from evenly.loader.feed import NO_LENGTH, PassIterator
 from evenly.loader.stats import LoaderStats, StatsLog
+from evenly.options import TRANSPORTS, Transport, WorkerType
 from evenly.runtime.agreement import DEFAULT_TIMEOUT, check_pass
 from evenly.runtime.checks import warn_about, warn_skipped
 
 __all__ = ["DataLoader"]
+
+
+def _agreement_timeout(timeout: float | None, check_plan: bool | None) -> float | None:
+    """The one plan-agreement setting: seconds, or ``None`` (off); the deprecated
+    ``check_plan=False`` is ``None``."""
+    if check_plan is not None:
+        warn_deprecated(
+            "evenly.DataLoader(check_plan=...)",
+            "agreement_timeout=None to switch the plan agreement off "
+            "(a number: the seconds it waits for the other ranks)",
+            stacklevel=3,
+        )
+        if not check_plan:
+            return None
+    return check_timeout("evenly.DataLoader(agreement_timeout=...)", timeout)
 
 
 class DataLoader(torch.utils.data.DataLoader[Any]):
@@ -63,10 +78,14 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
     ``len(loader)``: this rank's batches in the epoch in progress (or next), after
     ``load_state_dict`` counting those already received; ``remaining_batches``: the rest.
 
+    Everything after ``batch_size`` is keyword-only.
+
     Args:
-        check_plan: at each pass split over the data-parallel group, check that every
-            rank agrees on the plan (raising ``evenly.PlanMismatchError`` on all ranks).
-        agreement_timeout: seconds to wait for the other ranks at that check.
+        agreement_timeout: at each pass split over the data-parallel group, every rank
+            checks that all agree on the plan (raising ``evenly.PlanMismatchError`` on
+            all ranks), waiting at most this many seconds for the others (default 30).
+            ``None`` switches the check off (a loader built on some ranks only).
+        check_plan: deprecated: ``check_plan=False`` is ``agreement_timeout=None``.
         columnar: read batches column by column (``read_columns``: no per-sample
             objects).  ``None`` (default): where that equals ``default_collate``'s output
             and there is no transform.  ``True``: always (the source must support it).
@@ -103,16 +122,16 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         self,
         dataset: Dataset[Any],
         batch_size: int | None = 1,
+        *,
         num_workers: int = 0,
         drop_last: bool | None = None,
-        *,
         collate_fn: Callable[[list[Any]], Any] | None = None,
-        check_plan: bool = True,
-        agreement_timeout: float = DEFAULT_TIMEOUT,
+        agreement_timeout: float | None = DEFAULT_TIMEOUT,
         columnar: bool | None = None,
         infinite: bool = False,
-        transport: str = "slots",
+        transport: Transport = "slots",
         worker_type: WorkerType = "auto",
+        check_plan: bool | None = None,
         **kwargs: Any,
     ) -> None:
         if not isinstance(dataset, Dataset):
@@ -130,7 +149,7 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
                 "skip and repeat samples on resume; remove in_order=False (workers already "
                 "read whole batches in parallel)"
             )
-        if transport not in ("slots", "copy", "torch"):
+        if transport not in TRANSPORTS:
             raise ValueError(f"transport must be 'slots', 'copy' or 'torch', got {transport!r}")
         self.transport = transport
         self.worker_type = check_worker_type(worker_type, kwargs)
@@ -139,8 +158,7 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         if infinite:
             refuse_planned_source(dataset)
         self.infinite = bool(infinite)
-        if agreement_timeout <= 0:
-            raise ValueError(f"agreement_timeout must be > 0 seconds, got {agreement_timeout}")
+        timeout = _agreement_timeout(agreement_timeout, check_plan)
         effective_drop = dataset.drop_last if drop_last is None else bool(drop_last)
         # workers fork once, not every epoch (a process with DDP's threads forks rarely)
         kwargs.setdefault("persistent_workers", num_workers > 0)
@@ -154,8 +172,8 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         )
         self._plan_batch = 1 if batch_size is None else batch_size
         self._drop = effective_drop
-        self.check_plan = check_plan
-        self.agreement_timeout = float(agreement_timeout)
+        #: seconds to wait for the other ranks at the plan agreement; ``None``: no check
+        self.agreement_timeout = timeout
         self._skipped = torch.zeros(SKIP_SLOTS, dtype=torch.int64).share_memory_()  # type: ignore[no-untyped-call]
         self._engine = Engine(
             dataset._planner,
@@ -178,6 +196,22 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         self._warned_gather = False
         self._plan: EpochPlan | StreamPlan | None = None  # of the pass in progress or last
         self._stats = StatsLog()
+
+    @property
+    def check_plan(self) -> bool:
+        """Deprecated: whether the plan agreement runs (``agreement_timeout is not None``)."""
+        warn_deprecated("evenly.DataLoader.check_plan", "evenly.DataLoader.agreement_timeout")
+        return self.agreement_timeout is not None
+
+    @check_plan.setter
+    def check_plan(self, value: bool) -> None:
+        warn_deprecated(
+            "evenly.DataLoader.check_plan", "agreement_timeout (None switches the check off)"
+        )
+        if not value:
+            self.agreement_timeout = None
+        elif self.agreement_timeout is None:
+            self.agreement_timeout = DEFAULT_TIMEOUT
 
     def stats(self) -> LoaderStats:
         """Per pass: batches, samples/s, the loop's wait, the workers' time per stage,
@@ -390,7 +424,7 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
             threads=threads,
         )
         iterator.recorder = self._stats.begin(spec.epoch)
-        if self.check_plan:
+        if self.agreement_timeout is not None:
             check_pass(
                 spec,
                 self.dataset._planner.fingerprint(self._drop),

@@ -4,7 +4,7 @@ A map-style dataset already gives every DataLoader worker explicit indices; what
 ``DistributedSampler`` gets wrong is the rest: a new order each epoch needs
 ``set_epoch``, ranks can end with different batch counts, padding is silent, and a
 mid-epoch resume is not exact.  This batch sampler hands each rank the batches of the
-same :class:`~evenly.EpochPlan` as ``evenly.Dataset``: one global permutation per
+same :class:`~evenly.core.EpochPlan` as ``evenly.Dataset``: one global permutation per
 (seed, epoch), sharded after the shuffle, equal batch counts on every rank, padding
 below ``world_size`` and reported.  It runs in the main process of each rank and
 computes a batch's indices only when it is drawn, a few thousand at a time, so an epoch
@@ -26,6 +26,7 @@ from evenly.core.plan import CHUNK, EpochPlan
 from evenly.core.state import PassState
 from evenly.core.topology import Topology
 from evenly.errors import EvenlyWarning, StateError, check_int
+from evenly.options import SAMPLER_PADS, SamplerPad
 from evenly.runtime.detect import resolve_topology, warn_if_rank_local
 
 __all__ = ["BatchSampler"]
@@ -86,7 +87,7 @@ class BatchSampler(Sampler[list[int]]):
         rank: int | None = None,
         world_size: int | None = None,
         process_group: Any | None = None,
-        pad: str = "repeat",
+        pad: SamplerPad = "repeat",
     ) -> None:
         if hasattr(num_samples, "__len__"):
             raise TypeError(
@@ -100,7 +101,7 @@ class BatchSampler(Sampler[list[int]]):
         self.shuffle = shuffle
         self.seed = check_int("seed", seed)
         self.drop_last = bool(drop_last)
-        if pad not in ("repeat", "none"):
+        if pad not in SAMPLER_PADS:
             raise ValueError(
                 f"evenly.BatchSampler: pad must be 'repeat' or 'none', got {pad!r} (pad='mask' "
                 f"needs a per-sample transform: use evenly.Dataset(..., pad='mask'))"

@@ -147,7 +147,7 @@ def check_agreement(
             + " | ".join(problems)
             + ". Build the dataset identically on every rank (same source, seed, "
             "shuffle, drop_last, batch_size), or switch this check off with "
-            "evenly.DataLoader(..., check_plan=False)."
+            "evenly.DataLoader(..., agreement_timeout=None)."
         )
 
 
@@ -183,7 +183,7 @@ def exchange(
                 f"within {timeout:g} s, so this rank would wait for data that never comes. "
                 f"Likely causes: that rank built its dataset with another world_size or "
                 f"process_group; the loader exists on some ranks only (a rank-local loader "
-                f"needs check_plan=False, or world_size=1 with a process_group of that rank "
+                f"needs agreement_timeout=None, or world_size=1 with a process_group of that rank "
                 f"alone); or that rank is still busy (raise evenly.DataLoader(..., "
                 f"agreement_timeout=...))"
             ) from exc

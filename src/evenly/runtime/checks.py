@@ -15,6 +15,7 @@ from evenly.core.plan import EpochPlan
 from evenly.core.source import SourceView
 from evenly.core.spec import PassSpec
 from evenly.errors import EvenlyWarning
+from evenly.options import Shuffle
 
 __all__ = [
     "check_current",
@@ -92,7 +93,7 @@ def warn_skipped(skipped: int, plan: EpochPlan) -> None:
         )
 
 
-def shuffle_mode(shuffle: bool | str, view: SourceView) -> str:
+def shuffle_mode(shuffle: Shuffle, view: SourceView) -> str:
     """'none', 'global' or 'block'; ``True`` takes the source's preferred mode."""
     source = view.source
     if shuffle is True:

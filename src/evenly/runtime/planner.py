@@ -28,6 +28,7 @@ from evenly.core.spec import PassSpec
 from evenly.core.state import PassState
 from evenly.core.stream import StreamPlan
 from evenly.errors import StateError, check_int
+from evenly.options import ON_ERROR, Generator, OnError, Pad, Shuffle
 from evenly.runtime.checks import check_current, shuffle_mode
 from evenly.runtime.clock import StageClock, perf_counter
 from evenly.runtime.packer import Packer, packed_items
@@ -52,14 +53,14 @@ class Planner:
         self,
         source: Any,
         *,
-        shuffle: bool | str,
+        shuffle: Shuffle,
         seed: int,
         drop_last: bool,
         transform: Callable[[Any], Any] | None,
-        seed_generators: tuple[str, ...] | list[str],
+        seed_generators: tuple[Generator, ...] | list[Generator],
         block_shards: int,
-        on_error: str,
-        pad: str = "repeat",
+        on_error: OnError,
+        pad: Pad = "repeat",
         pack: Packing | None = None,
     ) -> None:
         self.view = SourceView.of(source)
@@ -67,7 +68,7 @@ class Planner:
         self.transform = transform
         self.shuffle_mode = shuffle_mode(shuffle, self.view)
         self.block_shards = check_int("block_shards", block_shards, minimum=1)
-        if on_error not in ("raise", "skip"):
+        if on_error not in ON_ERROR:
             raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
         self.on_error = on_error
         self.seed = check_int("seed", seed)

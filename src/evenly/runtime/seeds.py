@@ -35,6 +35,7 @@ import numpy as np
 import numpy.typing as npt
 
 from evenly.core.permutation import mix64
+from evenly.options import GENERATORS
 from evenly.runtime.mtstate import MT_WORDS, global_bit_generator, numpy_writer, python_writer
 
 __all__ = [
@@ -46,7 +47,6 @@ __all__ = [
     "sample_seed",
 ]
 
-GENERATORS = ("random", "numpy", "torch")
 _TORCH_KEY = np.uint64(0xBB67AE8584CAA73B)
 #: one key per 64-bit word of the two Mersenne Twister states (random's, then numpy's)
 _STATE_KEYS = mix64(

@@ -35,6 +35,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from evenly.errors import check_int
+from evenly.options import Format
 
 from ._arrow import ArrowSource
 from ._jsonl import JsonlSource
@@ -46,7 +47,12 @@ from ._webdataset import WebDatasetSource, check_member_name
 
 __all__ = ["FORMATS", "write"]
 
-FORMATS = {"parquet": ".parquet", "arrow": ".arrow", "webdataset": ".tar", "jsonl": ".jsonl"}
+FORMATS: dict[Format, str] = {
+    "parquet": ".parquet",
+    "arrow": ".arrow",
+    "webdataset": ".tar",
+    "jsonl": ".jsonl",
+}
 _ERRORS = (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError, OverflowError)
 
 
@@ -262,7 +268,7 @@ class _Shard:
 def write(
     samples: Iterable[Any] | Any,
     out_dir: str | os.PathLike[str],
-    format: str = "parquet",
+    format: Format = "parquet",
     rows_per_shard: int = 10_000,
     *,
     row_group_size: int | None = None,

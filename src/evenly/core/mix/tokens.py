@@ -56,6 +56,7 @@ from evenly.core.mix.deadline import deadline_chunks
 from evenly.core.mix.token_stream import ITEM, TokenStream
 from evenly.core.permutation import derive_keys
 from evenly.errors import StateError, check_int
+from evenly.options import UNITS, Unit
 
 __all__ = [
     "ITEM",
@@ -96,10 +97,10 @@ def token_shares(
 
 
 def check_unit(
-    unit: str, samples_per_epoch: int | None, min_step: int | None, tokens: int | None
-) -> str:
+    unit: Unit, samples_per_epoch: int | None, min_step: int | None, tokens: int | None
+) -> Unit:
     """``evenly.Mix(unit=...)`` and the arguments that go with it, checked."""
-    if unit not in ("samples", "tokens"):
+    if unit not in UNITS:
         raise ValueError(f"evenly.Mix(unit=...) must be 'samples' or 'tokens', got {unit!r}")
     if unit == "samples" and tokens is not None:
         raise ValueError("evenly.Mix(tokens_per_epoch=...) needs unit='tokens'")

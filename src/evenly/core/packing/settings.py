@@ -11,11 +11,9 @@ from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
 from evenly.errors import check_int
+from evenly.options import STRATEGIES, Strategy
 
 __all__ = ["STRATEGIES", "Packing"]
-
-#: The packing strategies (see ``docs/packing.md``).
-STRATEGIES = ("concat", "best_fit")
 
 #: A batched tokenizer: texts in, one list of token ids per text out.
 Tokenize = Callable[[list[str]], list[list[int]]]
@@ -75,7 +73,7 @@ class Packing:
 
     seq_len: int
     _: KW_ONLY
-    strategy: str = "concat"
+    strategy: Strategy = "concat"
     field: str = "input_ids"
     pad_id: int = 0
     document_ids: bool = False

@@ -16,6 +16,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from evenly import interop  # noqa: F401  (importing it registers the framework hooks)
+
 # the function shadows its (light) package's module attribute, so it is bound eagerly
 from evenly.audit import audit
 from evenly.core.packing.settings import Packing

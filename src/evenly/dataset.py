@@ -253,7 +253,7 @@ class Dataset(IterableDataset[Any], Generic[T_co]):
         dataset in this process now (:mod:`evenly.runtime.delegation`)."""
         k = hooks.skipping(self) if self._owned else None
         owner = None if k is None or self._owner is None else self._owner()
-        return None if k is None or owner is None else owner.delegated_pass(k)
+        return None if k is None or owner is None else owner._delegated_pass(k)
 
     # ---- the package's interface for evenly.DataLoader (not public API) ------------
     def _adopt(self, owner: PassOwner) -> None:

@@ -138,7 +138,7 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         if infinite and batch_size is None:
             raise ValueError("evenly.DataLoader(infinite=True) needs a batch_size")
         if infinite:
-            refuse_planned_source(dataset)
+            refuse_planned_source(dataset._planner)
         self.infinite = bool(infinite)
         if agreement_timeout <= 0:
             raise ValueError(f"agreement_timeout must be > 0 seconds, got {agreement_timeout}")
@@ -200,7 +200,7 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
             self._followed = calls
             self._passes.set_epoch(epoch)
 
-    def delegated_pass(self, k: int) -> Delegation:
+    def _delegated_pass(self, k: int) -> Delegation:
         """This loader's pass as read through its dataset by a loader that drops its
         first ``k`` batches (HF Accelerate's ``skip_first_batches``): see
         :mod:`evenly.loader.delegated`."""
@@ -386,7 +386,7 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         n = self._planner.units(self._passes.next_start().epoch)  # best_fit: plans it
         if n == 0:
             raise ValueError("evenly.DataLoader(infinite=True): the source is empty")
-        refuse_planned_source(self.dataset)
+        refuse_planned_source(self._planner)
         spec = self._spec(self._passes.next_start(), infinite=True)
         stream = self._planner.stream_plan_for(spec)
 
@@ -402,9 +402,9 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         self._passes.begin(current)
         self._plan = plan
         # workers fork before the agreement, never right after a collective (may hang)
-        columnar = use_columns(self._columnar_choice, self.batch_size, self.dataset,
+        columnar = use_columns(self._columnar_choice, self.batch_size, self._planner,
                                self._user_collate)  # fmt: skip
-        threads = use_threads(self.worker_type, self.num_workers, self.dataset, columnar,
+        threads = use_threads(self.worker_type, self.num_workers, self._planner, columnar,
                               self._loader_args)  # fmt: skip
         iterator = self._engine.start(
             spec,

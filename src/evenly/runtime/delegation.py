@@ -3,7 +3,7 @@ dataset (HF Accelerate's ``skip_first_batches`` builds a loader from ``loader.da
 that reads and drops the first ``k`` batches).
 
 The dataset serves its owner's pass instead of one of its own: the owner plans it
-(:class:`PassOwner`, ``evenly.DataLoader.delegated_pass``), each worker reads it here.
+(:class:`PassOwner`, ``evenly.DataLoader._delegated_pass``), each worker reads it here.
 The ``k`` dropped batches are not read: each worker yields filler samples for its share
 of them (a copy of its first real sample), and its real samples follow in the worker
 slots the other loader's round-robin gives them, so the batches it keeps are exactly the
@@ -41,7 +41,7 @@ class Delegation:
 class PassOwner(Protocol):
     """What a dataset needs of the loader that owns its passes (``evenly.DataLoader``)."""
 
-    def delegated_pass(self, k: int) -> Delegation:
+    def _delegated_pass(self, k: int) -> Delegation:
         """The owner's pass as read by a loader that drops its first ``k`` batches."""
         ...
 

@@ -15,8 +15,9 @@ Accelerate's wrappers silently fail (and data be sharded twice): these tests fai
 - ``IterableDatasetShard``'s fields, its ``__len__`` arithmetic, and that with
   ``num_processes=1, process_index=0, batch_size=1, drop_last=False`` it yields its
   dataset as it is (the one change evenly makes);
-- ``len(adapter)`` reaches ``dataset.__len__`` through Python ``__len__`` frames whose
-  ``self`` is each object on the way (the one caller inspection, ``len_asked``);
+- ``len(adapter)`` asks ``len(base_dataloader)``, whose answer torch records on the base
+  loader (``torch_compat.len_answered``: how evenly sees, at the pass start, that a count
+  was asked before the wrapper drove the dataset; it looks at no caller);
 - ``use_stateful_dataloader=True`` starts the base loader's iterator inside ``prepare()``,
   marked ``_initial_iter_for_state_dict`` (torchdata) until the first ``iter()``;
 - ``prepare()`` keeps a loader that says ``_is_accelerate_prepared``; ``save_state`` /
@@ -28,7 +29,6 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -51,7 +51,7 @@ class Spy(IterableDataset[int]):
     def __init__(self, n: int) -> None:
         self.n = n
         self.calls: list[tuple[str, Any]] = []
-        self.len_frames: list[list[tuple[str, type]]] = []
+        self.len_asked = 0
 
     def set_epoch(self, epoch: int) -> None:
         from accelerate.state import GradientState
@@ -59,11 +59,7 @@ class Spy(IterableDataset[int]):
         self.calls.append(("set_epoch", GradientState().active_dataloader))
 
     def __len__(self) -> int:
-        frames, frame = [], sys._getframe(1)
-        while frame is not None and frame.f_code.co_name == "__len__":
-            frames.append((frame.f_code.co_name, type(frame.f_locals.get("self"))))
-            frame = frame.f_back
-        self.len_frames.append(frames)
+        self.len_asked += 1
         return self.n
 
     def __iter__(self) -> Iterator[int]:
@@ -209,11 +205,12 @@ def test_iterable_dataset_shard_arithmetic_and_pass_through(drop_last: bool) -> 
         )
         for p in range(procs)
     ]
-    # __len__: what evenly's len() answer is computed for (len_asked)
+    # __len__: from its dataset's (what a count asked before evenly's pass is made of)
     rounding = math.floor if drop_last else math.ceil
     for shard in shards:
+        asked = shard.dataset.len_asked
         assert len(shard) == rounding(n / (batch * procs)) * batch
-        assert shard.dataset.len_frames[-1][0] == ("__len__", IterableDatasetShard)
+        assert shard.dataset.len_asked == asked + 1
     # the change evenly makes: everything passes through, in order
     shard = shards[1]
     shard.num_processes, shard.process_index, shard.batch_size = 1, 0, 1
@@ -222,44 +219,31 @@ def test_iterable_dataset_shard_arithmetic_and_pass_through(drop_last: bool) -> 
     assert len(shard) == n
 
 
-def test_len_of_either_adapter_reaches_the_dataset_through_len_frames() -> None:
-    """The frames ``evenly.interop.accelerate.len_asked`` reads, innermost first."""
-    from accelerate.data_loader import DataLoaderDispatcher, DataLoaderShard, IterableDatasetShard
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
+@pytest.mark.parametrize("stateful", [False, True])
+def test_len_of_either_adapter_is_recorded_on_its_base_loader(stateful: bool) -> None:
+    """What ``evenly.interop.accelerate`` compares at the pass start: the last answer of
+    ``len(base_dataloader)`` (``torch_compat.len_answered``), which ``len(adapter)`` asks."""
+    from accelerate.data_loader import IterableDatasetShard
 
+    from evenly.runtime import torch_compat
+
+    if stateful:
+        pytest.importorskip("torchdata.stateful_dataloader")
+    kw: dict[str, Any] = {"use_stateful_dataloader": True} if stateful else {}
     spy = Spy(40)
-    dispatcher = _prepare(spy, put_on_device=True)
+    dispatcher = _prepare(spy, put_on_device=True, **kw)
+    base = vars(dispatcher)["base_dataloader"]
+    assert torch_compat.len_answered(base) is None  # never asked
     assert len(dispatcher) == 10  # ceil(ceil(40 / 4) / 1 process)
-    assert spy.len_frames[-1][:2] == [("__len__", DataLoader), ("__len__", DataLoaderDispatcher)]
+    assert torch_compat.len_answered(base) == 40 and spy.len_asked == 1
 
     spy = Spy(40)
-    shard_loader = _prepare(spy, dispatch_batches=False, num_processes=2, process_index=0)
+    shard_loader = _prepare(spy, dispatch_batches=False, num_processes=2, process_index=0, **kw)
+    base = vars(shard_loader)["base_dataloader"]
+    assert type(base.dataset) is IterableDatasetShard and base.dataset.dataset is spy
     assert len(shard_loader) == 5
-    assert spy.len_frames[-1][:3] == [
-        ("__len__", IterableDatasetShard),
-        ("__len__", DataLoader),
-        ("__len__", DataLoaderShard),  # DataLoaderAdapter.__len__, self a DataLoaderShard
-    ]
-
-
-def test_a_len_frame_holds_the_object_whose_len_it_computes() -> None:
-    """Each ``__len__`` frame's ``self`` is the object holding the next one down:
-    the adapter's ``base_dataloader``, the loader's ``dataset``, the shard's ``dataset``."""
-    selves: list[Any] = []
-
-    class Frames(Spy):
-        def __len__(self) -> int:
-            frame = sys._getframe(1)
-            while frame is not None and frame.f_code.co_name == "__len__":
-                selves.append(frame.f_locals["self"])
-                frame = frame.f_back
-            return self.n
-
-    spy = Frames(40)
-    loader = _prepare(spy, dispatch_batches=False, num_processes=2, process_index=0)
-    len(loader)
-    shard, base, adapter = selves[:3]
-    assert shard.dataset is spy and vars(base)["dataset"] is shard
-    assert vars(adapter)["base_dataloader"] is base and adapter is loader
+    assert torch_compat.len_answered(base) == len(base.dataset) == 20  # ceil(40 / 8) * 4
 
 
 @pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")

@@ -4,10 +4,13 @@
 - ``get_train_dataloader()`` over an iterable dataset builds a plain ``DataLoader``
   (``per_device_train_batch_size``, no sampler) and hands it to ``accelerator.prepare()``:
   a ``DataLoaderDispatcher`` whose base loader's ``dataset`` is ``train_dataset``;
-- the Trainer asks ``len(train_dataloader)`` before any iteration, and the dataset's
-  ``__len__`` is reached from torch's ``DataLoader.__len__`` called by the dispatcher's
-  ``__len__`` (the chain ``evenly.interop.accelerate.len_asked`` recognises); that count
-  bounds the steps of an epoch;
+- the Trainer asks ``len(train_dataloader)`` before any iteration, which asks the base
+  loader's ``len()`` (torch records its answer: ``torch_compat.len_answered``, what
+  evenly compares when the pass starts, looking at no caller); that count bounds the
+  steps of an epoch;
+- what ``evenly.interop.hf_trainer.TrainerMixin`` reads of the Trainer: its
+  ``_train_batch_size``, ``_get_collator_with_removed_columns`` and ``dataloader_*``
+  arguments;
 - every epoch the dataset's ``set_epoch(epoch)`` is called with the Trainer's epoch while
   the dispatcher is ``GradientState``'s active dataloader, before the dataset is iterated;
 - a mid-epoch resume rebuilds the loader with ``accelerate.skip_first_batches`` (a
@@ -19,7 +22,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -64,18 +66,18 @@ class Events(IterableDataset[dict[str, Any]]):
         return GradientState().active_dataloader if GradientState._shared_state else None
 
     def __len__(self) -> int:
-        chain, frame = [], sys._getframe(1)
-        while frame is not None and frame.f_code.co_name == "__len__":
-            chain.append(type(frame.f_locals.get("self")).__name__)
-            frame = frame.f_back
-        self.events.append(("len", tuple(chain)))
+        self.events.append(("len",))
         return N
 
     def set_epoch(self, epoch: int) -> None:
         self.events.append(("set_epoch", epoch, self._active()))
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        self.events.append(("iter", self._active()))
+        from evenly.runtime import torch_compat
+
+        active = self._active()
+        base = vars(active)["base_dataloader"] if active is not None else None
+        self.events.append(("iter", active, torch_compat.len_answered(base)))
         for i in range(N):
             yield {"idx": i, "x": i / N, "labels": 0.0}
 
@@ -102,11 +104,10 @@ def _trainer(dataset: Events, out: Path, model: Recorder | None = None, **kw: An
         per_device_train_batch_size=BATCH,
         use_cpu=True,
         dataloader_num_workers=0,
-        remove_unused_columns=False,
         report_to="none",
         logging_strategy="no",
         disable_tqdm=True,
-        **{"save_strategy": "no", **kw},
+        **{"save_strategy": "no", "remove_unused_columns": False, **kw},
     )
     return Trainer(model=model or Recorder(), args=args, train_dataset=dataset)
 
@@ -128,8 +129,8 @@ def test_the_trainer_asks_len_through_the_dispatcher_before_iterating(tmp_path: 
     _trainer(dataset, tmp_path, model, num_train_epochs=2).train()
     events = dataset.events
     first_iter = next(i for i, e in enumerate(events) if e[0] == "iter")
-    chains = [e[1] for e in events[:first_iter] if e[0] == "len"]
-    assert ("DataLoader", "DataLoaderDispatcher") in [c[:2] for c in chains]
+    assert ("len",) in events[:first_iter]
+    assert events[first_iter][2] == N  # the base loader's len(), asked before the pass
     # that count bounded each epoch: ceil(N / BATCH) steps per epoch
     assert len(model.seen) == 2 * -(-N // BATCH)
     assert sorted(i for batch in model.seen[: -(-N // BATCH)] for i in batch) == list(range(N))
@@ -171,3 +172,70 @@ def test_a_mid_epoch_resume_skips_batches_through_a_rebuilt_dispatcher(tmp_path:
     assert drivers[0].skip_batches == steps
     assert vars(drivers[0])["base_dataloader"].dataset is dataset
     assert [i for b in model.seen for i in b] == list(range(steps * BATCH, N))
+
+
+def test_what_the_trainer_mixin_reads_of_the_trainer(tmp_path: Path) -> None:
+    from transformers import Trainer
+
+    trainer = _trainer(Events(), tmp_path, dataloader_prefetch_factor=None)
+    assert isinstance(trainer, Trainer) and trainer._train_batch_size == BATCH
+    args = trainer.args
+    assert args.dataloader_num_workers == 0 and isinstance(args.dataloader_pin_memory, bool)
+    assert args.dataloader_prefetch_factor is None
+    assert args.dataloader_multiprocessing_context is None
+    assert args.dataloader_in_order is True
+    # with remove_unused_columns=False the collator is the Trainer's own
+    assert trainer._get_collator_with_removed_columns(trainer.data_collator, "Training") is (
+        trainer.data_collator
+    )
+
+
+def _samples(n: int) -> list[dict[str, Any]]:
+    return [{"idx": i, "x": i / n, "labels": 0.0, "text": "unused"} for i in range(n)]
+
+
+def test_one_process_trains_on_a_bare_evenly_dataset_exactly(tmp_path: Path) -> None:
+    """One process: the count asked before the pass is the whole epoch, so the Trainer's
+    own loader over a bare evenly.Dataset reads every sample once per epoch, in exactly
+    the steps it counted."""
+    import evenly
+
+    samples = [{k: v for k, v in s.items() if k != "text"} for s in _samples(N)]
+    model = Recorder()
+    trainer = _trainer(evenly.Dataset(samples, shuffle=True, seed=0), tmp_path, model)  # type: ignore[arg-type]
+    trainer.args.num_train_epochs = 2
+    trainer.train()
+    steps = -(-N // BATCH)
+    assert len(model.seen) == 2 * steps
+    for epoch in (model.seen[:steps], model.seen[steps:]):
+        assert sorted(i for batch in epoch for i in batch) == list(range(N))
+    assert model.seen[:steps] != model.seen[steps:]  # a new order each epoch
+
+
+def test_the_trainer_mixin_trains_on_an_evenly_dataloader(tmp_path: Path) -> None:
+    """``TrainerMixin.get_train_dataloader()``: an evenly.DataLoader (kept as it is by
+    ``prepare()``), with the Trainer's batch size and its collator less the columns the
+    model does not take (``remove_unused_columns=True``: "text" goes)."""
+    from transformers import Trainer
+
+    import evenly
+    from evenly.interop.hf_trainer import TrainerMixin
+
+    class Mixed(TrainerMixin, Trainer):  # type: ignore[misc]
+        pass
+
+    model = Recorder()
+    dataset = evenly.Dataset(_samples(N), shuffle=True, seed=0)
+    kw: dict[str, Any] = {"remove_unused_columns": True, "num_train_epochs": 2}
+    trainer = Mixed(
+        model=model, args=_trainer(Events(), tmp_path, **kw).args, train_dataset=dataset
+    )
+    loader = trainer.get_train_dataloader()
+    assert type(loader) is evenly.DataLoader and loader.dataset is dataset
+    assert loader.batch_size == BATCH and len(loader) == -(-N // BATCH)
+    assert "text" not in next(iter(loader))
+    trainer.train()
+    steps = -(-N // BATCH)
+    assert len(model.seen) == 2 * steps
+    for epoch in (model.seen[:steps], model.seen[steps:]):
+        assert sorted(i for batch in epoch for i in batch) == list(range(N))

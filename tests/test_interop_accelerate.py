@@ -1,10 +1,10 @@
 """HF Accelerate and the HF Trainer over evenly, in real 2-rank gloo runs.
 
 A user hands ``evenly.DataLoader`` to ``accelerator.prepare`` (or an ``evenly.Dataset`` to
-the Trainer) and changes nothing else.  The guarantees must hold through Accelerate's
-rebuilt loader: every sample exactly once per epoch across the ranks, equal batch counts,
-a new order each epoch, and an exact mid-epoch resume in a fresh run through
-``save_state``/``load_state``.
+a Trainer with evenly's ``TrainerMixin``) and changes nothing else.  The guarantees must
+hold through Accelerate's rebuilt loader: every sample exactly once per epoch across the
+ranks, equal batch counts, a new order each epoch, and an exact mid-epoch resume in a
+fresh run through ``save_state``/``load_state``.
 """
 
 from __future__ import annotations
@@ -81,20 +81,31 @@ def test_accelerate_save_state_mid_epoch_resumes_exactly_in_a_fresh_run(
         assert_order_changes(join(before, rest), epoch1, label)
 
 
-def test_hf_trainer_over_evenly_dataset_delivers_every_sample_once(tmp_path: Path) -> None:
-    """The bare evenly.Dataset, and the user's own wrapper over it (a tokenizing
-    IterableDataset forwarding __len__ and set_epoch: boundaries hole 1), in one launch."""
+def test_hf_trainer_over_evenly_dataset_delivers_every_sample_once_or_names_the_mixin(
+    tmp_path: Path,
+) -> None:
+    """With evenly's TrainerMixin, every sample once in exactly the steps of an epoch.
+    The Trainer alone counts its steps with len() before the first pass, which evenly
+    answers without looking at the caller (this rank's share, while Accelerate's
+    dispatcher has rank 0 read the whole epoch): over the bare evenly.Dataset and over the
+    user's own wrapper of it (boundaries hole 1), the first batch raises, naming the mixin.
+    One launch."""
+    kinds = ("mixin", "plain", "wrapped")
     results = run_ranks(
-        hf_trainer_ranks.train, WORLD, NS, str(tmp_path), (False, True), env=QUIET, timeout=240
+        hf_trainer_ranks.train, WORLD, NS, str(tmp_path), kinds, env=QUIET, timeout=240
     )
-    for wrapped in (False, True):
-        for n in NS:
-            label = f"HF Trainer, {'user wrapper over ' if wrapped else ''}evenly.Dataset, N={n}"
-            epoch = [r[wrapped, n] for r in results]
-            assert_exactly_once(epoch, n, WORLD, label)
-            assert_equal_batches(epoch, label)
-            steps = -(-n // (WORLD * 10))
-            assert len(epoch[0]) == steps, f"{label}: {len(epoch[0])} steps, not {steps}"
+    for n in NS:
+        label = f"HF Trainer with TrainerMixin over evenly.Dataset, N={n}"
+        epoch = [r["mixin", n] for r in results]
+        assert_exactly_once(epoch, n, WORLD, label)
+        assert_equal_batches(epoch, label)
+        steps = -(-n // (WORLD * 10))
+        assert len(epoch[0]) == steps, f"{label}: {len(epoch[0])} steps, not {steps}"
+        for kind in ("plain", "wrapped"):
+            for said in (r[kind, n] for r in results):
+                assert isinstance(said, str), f"{kind}, N={n}: trained without an error"
+                assert "asked before its pass" in said and "TrainerMixin" in said, said
+                assert "after" not in said, f"{kind}, N={n}: raised after a batch: {said}"
 
 
 def test_a_prepared_plain_loader_over_the_dataset_is_never_sharded_twice() -> None:
@@ -127,12 +138,13 @@ def test_a_prepared_plain_loader_over_the_dataset_is_never_sharded_twice() -> No
         assert {s["lens"][0] for s in stateful} == {len(epoch[0])}
 
 
-@pytest.mark.parametrize(("n", "own"), [(NS[0], False), (NS[1], False), (NS[1], True)])
+@pytest.mark.parametrize(("n", "own"), [(NS[0], True), (NS[1], True)])
 def test_hf_trainer_resumes_mid_epoch_exactly_in_a_fresh_run(
     tmp_path: Path, n: int, own: bool
 ) -> None:
-    """Over the Trainer's own loader, and (own) with ``get_train_dataloader`` returning
-    an evenly.DataLoader: the resume goes through skip_first_batches over that loader."""
+    """With evenly's TrainerMixin (``get_train_dataloader`` returns an evenly.DataLoader):
+    the resume goes through skip_first_batches over that loader.  (The Trainer's own
+    loader over two ranks is refused: see the test above.)"""
     steps, per_epoch = 20, -(-n // (WORLD * 10))
     out = str(tmp_path / "run")
     before = run_ranks(

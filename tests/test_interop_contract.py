@@ -136,10 +136,13 @@ def test_under_the_dispatcher_rank_0_reads_the_whole_epoch(workers: int, wrap: b
     ds = _dataset(rank=0)
     share = len(ds)
     loader = _prepare(Tokenize(Tokenize(ds)) if wrap else ds, put_on_device=True, workers=workers)
-    assert len(loader) == math.ceil(N / B)  # asked before any iteration (HF Trainer)
     for _ in range(2):
-        batches = _epoch(loader)
+        batches, during = [], []
+        for batch in loader:
+            batches.append([int(i) for i in batch.tolist()])
+            during.append(len(loader))  # while the dispatcher drives the pass: exact
         assert len(batches) == math.ceil(N / B)
+        assert set(during) == {math.ceil(N / B)}
         _assert_once([i for b in batches for i in b])
     # after the prepared epochs the dataset is its own again (boundaries hole 2)
     assert len(ds) == share == math.ceil(N / WORLD)
@@ -170,7 +173,6 @@ def test_under_the_shard_wrapper_each_rank_reads_its_own_share(workers: int, wra
         for r, ds in enumerate(datasets)
     ]
     per_rank = math.ceil(math.ceil(n / WORLD) / B)
-    assert [len(loader) for loader in loaders] == [per_rank] * WORLD  # before any pass
     for _ in range(2):
         epoch = [_epoch(loader) for loader in loaders]
         assert [len(batches) for batches in epoch] == [per_rank] * WORLD
@@ -210,13 +212,11 @@ def test_a_shard_over_other_iterable_datasets_too_is_refused() -> None:
     _refused(_shard_loader(0, Mixed(_dataset())), r"other iterable datasets \(Plain\)")
 
 
-def test_split_batches_without_dispatch_refuses_len_before_the_first_pass() -> None:
+def test_split_batches_without_dispatch_reads_each_share_in_per_rank_batches() -> None:
     loaders = [
         _shard_loader(r, _dataset(rank=r), batch_size=2 * B, split_batches=True)
         for r in range(WORLD)
     ]
-    with pytest.raises(RuntimeError, match=r"split_batches=True.*split_batches=False"):
-        len(loaders[0])
     epoch = [_epoch(loader) for loader in loaders]
     assert {len(b) for batches in epoch for b in batches[:-1]} == {B}
     _assert_once([i for batches in epoch for b in batches for i in b])
@@ -238,9 +238,8 @@ def test_workers_started_inside_prepare_are_refused(dispatch: bool | None) -> No
 def test_a_stateful_dispatcher_without_workers_reads_the_whole_epoch() -> None:
     pytest.importorskip("torchdata.stateful_dataloader")
     loader = _prepare(_dataset(), put_on_device=True, use_stateful_dataloader=True)
-    assert len(loader) == math.ceil(N / B)
     batches = _epoch(loader)
-    assert len(batches) == len(loader)
+    assert len(batches) == math.ceil(N / B)
     _assert_once([i for b in batches for i in b])
 
 
@@ -251,10 +250,10 @@ def test_a_stateful_shard_wrapper_without_workers_reads_each_share() -> None:
         _shard_loader(r, _dataset(rank=r), use_stateful_dataloader=True) for r in range(WORLD)
     ]
     per_rank = math.ceil(math.ceil(N / WORLD) / B)
-    assert [len(loader) for loader in loaders] == [per_rank] * WORLD
     epoch = [_epoch(loader) for loader in loaders]
     assert [len(batches) for batches in epoch] == [per_rank] * WORLD
     _assert_once([i for batches in epoch for b in batches for i in b])
+    assert [len(loader) for loader in loaders] == [per_rank] * WORLD  # passed through
 
 
 # ---- what stays the dataset's own -------------------------------------------------
@@ -291,18 +290,41 @@ def test_len_asked_directly_during_a_prepared_epoch_counts_the_pass_in_progress(
     assert len(ds) == math.ceil(N / WORLD)
 
 
-class Counted(evenly.Dataset[Any]):
-    """A subclass of evenly.Dataset whose __len__ calls the base class's."""
+# ---- len() asked before the pass: evenly looks at no caller ------------------------
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("dispatch", [True, False], ids=["dispatcher", "shard"])
+@pytest.mark.parametrize("wrap", [False, True], ids=["bare", "user-wrapper"])
+def test_a_len_asked_before_the_pass_that_the_pass_does_not_match_is_refused(
+    workers: int, dispatch: bool, wrap: bool
+) -> None:
+    """len() of a prepared loader asked before its pass (the HF Trainer counts its steps
+    so) gets the dataset's own share: where the wrapper's pass yields another count, the
+    first batch raises, naming the Trainer adapter and the evenly.DataLoader."""
+    ds = _dataset(rank=0)
+    inner = Tokenize(ds) if wrap else ds
+    if dispatch:
+        loader = _prepare(inner, put_on_device=True, workers=workers, persistent=workers > 0)
+        asked = math.ceil(math.ceil(N / WORLD) / B)  # rank 0's own share, in batches
+    else:
+        loader = _shard_loader(0, inner, workers=workers, persistent=workers > 0)
+        asked = math.ceil(math.ceil(N / WORLD) / (B * WORLD))  # split once more
+    assert len(loader) == asked
+    _refused(loader, r"asked before its pass.*TrainerMixin.*evenly\.DataLoader")
 
-    def __len__(self) -> int:
-        return super().__len__()
 
-
-def test_len_through_a_subclass_of_the_dataset_is_still_recognised() -> None:
-    ds = Counted(list(range(N)), shuffle=True, seed=3, rank=0, world_size=WORLD)
-    loader = _prepare(Tokenize(ds), put_on_device=True)
+@pytest.mark.parametrize("dispatch", [True, False], ids=["dispatcher", "shard"])
+def test_a_len_asked_before_the_pass_is_exact_with_one_process_and_one_rank(
+    dispatch: bool,
+) -> None:
+    """One process, one rank (the HF Trainer on one device): the dataset's own share is
+    the whole epoch, so the count asked before the pass is the pass's."""
+    ds = evenly.Dataset(list(range(N)), shuffle=True, seed=3, rank=0, world_size=1)
+    loader = _prepare(ds, put_on_device=True, dispatch_batches=None if dispatch else False)
     assert len(loader) == math.ceil(N / B)
-    assert len(ds) == math.ceil(N / WORLD)
+    for _ in range(2):
+        batches = _epoch(loader)
+        assert len(batches) == len(loader)
+        _assert_once([i for b in batches for i in b])
 
 
 @pytest.mark.parametrize("pad", ["repeat", "mask", "none"])

@@ -166,6 +166,31 @@ def test_a_persistent_loader_holds_its_iterator_in_iterator() -> None:
     fresh._shutdown_workers()
 
 
+class Sized(IterableDataset[int]):
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self) -> Iterator[int]:
+        yield from range(self.n)
+
+
+def test_len_answered_is_the_last_len_of_an_iterable_datasets_loader() -> None:
+    """``len(loader)`` over an iterable dataset records ``len(dataset)`` on the loader
+    (``_IterableDataset_len_called``): how evenly's Accelerate adapter sees, at a pass
+    start, what an earlier ``len()`` counted."""
+    dataset = Sized(10)
+    loader = DataLoader(dataset, batch_size=4)
+    assert torch_compat.len_answered(loader) is None  # never asked
+    assert len(loader) == 3
+    assert torch_compat.len_answered(loader) == 10
+    dataset.n = 12
+    assert len(loader) == 3 and torch_compat.len_answered(loader) == 12  # the last answer
+    assert torch_compat.len_answered(DataLoader(list(range(5)))) is None  # map-style
+
+
 def test_collate_with_is_default_collate_with_another_table() -> None:
     """``collate_with(batch, default_collate_fn_map())`` is ``default_collate``; an entry
     for a type replaces how it is collated, called with ``collate_fn_map=`` (how

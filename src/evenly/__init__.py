@@ -16,7 +16,10 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from evenly import audit
+from evenly import (
+    audit,
+    interop,  # noqa: F401  (importing it registers the framework hooks)
+)
 from evenly.core.packing.settings import Packing
 from evenly.errors import EvenlyWarning, PlanMismatchError, StateError, warn_deprecated
 from evenly.mixture import Mix

@@ -21,16 +21,17 @@ from evenly.core.spec import PassSpec
 from evenly.core.state import PassState
 from evenly.core.topology import Topology
 from evenly.errors import StateError, check_int
-from evenly.interop.accelerate import Wrapped, before_pass, check_pass, driving, len_asked, under
-from evenly.interop.skip import delegation_of, read_delegated
 from evenly.options import Generator, OnError, Pad, Shuffle
+from evenly.runtime import hooks
 from evenly.runtime.checks import warn_about
+from evenly.runtime.delegation import Delegation, PassOwner, read_delegated
 from evenly.runtime.detect import (
     group_of,
     is_detected_from_environment,
     resolve_topology,
     warn_if_rank_local,
 )
+from evenly.runtime.hooks import Wrapped, under
 from evenly.runtime.own_passes import OwnPasses
 from evenly.runtime.planner import Planner
 from evenly.runtime.seeds import GENERATORS
@@ -137,13 +138,13 @@ class Dataset(IterableDataset[Any], Generic[T_co]):
         self._fixed: Topology | None = None  # fixed in the main process once detected
         self._warned_rank_local = False
         self._owned = False  # owned by an evenly.DataLoader (``_owner``: the last one)
-        self._owner: weakref.ref[Any] | None = None
+        self._owner: weakref.ref[PassOwner] | None = None
         self._passes = OwnPasses()
         # what the main process saw last (len, fingerprint, generation), for workers
         self._seen = torch.tensor([_UNSET, 0, 0], dtype=torch.int64).share_memory_()  # type: ignore[no-untyped-call]
         self._skipped = torch.zeros(SKIP_SLOTS, dtype=torch.int64).share_memory_()  # type: ignore[no-untyped-call]
         self._progress = [0]  # samples handed out in this process's pass
-        self._wrapped: Wrapped | None = None  # a spawned copy: how Accelerate drove it
+        self._wrapped: Wrapped | None = None  # a spawned copy: how a framework drove it
         self.topology()
         self._note_main_view()
 
@@ -233,12 +234,38 @@ class Dataset(IterableDataset[Any], Generic[T_co]):
             self.topology()  # fixed here if it can be detected (else the copy resolves it)
             self._note_main_view()
         state = self.__dict__.copy()
-        if get_worker_info() is None and self._owned:  # spawned workers see no Accelerate
-            state["_delegation"] = delegation_of(self)
+        if get_worker_info() is None and self._owned:  # spawned workers see no framework
+            state["_delegation"] = self._delegation()
         state["_owner"] = None
         state["process_group"] = None
-        state["_wrapped"] = driving(self, self._wrapped)
+        state["_wrapped"] = self._driven()
         return state
+
+    def _driven(self) -> Wrapped | None:
+        """How a framework's loader drives this dataset's pass now (registered hooks,
+        :mod:`evenly.runtime.hooks`); a spawned worker has no framework state: it uses
+        what the main process saw when it pickled the dataset."""
+        if self._wrapped is not None and get_worker_info() is not None:
+            return self._wrapped
+        return hooks.driving(self)
+
+    def _delegation(self) -> Delegation | None:
+        """The owning evenly.DataLoader's pass, if a framework's skip-loader reads this
+        dataset in this process now (:mod:`evenly.runtime.delegation`)."""
+        k = hooks.skipping(self) if self._owned else None
+        owner = None if k is None or self._owner is None else self._owner()
+        return None if k is None or owner is None else owner._delegated_pass(k)
+
+    # ---- the package's interface for evenly.DataLoader (not public API) ------------
+    def _adopt(self, owner: PassOwner) -> None:
+        """``owner`` (an evenly.DataLoader) runs this dataset's passes from now on: a
+        framework's skip-loader over the dataset reads the last owner's pass."""
+        self._owned, self._owner = True, weakref.ref(owner)
+
+    def _epoch_calls(self) -> tuple[int, int]:
+        """(how many times ``set_epoch`` was called in this process, the last epoch):
+        an owner follows a call made after its own."""
+        return self._passes.epoch_calls
 
     # ---- the dataset's own passes (under a loader that is not evenly's) ------------
     @property
@@ -256,14 +283,14 @@ class Dataset(IterableDataset[Any], Generic[T_co]):
         """
         epoch = check_int("epoch", epoch, minimum=0)
         if get_worker_info() is None:
-            before_pass(self)
+            hooks.before_pass(self)
         self._passes.set_epoch(epoch)
         self._skipped.zero_()
         self._note_main_view()
         self.topology()
 
-    def _own_spec(self, state: PassState, wrapped: Wrapped | None = None) -> PassSpec:
-        topo, batch = under(wrapped or driving(self, self._wrapped), self.topology())
+    def _own_spec(self, state: PassState) -> PassSpec:
+        topo, batch = under(self._driven(), self.topology())
         n = self._planner.num_samples()
         return PassSpec(
             epoch=state.epoch,
@@ -282,16 +309,18 @@ class Dataset(IterableDataset[Any], Generic[T_co]):
         return self._planner.plan_for(self._own_spec(self._passes.current()))
 
     def __len__(self) -> int:
-        """Samples this rank yields in the dataset's own pass (in progress or next).
+        """Samples this rank yields in the dataset's own pass (in progress or next), as
+        it would run now: under a framework's loader that drives it (Accelerate's
+        dispatcher reads the whole epoch on rank 0), while that loader iterates it.  The
+        answer never depends on who asks.
 
         It changes no pass, topology or wrapper state; it only publishes the source's
         length and identity as the main process sees them, so that workers holding an
         older copy raise instead of reading it."""
         if get_worker_info() is None:
             self._note_main_view()
-        wrapped, processes = len_asked(self)
-        spec = self._own_spec(self._passes.current(), wrapped)
-        return processes * self._planner.plan_for(spec).rank_samples(spec.rank)
+        spec = self._own_spec(self._passes.current())
+        return self._planner.plan_for(spec).rank_samples(spec.rank)
 
     @property
     def num_skipped(self) -> int:
@@ -304,8 +333,8 @@ class Dataset(IterableDataset[Any], Generic[T_co]):
         are raised on the first ``next()``, where the DataLoader passes them on)."""
         info = get_worker_info()
         num_workers, worker_id = (info.num_workers, info.id) if info is not None else (1, 0)
-        check_pass(self, info.dataset if info is not None else None, self._wrapped)
-        delegation = self.__dict__.get("_delegation") or delegation_of(self)
+        hooks.check_pass(self, info.dataset if info is not None else None, self._wrapped)
+        delegation = self.__dict__.get("_delegation") or self._delegation()
         if delegation is not None:  # accelerate's skip_first_batches: the owner's pass
             yield from read_delegated(
                 self._planner, delegation, worker_id, num_workers, seen=self._seen.tolist()

@@ -114,10 +114,17 @@ class Tokenize(torch.utils.data.IterableDataset[Any]):
 
 
 def _epochs(accelerator: Any, model: Any, opt: Any, loader: Any, n: int, epochs: int) -> Any:
+    """The batches of each epoch and ``len(loader)`` asked while the pass runs (before
+    it, a plain loader's ``len()`` is the dataset's own share: the wrapper has not
+    started driving it)."""
     lens, batches = [], []
     for _ in range(epochs):
-        lens.append(len(loader))
-        batches.append([_step(accelerator, model, opt, b, n) for b in loader])
+        epoch, during = [], set()
+        for b in loader:
+            during.add(len(loader))
+            epoch.append(_step(accelerator, model, opt, b, n))
+        lens.append(during.pop() if len(during) == 1 else sorted(during))
+        batches.append(epoch)
     return {"epochs": batches, "lens": lens}
 
 

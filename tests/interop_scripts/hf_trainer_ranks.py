@@ -1,5 +1,6 @@
-"""Rank body for the HF Trainer: ``Trainer(model, args, train_dataset=evenly.Dataset(...))``
-with 2 DataLoader workers per rank, one epoch, recording the ids ``forward`` receives."""
+"""Rank body for the HF Trainer over an ``evenly.Dataset`` (with evenly's ``TrainerMixin``,
+or the Trainer alone), 2 DataLoader workers per rank, recording the ids ``forward``
+receives."""
 
 from __future__ import annotations
 
@@ -30,21 +31,27 @@ class Recorder(torch.nn.Module):
 
 
 def train(
-    rank: int, world: int, ns: tuple[int, ...], out_dir: str, wrapped: tuple[bool, ...] = (False,)
-) -> dict[tuple[bool, int], Any]:
-    """One epoch per (wrapper, N): the train_dataset is the ``evenly.Dataset``, or (True)
-    the user's own ``Tokenize(evenly.Dataset)`` (the boundaries issue's hole 1)."""
+    rank: int, world: int, ns: tuple[int, ...], out_dir: str, kinds: tuple[str, ...] = ("mixin",)
+) -> dict[tuple[str, int], Any]:
+    """One epoch per (kind, N), the ids ``forward`` received, or the error's message:
+    ``"mixin"``, the ``evenly.Dataset`` under a Trainer with evenly's ``TrainerMixin``;
+    ``"plain"``, under the Trainer itself; ``"wrapped"``, the user's own
+    ``Tokenize(evenly.Dataset)`` under the Trainer itself (the boundaries issue's hole 1)."""
     from transformers import Trainer, TrainingArguments
 
+    from evenly.interop.hf_trainer import TrainerMixin
     from tests.interop_scripts.accelerate_ranks import Tokenize
 
-    out: dict[tuple[bool, int], Any] = {}
-    for wrap in wrapped:
+    class Mixed(TrainerMixin, Trainer):  # type: ignore[misc]
+        pass
+
+    out: dict[tuple[str, int], Any] = {}
+    for kind in kinds:
         for n in ns:
             samples = [{"idx": i, "x": i / n, "labels": 0.0} for i in range(n)]
             model = Recorder()
             args = TrainingArguments(
-                output_dir=f"{out_dir}/n{n}-{wrap}",
+                output_dir=f"{out_dir}/n{n}-{kind}",
                 per_device_train_batch_size=BATCH,
                 num_train_epochs=1,
                 use_cpu=True,
@@ -56,26 +63,31 @@ def train(
                 disable_tqdm=True,
             )
             dataset: Any = evenly.Dataset(samples, shuffle=True, seed=0)
-            train_dataset = Tokenize(dataset) if wrap else dataset
-            Trainer(model=model, args=args, train_dataset=train_dataset).train()
-            out[wrap, n] = model.seen
+            train_dataset = Tokenize(dataset) if kind == "wrapped" else dataset
+            trainer = (Mixed if kind == "mixin" else Trainer)(
+                model=model, args=args, train_dataset=train_dataset
+            )
+            try:
+                trainer.train()
+                out[kind, n] = model.seen
+            except RuntimeError as e:
+                out[kind, n] = str(e)
+                if model.seen:
+                    out[kind, n] += f" (after {len(model.seen)} batch(es))"
     return out
 
 
 def _trainer(n: int, out_dir: str, own: bool = False, **args: Any) -> tuple[Any, Recorder]:
-    """A Trainer over an ``evenly.Dataset``; with ``own``, its ``get_train_dataloader``
-    returns an ``evenly.DataLoader`` (a mid-epoch resume then goes through accelerate's
-    ``skip_first_batches`` over that loader)."""
+    """A Trainer over an ``evenly.Dataset``; with ``own``, one with evenly's
+    ``TrainerMixin``: its ``get_train_dataloader`` returns an ``evenly.DataLoader`` (a
+    mid-epoch resume then goes through accelerate's ``skip_first_batches`` over that
+    loader)."""
     from transformers import Trainer, TrainingArguments
 
-    class OwnLoader(Trainer):  # type: ignore[misc]
-        def get_train_dataloader(self) -> Any:
-            return evenly.DataLoader(
-                self.train_dataset,
-                batch_size=BATCH,
-                num_workers=WORKERS,
-                collate_fn=self.data_collator,  # the Trainer's (float32, as its own loader)
-            )
+    from evenly.interop.hf_trainer import TrainerMixin
+
+    class OwnLoader(TrainerMixin, Trainer):  # type: ignore[misc]
+        pass
 
     samples = [{"idx": i, "x": i / n, "labels": 0.0} for i in range(n)]
     model = Recorder()

@@ -17,8 +17,14 @@ The wrapper is recognised through what it is, never by guessing: Accelerate's
 process-global ``GradientState`` names the adapter being iterated (from
 ``DataLoaderStateMixin.begin()``, before it calls ``set_epoch`` and before its base loader
 starts workers, until ``end()``), and the dataset is found under it through the objects
-themselves (:func:`find_path`).  Only ``len()``, which the HF Trainer and the adapters ask
-before any iteration, looks at its caller: :func:`len_asked` is that one inspection.
+themselves (:func:`find_path`).  Nothing looks at a caller: ``len(dataset)`` is the pass
+as it would run now, so a count asked of a prepared loader before its pass (the HF Trainer
+asks one) is the dataset's own share; :func:`before_pass` raises, before the first batch,
+where that count was asked and differs from what the pass yields, naming the fix
+(``evenly.interop.hf_trainer.TrainerMixin``, or an ``evenly.DataLoader`` handed to
+``prepare()``).  The hooks are registered with the lower layers by
+``evenly.interop`` (:class:`evenly.runtime.hooks.PassHooks`): the dataset never imports
+this module.
 
 What this module relies on, pinned by ``tests/test_accelerate_internals.py`` against the
 installed version (``constraints.txt``):
@@ -33,9 +39,9 @@ installed version (``constraints.txt``):
 - both adapters call ``dataset.set_epoch`` in ``__iter__`` after ``begin()`` and before
   ``base_dataloader.__iter__()`` (``IterableDatasetShard.set_epoch`` passes it down);
 - ``len(adapter)``: ``DataLoaderDispatcher.__len__`` / ``DataLoaderAdapter.__len__`` call
-  ``len(self.base_dataloader)``, torch's ``DataLoader.__len__`` calls
-  ``len(self.dataset)`` and ``IterableDatasetShard.__len__`` calls ``len(self.dataset)``:
-  each a Python frame named ``__len__`` whose ``self`` is that object;
+  ``len(self.base_dataloader)``, whose answer torch records on the base loader
+  (``evenly.runtime.torch_compat.len_answered``); ``IterableDatasetShard.__len__`` calls
+  ``len(self.dataset)``;
 - with ``use_stateful_dataloader=True`` the adapter's ``__init__`` calls the base
   ``StatefulDataLoader.state_dict()``, which starts its iterator (and its workers) inside
   ``prepare()`` and marks it ``_initial_iter_for_state_dict`` until the first ``iter()``.
@@ -46,23 +52,20 @@ Accelerate is never imported here: only looked up if the program already importe
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
-from types import FrameType, ModuleType
+from types import ModuleType
 from typing import Any
 
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from torch.utils.data import Dataset as TorchDataset
 
-from evenly.core.topology import Topology
+from evenly.runtime import torch_compat
+from evenly.runtime.hooks import Wrapped
 
 __all__ = [
-    "Wrapped",
     "before_pass",
     "check_pass",
     "driving",
     "find_path",
-    "len_asked",
-    "under",
 ]
 
 #: How deep wrappers may nest (objects between a loader and the evenly.Dataset).
@@ -71,32 +74,13 @@ MAX_DEPTH = 16
 MAX_OBJECTS = 512
 
 _FIX = "or hand an evenly.DataLoader to accelerator.prepare() (it is kept as it is)"
-
-
-@dataclass(frozen=True)
-class Wrapped:
-    """How an Accelerate wrapper drives the dataset's pass.
-
-    ``mode``: ``"dispatch"`` (rank 0 reads for all ranks), ``"shard"`` (each rank reads its
-    own share, through a passed-through ``IterableDatasetShard``, or with one process
-    through none), or ``"hidden"`` (a wrapper
-    is being iterated, but the dataset cannot be found under it; ``through`` names the
-    type of the wrapper's dataset).  ``batch_size``: the wrapper's per-rank batch size
-    (whole batches go to one worker)."""
-
-    mode: str
-    batch_size: int = 1
-    through: str = ""
-
-
-def under(wrapped: Wrapped | None, own: Topology) -> tuple[Topology, int]:
-    """The (topology, plan batch size) of a pass driven by ``wrapped``; ``own``: the
-    dataset's data-parallel topology."""
-    if wrapped is None or wrapped.mode == "hidden":
-        return own, 1
-    if wrapped.mode == "dispatch":
-        return Topology(0, 1), wrapped.batch_size  # rank 0 reads; the wrapper deals
-    return own, wrapped.batch_size
+#: the adapter for the HF Trainer (``evenly.interop.hf_trainer``)
+_TRAINER_FIX = (
+    "With the HF Trainer, mix evenly.interop.hf_trainer.TrainerMixin into your Trainer "
+    "(class MyTrainer(TrainerMixin, Trainer)) and make train_dataset the evenly.Dataset "
+    "itself (per-sample work goes in its transform=): its get_train_dataloader() returns "
+    "an evenly.DataLoader"
+)
 
 
 # ---- finding the dataset under a wrapper ---------------------------------------------
@@ -261,86 +245,31 @@ def before_pass(dataset: object) -> None:
     for shard in shards:
         shard.num_processes, shard.process_index, shard.batch_size = 1, 0, 1
         shard.drop_last = False
+    _check_len(active, base)
 
 
-# ---- len(), asked before any iteration -----------------------------------------------
-def len_asked(dataset: object) -> tuple[Wrapped | None, int]:
-    """How to answer ``len(dataset)``, called directly from ``Dataset.__len__``: the pass
-    to count (``None``: as :func:`driving` says now) and a factor.
-
-    The HF Trainer and Accelerate's adapters ask ``len()`` right after ``prepare()``,
-    before any iteration, so ``GradientState`` cannot tell yet.  The one inspection of
-    the caller: the chain of ``__len__`` frames above ``Dataset.__len__``, each a wrapper
-    holding the previous object (:func:`find_path`), up to a torch ``DataLoader.__len__``
-    whose ``dataset`` is the top of the chain, called from the ``__len__`` of the
-    Accelerate adapter that owns that loader.  Then the count is decided: the whole epoch
-    (dispatcher); this rank's share times the shard's ``num_processes`` while the
-    ``IterableDatasetShard`` still splits (so that its own arithmetic gives this rank's
-    batches), this rank's share once it passes through.  Any other caller gets the
-    dataset's pass as it would run now.  Raises where the count cannot be exact.  No side
-    effects."""
-    loaders = _loaders()
-    frame = sys._getframe(1)
-    if loaders is None or frame.f_locals.get("self") is not dataset:
-        return None, 1
-    obj: object = dataset
-    chain: list[Any] = []
-    caller = frame.f_back
-    for _ in range(MAX_DEPTH + 2):
-        owner = _len_owner(caller)
-        if owner is obj:  # a subclass's __len__ calling the evenly.Dataset's
-            caller = _up(caller)
-            continue
-        if owner is None:
-            break
-        if _is_torch_loader(owner) and vars(owner).get("dataset") is obj:
-            return _asked_by(_len_owner(_up(caller)), owner, chain, loaders)
-        path = find_path(owner, obj)
-        if path is None:
-            break
-        chain.extend(path[:-1])
-        obj, caller = owner, _up(caller)
-    return None, 1
-
-
-def _up(frame: FrameType | None) -> FrameType | None:
-    return frame.f_back if frame is not None else None
-
-
-def _len_owner(frame: FrameType | None) -> Any:
-    if frame is None or frame.f_code.co_name != "__len__":
-        return None
-    return frame.f_locals.get("self")
-
-
-def _is_torch_loader(obj: Any) -> bool:
-    attrs = getattr(obj, "__dict__", None)
-    adapter = not isinstance(attrs, dict) or "base_dataloader" in attrs
-    return isinstance(obj, DataLoader) and not adapter
-
-
-def _asked_by(
-    adapter: Any, base: Any, chain: list[Any], loaders: ModuleType
-) -> tuple[Wrapped | None, int]:
-    if adapter is None or _base(adapter) is not base:
-        return None, 1
-    kind = _kind(adapter, loaders)
-    if kind == "dispatch":
-        return Wrapped("dispatch", _batch(base)), 1
-    shards = _shards(chain, loaders)
-    if kind != "shard":
-        return None, 1
-    if not shards or shards[0].num_processes == 1:
-        return Wrapped("shard", _batch(base)), 1
-    shard = shards[0]
-    if shard.split_batches:
+def _check_len(active: Any, base: Any) -> None:
+    """Raise if ``len()`` of the prepared loader was asked before this pass and its
+    answer is not what the pass yields: evenly answered it without knowing that the
+    wrapper would drive the pass (it looks at no caller), so steps counted from it (the
+    HF Trainer counts an epoch's steps that way) would lose or repeat samples."""
+    answered = torch_compat.len_answered(base)
+    if answered is None:
+        return
+    try:
+        now = len(base.dataset)  # the wrapper drives the dataset now: the pass's count
+    except TypeError:
+        return
+    if now != answered:
         raise RuntimeError(
-            "evenly: len() of a prepared loader with split_batches=True and "
-            "dispatch_batches=False, asked before its first pass: Accelerate's "
-            "IterableDatasetShard would count this evenly.Dataset's batches wrongly. Use "
-            f"split_batches=False or the default dispatch_batches, {_FIX}"
+            f"evenly: len() of the loader Accelerate prepared over this evenly.Dataset was "
+            f"asked before its pass and counted {answered} sample(s), but under "
+            f"{_name(active)} the pass yields {now}: evenly answers len() without looking "
+            f"at who asks, so before the pass it counts the dataset's own share, and steps "
+            f"counted from it would lose or repeat samples. {_TRAINER_FIX}; with "
+            f"Accelerate alone, ask len() of an evenly.DataLoader handed to "
+            f"accelerator.prepare() (it is kept as it is)"
         )
-    return Wrapped("shard", _batch(base)), int(shard.num_processes)
 
 
 # ---- the pass itself (a worker, or the main process with num_workers=0) --------------
@@ -357,12 +286,19 @@ def check_pass(dataset: object, worker_dataset: object, snapshot: Wrapped | None
     active = _active() if loaders is not None else None
     if worker_dataset is None:  # the main process reads the pass itself
         if loaders is not None and _kind(active, loaders) is not None:
-            _check_shards(find_path(_base(active), dataset) or [], loaders)
+            path = find_path(_base(active), dataset)
+            _check_shards(path or [], loaders)
+            if path is not None:
+                _check_len(active, _base(active))
         return
     path = find_path(worker_dataset, dataset)
     if path is not None:
         if loaders is not None:
             _check_shards(path, loaders)
+            if snapshot is None and _kind(active, loaders) is not None:  # forked
+                base = _base(active)
+                if getattr(base, "dataset", None) is worker_dataset:
+                    _check_len(active, base)
         return
     if snapshot is not None:  # a spawned worker: what the main process saw
         hidden = snapshot.mode == "hidden" and snapshot.through == _name(worker_dataset)

@@ -9,7 +9,6 @@ them gets the user's settings; the iteration runs on a private loader (``engine`
 from __future__ import annotations
 
 import warnings
-import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -24,7 +23,6 @@ from evenly.core.state import PassState
 from evenly.core.stream import StreamPlan
 from evenly.dataset import SKIP_SLOTS, Dataset
 from evenly.errors import EvenlyWarning, check_int, check_timeout, warn_deprecated
-from evenly.interop import gather, skip
 from evenly.loader import mixing
 from evenly.loader.choices import (
     check_worker_type,
@@ -32,12 +30,15 @@ from evenly.loader.choices import (
     use_columns,
     use_threads,
 )
+from evenly.loader.delegated import after_delegated, plan_delegation
 from evenly.loader.engine import Engine
 from evenly.loader.feed import NO_LENGTH, PassIterator
 from evenly.loader.stats import LoaderStats, StatsLog
 from evenly.options import TRANSPORTS, Transport, WorkerType
+from evenly.runtime import hooks
 from evenly.runtime.agreement import DEFAULT_TIMEOUT, check_pass
 from evenly.runtime.checks import warn_about, warn_skipped
+from evenly.runtime.delegation import Delegation
 
 __all__ = ["DataLoader"]
 
@@ -156,7 +157,7 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         if infinite and batch_size is None:
             raise ValueError("evenly.DataLoader(infinite=True) needs a batch_size")
         if infinite:
-            refuse_planned_source(dataset)
+            refuse_planned_source(dataset._planner)
         self.infinite = bool(infinite)
         timeout = _agreement_timeout(agreement_timeout, check_plan)
         effective_drop = dataset.drop_last if drop_last is None else bool(drop_last)
@@ -175,8 +176,11 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         #: seconds to wait for the other ranks at the plan agreement; ``None``: no check
         self.agreement_timeout = timeout
         self._skipped = torch.zeros(SKIP_SLOTS, dtype=torch.int64).share_memory_()  # type: ignore[no-untyped-call]
+        # the dataset's planner (one object for the dataset's life; torch's DataLoader
+        # does not let ``dataset`` be replaced): how this loader plans, reads, checkpoints
+        self._planner = dataset._planner
         self._engine = Engine(
-            dataset._planner,
+            self._planner,
             batched=batch_size is not None,
             collate_fn=collate_fn,
             num_workers=num_workers,
@@ -188,10 +192,10 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         self._columnar_choice = columnar
         self._user_collate = collate_fn
         self._passes = PassTracker()
-        dataset._owned, dataset._owner = True, weakref.ref(self)
+        dataset._adopt(self)
         #: the epoch a pass delegated to accelerate's SkipDataLoader consumed (-1: none)
         self._delegated = torch.full((1,), -1, dtype=torch.int64).share_memory_()  # type: ignore[no-untyped-call]
-        self._followed = dataset._passes.epoch_calls[0]  # dataset.set_epoch calls seen
+        self._followed = dataset._epoch_calls()[0]  # dataset.set_epoch calls seen
         self._last_num_samples: int | None = None
         self._warned_gather = False
         self._plan: EpochPlan | StreamPlan | None = None  # of the pass in progress or last
@@ -222,13 +226,22 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         """A ``dataset.set_epoch`` made since the last one this loader followed counts
         as this loader's own ``set_epoch`` (the later call wins)."""
         self._follow_set_epoch()
-        skip.after_delegated(self._passes, self._delegated)  # skip_first_batches ran one
+        after_delegated(self._passes, self._delegated)  # skip_first_batches ran one
 
     def _follow_set_epoch(self) -> None:
-        calls, epoch = self.dataset._passes.epoch_calls
+        calls, epoch = self.dataset._epoch_calls()
         if calls > self._followed:
             self._followed = calls
             self._passes.set_epoch(epoch)
+
+    def _delegated_pass(self, k: int) -> Delegation:
+        """This loader's pass as read through its dataset by a loader that drops its
+        first ``k`` batches (HF Accelerate's ``skip_first_batches``): see
+        :mod:`evenly.loader.delegated`."""
+        self._follow_set_epoch()  # not the shared flag: a worker may have set it already
+        return plan_delegation(
+            self._planner, self._passes, self._spec, self._drop, self._delegated, k
+        )
 
     def set_epoch(self, epoch: int) -> None:
         """Make the next pass epoch ``epoch`` (reproduced exactly); later passes follow it.
@@ -248,17 +261,17 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
 
     def _spec(self, start: PassState, infinite: bool = False) -> PassSpec:
         topo = self.dataset.topology()
-        n = self.dataset._planner.num_samples()  # a pass is planned over the length it has
+        n = self._planner.num_samples()  # a pass is planned over the length it has
         return PassSpec(
             epoch=start.epoch,
-            start=self.dataset._planner.pass_start(start.epoch, start.position, infinite),
+            start=self._planner.pass_start(start.epoch, start.position, infinite),
             num_samples=n,
             batch_size=self._plan_batch,
             drop_last=self._drop and not infinite,
             rank=topo.rank,
             world_size=topo.world_size,
             handoff=True,
-            generation=self.dataset._planner.generation,
+            generation=self._planner.generation,
             infinite=infinite,
             source=start.source,
         )
@@ -269,7 +282,7 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         if self._passes.current is not None and isinstance(self._plan, EpochPlan):
             return self._plan
         self._follow_dataset()
-        return self.dataset._planner.plan_for(self._spec(self._passes.next_start()))
+        return self._planner.plan_for(self._spec(self._passes.next_start()))
 
     def __len__(self) -> int:
         if self.infinite:
@@ -329,17 +342,16 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
             state = PassState(state.epoch, state.position)
         running = self._passes.current is not None and isinstance(self._plan, EpochPlan)
         order = self._plan.order if running and isinstance(self._plan, EpochPlan) else None
-        return self.dataset._planner.to_state(state, self._drop, order)
+        return self._planner.to_state(state, self._drop, order)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Make the next pass resume ``state`` exactly: under any number of ranks, workers
         or batch size, with persistent workers running or not.  Later passes continue
         with the following epochs.  Raises ``evenly.StateError`` on a mismatch.
         """
-        planner = self.dataset._planner
-        loaded = planner.from_state(state, self._drop)
+        loaded = self._planner.from_state(state, self._drop)
         self._follow_dataset()
-        self._passes.load(loaded, planner.carried(loaded))
+        self._passes.load(loaded, self._planner.carried(loaded))
 
     def set_weights(self, weights: Mapping[str, float]) -> None:
         """An ``evenly.Mix``'s new weights, from the next batch this loader yields.
@@ -360,7 +372,18 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         >>> sum(int(x) < 100 for b in it for x in b)
         15
         """
-        mixing.set_weights(self, weights)
+        if self.infinite:
+            raise ValueError(
+                "set_weights is not supported under evenly.DataLoader(infinite=True): a "
+                "stream of epochs keeps the weights it started with (a Mix by samples is "
+                "not streamed at all); train epoch by epoch to change them"
+            )
+        self._follow_dataset()
+        running = mixing.reweight(self._planner, self._passes, self._plan, self._drop, weights)
+        held = self._engine.iterating()
+        if running and held is not None:
+            held.adopt(iter(self))  # the loop goes on with the restarted pass
+            self._engine.follow(held)
 
     # ---- passes ----------------------------------------------------------------
     def __iter__(self) -> PassIterator:  # type: ignore[override]
@@ -369,10 +392,12 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
             return self._iter_stream()
         start = self._passes.next_start()
         spec = self._spec(start)
-        plan = self.dataset._planner.plan_for(spec)
+        plan = self._planner.plan_for(spec)
         warn_about(plan, self.num_workers, spec.rank)
-        if not self._warned_gather:  # once per loader
-            self._warned_gather = gather.warn_gather(plan.num_padded, self.dataset.pad)
+        for adapter in () if self._warned_gather else hooks.registered():  # once per loader
+            self._warned_gather = adapter.warn_padded(plan.num_padded, self.dataset.pad)
+            if self._warned_gather:
+                break
         if self._last_num_samples not in (None, spec.num_samples):
             warnings.warn(
                 f"evenly: the source had {self._last_num_samples} samples last epoch and has "
@@ -392,12 +417,12 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
     def _iter_stream(self) -> PassIterator:
         """One endless pass over consecutive epochs (``infinite=True``), continuing from
         what the loop received so far, or from a loaded state / ``set_epoch``."""
-        n = self.dataset._planner.units(self._passes.next_start().epoch)  # best_fit: plans it
+        n = self._planner.units(self._passes.next_start().epoch)  # best_fit: plans it
         if n == 0:
             raise ValueError("evenly.DataLoader(infinite=True): the source is empty")
-        refuse_planned_source(self.dataset)
+        refuse_planned_source(self._planner)
         spec = self._spec(self._passes.next_start(), infinite=True)
-        stream = self.dataset._planner.stream_plan_for(spec)
+        stream = self._planner.stream_plan_for(spec)
 
         def locate(received: int) -> PassState:
             return PassState(*stream.locate(stream.consumed_after(received)))
@@ -406,14 +431,14 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
 
     def _start(self, spec: PassSpec, plan: EpochPlan | StreamPlan, current: Pass) -> PassIterator:
         """Start the pass on the engine, then check that the ranks agree on it."""
-        self.dataset._planner.check_files()  # raised here, in the main process
+        self._planner.check_files()  # raised here, in the main process
         self._skipped.zero_()
         self._passes.begin(current)
         self._plan = plan
         # workers fork before the agreement, never right after a collective (may hang)
-        columnar = use_columns(self._columnar_choice, self.batch_size, self.dataset,
+        columnar = use_columns(self._columnar_choice, self.batch_size, self._planner,
                                self._user_collate)  # fmt: skip
-        threads = use_threads(self.worker_type, self.num_workers, self.dataset, columnar,
+        threads = use_threads(self.worker_type, self.num_workers, self._planner, columnar,
                               self._loader_args)  # fmt: skip
         iterator = self._engine.start(
             spec,
@@ -427,7 +452,7 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         if self.agreement_timeout is not None:
             check_pass(
                 spec,
-                self.dataset._planner.fingerprint(self._drop),
+                self._planner.fingerprint(self._drop),
                 group=self.dataset.process_group,
                 timeout=self.agreement_timeout,
             )

@@ -28,6 +28,7 @@ __all__ = [
     "index_queue_feeders",
     "is_persistent",
     "is_shut_down",
+    "len_answered",
     "pin_memory",
     "running_iterator",
     "shut_down_workers",
@@ -51,6 +52,17 @@ def drop_iterator(loader: Any) -> None:
     new workers.  Shut the old ones down first (:func:`shut_down_workers`).  Checked:
     torch 2.13.0."""
     loader._iterator = None
+
+
+def len_answered(loader: Any) -> int | None:
+    """The answer of the last ``len(loader)`` over an iterable dataset: ``len(dataset)``,
+    which ``DataLoader.__len__`` records (``loader._IterableDataset_len_called``; torchdata's
+    ``StatefulDataLoader`` too); ``None`` if ``len()`` was never asked.  Checked: torch
+    2.13.0, torchdata 0.11.0."""
+    answered = (
+        vars(loader).get("_IterableDataset_len_called") if hasattr(loader, "__dict__") else None
+    )
+    return answered if isinstance(answered, int) else None
 
 
 def is_persistent(iterator: Any) -> bool:

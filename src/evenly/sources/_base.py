@@ -143,6 +143,16 @@ class ShardedSource:
             digest.update(f"\n{posixpath.basename(url)}:{n}".encode())
         return f"{self.format}:{len(self)}:{digest.hexdigest()[:16]}"
 
+    def content_key(self) -> str:
+        """The key of the data on this machine, for what evenly caches about it
+        (packing's lengths): the format and each shard's URL and identity as opened
+        (size, mtime, ctime and inode of a local file; size and ETag of an object).
+        Unlike :attr:`fingerprint`, a copy or an in-place rewrite changes it."""
+        digest = hashlib.sha256(self.format.encode())
+        for url, identity, n in zip(self.urls, self._fingerprints, self._sizes, strict=True):
+            digest.update(f"\n{url}\t{identity}\t{n}".encode())
+        return f"{self.format}:{len(self)}:{digest.hexdigest()[:32]}"
+
     @property
     def preferred_shuffle(self) -> str:
         """``"block"`` for remote shards (reads stay within a few shards), else ``"global"``."""

@@ -3,6 +3,10 @@
 - A shard is downloaded with fsspec to a temp file in the cache dir (``<name>.part-*``),
   checked against the size the listing gave, then renamed into place: a partial or
   wrong-sized download is never visible under the shard's name.
+- A download reads the version the listing gave: the object's ``info`` (its size and
+  ETag) is compared with the listed fingerprint before a byte is copied, and s3fs sends
+  that ETag with every range read (``If-Match``), so an object replaced before or during
+  the download raises naming the URL; nothing of it is cached.
 - A lock file per shard (``filelock``: no ``fcntl`` at import, so it works on every
   platform) makes two workers (or two ranks) on one machine wait for one download
   instead of doing two.  The downloader holds it for the whole download, so a

@@ -389,8 +389,9 @@ def _get(fs: Any, path: str, url: str, tmp: str, fingerprint: str, size: int | N
         with fs.open(path, "rb", block_size=_CHUNK, cache_type="none") as f:
             details = getattr(f, "details", None)  # what the open file reads (s3fs, gcsfs)
             now = object_fingerprint(details if isinstance(details, dict) else fs.info(path))
-            if size is not None and f.size is not None and int(f.size) != size:
-                raise _size_error(url, int(f.size), size)
+            opened = getattr(f, "size", None)
+            if size is not None and opened is not None and int(opened) != size:
+                raise _size_error(url, int(opened), size)
             if not same_version(fingerprint, now):
                 raise _changed(url, fingerprint, now)
             with open(tmp, "wb") as out:

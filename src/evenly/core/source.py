@@ -250,5 +250,5 @@ class SourceView:
             read_column_batches=source.read_column_batches
             if isinstance(source, GroupedColumnarSource)
             else None,
-            content_key=source.content_key if isinstance(source, ContentKeyedSource) else None,
+            content_key=key if callable(key := getattr(source, "content_key", None)) else None,
         )

@@ -158,3 +158,15 @@ def test_an_object_replaced_during_its_download_is_never_mixed_into_the_copy(
         if raised:
             break
     assert raised, "the download always finished before the object could be replaced"
+
+
+def test_an_object_deleted_between_epochs_is_an_error_naming_it(
+    s3: S3Endpoint, s3_prefix: str, tmp_path: Path
+) -> None:
+    url = upload(s3, s3_prefix)
+    src = es.from_jsonl(url, storage_options=s3.storage_options, cache_dir=str(tmp_path / "c"))
+    loader = evenly.DataLoader(evenly.Dataset(src), batch_size=8, collate_fn=as_list)
+    assert len(texts(list(loader))) == ROWS
+    s3.fs().rm(f"{url}/shard-2.jsonl")  # its copy is still in the cache
+    with pytest.raises(FileNotFoundError, match=re.escape(f"{url}/shard-2.jsonl") + ".*deleted"):
+        next(iter(loader))

@@ -21,6 +21,7 @@ __all__ = [
     "BatchedSource",
     "CheckedSource",
     "ColumnarSource",
+    "ContentKeyedSource",
     "GroupedColumnarSource",
     "IdentifiedSource",
     "LocatingSource",
@@ -141,6 +142,17 @@ class IdentifiedSource(Protocol):
 
 
 @runtime_checkable
+class ContentKeyedSource(Protocol):
+    """Names its content on this machine: ``content_key()`` changes whenever the data
+    may have (a file's size, mtime, ctime and inode; an object's ETag; an HF dataset's
+    fingerprint), where ``fingerprint`` (kept by copies, for checkpoints) may not.  It
+    keys what evenly caches about the data (packing's lengths and plans); a source
+    without it is keyed by its ``fingerprint``, which must then change with its data."""
+
+    def content_key(self) -> str: ...
+
+
+@runtime_checkable
 class PlannedSource(Protocol):
     """Plans its own epochs (``evenly.Mix``): the order, and its part of a checkpoint.
     It is read by global index with ``read_one``/``read_many`` (it is not a sequence).
@@ -201,6 +213,8 @@ class SourceView:
     io_stats: Callable[[], Mapping[str, float]] | None = None
     #: several batches' columns in one read (``GroupedColumnarSource``), or None
     read_column_batches: Callable[[Sequence[Any]], list[dict[str, Any]]] | None = None
+    #: the key of the source's content on this machine (``ContentKeyedSource``), or None
+    content_key: Callable[[], str] | None = None
 
     @classmethod
     def of(cls, source: Any) -> SourceView:
@@ -236,4 +250,5 @@ class SourceView:
             read_column_batches=source.read_column_batches
             if isinstance(source, GroupedColumnarSource)
             else None,
+            content_key=key if callable(key := getattr(source, "content_key", None)) else None,
         )

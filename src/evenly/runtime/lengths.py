@@ -1,5 +1,6 @@
 """Packing's document lengths: one int32 per document, computed once per source and
-cached in ``cache_dir/lengths`` (keyed by the source's fingerprint, the field and the
+cached in ``cache_dir/lengths`` (keyed by the source's content: its files' identities, so
+two corpora with the same names and row counts never share an entry; the field and the
 tokenizer id), memory-mapped and shared by every process of the node.
 
 A source that knows its lengths says so (``token_lengths(field)``,
@@ -13,13 +14,16 @@ in-memory list) has its lengths computed in the process, with no file.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import threading
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+from filelock import FileLock
 
 from evenly.core.packing.settings import Packing, Tokenize
 from evenly.core.source import SourceView
@@ -28,6 +32,7 @@ from evenly.sources._tokenize import Tokenizer
 
 __all__ = ["document_lengths", "document_text", "document_tokens", "tokenized"]
 
+logger = logging.getLogger("evenly")
 I32 = npt.NDArray[np.int32]
 #: Documents read per call in a lengths pass.
 BATCH = 1024
@@ -164,24 +169,52 @@ def document_lengths(
     view: SourceView, packing: Packing, cache_dir: str | None = None
 ) -> tuple[I32, str]:
     """``(lengths, key)``: tokens per document (memory-mapped from the node's cache
-    where the source has a fingerprint), and a key that changes with them."""
+    where the source has an identity), and a key that changes with them.
+
+    The cache file is keyed by the source's content (``content_key()``: its files'
+    identities, so two corpora with the same names and row counts, or a corpus rewritten
+    in place, never share one; else its ``fingerprint``), the field and the tokenizer id.
+    A damaged file (cut short) is computed again."""
     n = len(view.source)
-    if view.fingerprint is None:
+    identity = view.content_key() if view.content_key is not None else view.fingerprint
+    if identity is None:
         lengths = _read_lengths(view, packing)
         digest = hashlib.blake2b(lengths.tobytes(), digest_size=16)
         digest.update(packing.lengths_key.encode())
         return lengths, digest.hexdigest()
     key = hashlib.blake2b(
-        f"{view.fingerprint}/{packing.lengths_key}/{n}".encode(), digest_size=16
+        f"{identity}/{packing.lengths_key}/{n}".encode(), digest_size=16
     ).hexdigest()
     path = os.path.join(cache_subdir("lengths", cache_dir), f"{key}.i32")
-    publish(path, lambda tmp: _read_lengths(view, packing).tofile(tmp))
-    size = os.path.getsize(path)
-    if size != 4 * n:
-        raise ValueError(
-            f"evenly: the cached lengths {path} hold {size // 4} documents, the source has {n}; "
-            f"remove the file (it will be computed again)"
-        )
+
+    def write(tmp: str) -> None:
+        _read_lengths(view, packing).tofile(tmp)
+
+    publish(path, write)
+    if os.path.getsize(path) != 4 * n:
+        _rewrite(path, write, n)
     if n == 0:
         return np.zeros(0, dtype=np.int32), key
     return np.memmap(path, dtype=np.int32, mode="r", shape=(n,)), key
+
+
+def _rewrite(path: str, write: Callable[[str], None], n: int) -> None:
+    """Compute a damaged lengths file (not ``4 * n`` bytes) again, once per node."""
+    with FileLock(path + ".lock"):
+        size = os.path.getsize(path) if os.path.exists(path) else 4 * n
+        if size != 4 * n:
+            logger.warning(
+                "evenly: the cached lengths %s hold %d documents, the source has %d: "
+                "computing them again",
+                path,
+                size // 4,
+                n,
+            )
+            os.unlink(path)  # a process that mapped it keeps its map
+    publish(path, write)
+    if os.path.getsize(path) != 4 * n:
+        raise ValueError(
+            f"evenly: the lengths written to {path} hold {os.path.getsize(path) // 4} "
+            f"documents, the source has {n}: is cache_dir full? free space in it, or set "
+            f"$EVENLY_CACHE_DIR to another disk"
+        )

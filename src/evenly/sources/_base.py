@@ -21,7 +21,9 @@ from ._manifest import (
     default_cache_dir,
     load_entries,
     local_fingerprint,
+    relist,
     resolve,
+    same_version,
 )
 
 __all__ = ["Paths", "RowError", "ShardedSource"]
@@ -141,6 +143,16 @@ class ShardedSource:
             digest.update(f"\n{posixpath.basename(url)}:{n}".encode())
         return f"{self.format}:{len(self)}:{digest.hexdigest()[:16]}"
 
+    def content_key(self) -> str:
+        """The key of the data on this machine, for what evenly caches about it
+        (packing's lengths): the format and each shard's URL and identity as opened
+        (size, mtime, ctime and inode of a local file; size and ETag of an object).
+        Unlike :attr:`fingerprint`, a copy or an in-place rewrite changes it."""
+        digest = hashlib.sha256(self.format.encode())
+        for url, identity, n in zip(self.urls, self._fingerprints, self._sizes, strict=True):
+            digest.update(f"\n{url}\t{identity}\t{n}".encode())
+        return f"{self.format}:{len(self)}:{digest.hexdigest()[:32]}"
+
     @property
     def preferred_shuffle(self) -> str:
         """``"block"`` for remote shards (reads stay within a few shards), else ``"global"``."""
@@ -201,14 +213,42 @@ class ShardedSource:
 
     # ---- files -------------------------------------------------------------------
     def check_unchanged(self) -> None:
-        """Raise if a local shard changed since the source was opened (its size, mtime,
-        ctime or inode differ: rewritten, truncated, replaced): reading it would serve
-        other samples' bytes, or fail past its end.  Called at every pass start (one
-        ``stat`` per shard).  Remote shards are read from copies keyed by their ETag."""
-        if self.cache is not None:
+        """Raise if a shard changed since the source was opened: reading it would serve
+        other samples' bytes, fail past its end, or (remote) serve rows the epoch was not
+        planned from.  Called at every pass start, for every shard, cached or not: a
+        ``stat`` per local shard (size, mtime, ctime, inode); one fresh listing per
+        directory of remote shards (size and ETag or version id: an object replaced with
+        one of the same size is caught).  A changed remote object is an error, never
+        re-listed silently: the user opens the source again."""
+        if self.cache is None:
+            for k in range(len(self.urls)):
+                self._check_shard(k)
             return
-        for k in range(len(self.urls)):
-            self._check_shard(k)
+        now = self.cache.retrying(
+            lambda: relist(self._shards),
+            f"list the shards of {self._what}",
+            f"the listing of {self._what}'s shards",
+        )
+        gone = [k for k, fp in enumerate(now) if fp is None]
+        if gone:
+            raise FileNotFoundError(
+                f"{self._what}: shard {gone[0]} ({self.urls[gone[0]]}) was deleted or moved "
+                f"since the source was opened{_others(len(gone))}; open the source again"
+            )
+        changed = [
+            k
+            for k, (then, fp) in enumerate(zip(self._fingerprints, now, strict=True))
+            if not same_version(then, str(fp))
+        ]
+        if changed:
+            k = changed[0]
+            raise ValueError(
+                f"{self._what}: shard {k} ({self.urls[k]}) changed since the source was opened "
+                f"(size:version {self._fingerprints[k]} when listed, {now[k]} now)"
+                f"{_others(len(changed))}: its rows are not the ones this epoch would be "
+                f"planned from; a changed remote object is an error, never re-listed by "
+                f"itself: open the source again to read the new objects"
+            )
 
     def _check_shard(self, k: int) -> None:
         """Raise if local shard ``k`` changed since the source was opened."""
@@ -323,6 +363,11 @@ class ShardedSource:
 
     def __del__(self) -> None:
         self.close()
+
+
+def _others(n: int) -> str:
+    """`` (and N other shards)`` when more than one shard is at fault."""
+    return "" if n <= 1 else f" (and {n - 1} other shard{'s' if n > 2 else ''})"
 
 
 def _close(handle: Any) -> None:

@@ -3,6 +3,10 @@
 - A shard is downloaded with fsspec to a temp file in the cache dir (``<name>.part-*``),
   checked against the size the listing gave, then renamed into place: a partial or
   wrong-sized download is never visible under the shard's name.
+- A download reads the version the listing gave: the object's ``info`` (its size and
+  ETag) is compared with the listed fingerprint before a byte is copied, and s3fs sends
+  that ETag with every range read (``If-Match``), so an object replaced before or during
+  the download raises naming the URL; nothing of it is cached.
 - A lock file per shard (``filelock``: no ``fcntl`` at import, so it works on every
   platform) makes two workers (or two ranks) on one machine wait for one download
   instead of doing two.  The downloader holds it for the whole download, so a
@@ -35,12 +39,14 @@ import re
 import threading
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 from filelock import FileLock, Timeout
 from fsspec.core import url_to_fs
+
+from ._manifest import object_fingerprint, same_version
 
 __all__ = ["DEFAULT_CACHE_BYTES", "ShardCache", "is_transient"]
 
@@ -52,6 +58,9 @@ _SAFE = re.compile(r"[^A-Za-z0-9._-]+")
 _PART = ".part-"
 #: the longest a download waits in backoff sleeps, whatever ``retries`` says
 _MAX_BACKOFF_TOTAL = 60.0
+#: bytes per read of a checked download (a range request each)
+_CHUNK = 16 << 20
+T = TypeVar("T")
 
 # exception class names (anywhere in the chain) that mean "try again": botocore,
 # aiohttp, urllib3, http.client, fsspec; matched by name so none has to be installed
@@ -206,46 +215,57 @@ class ShardCache:
             if os.path.exists(target):  # another process fetched it while we waited
                 _touch(target)
                 return target
-            self._download(url, target, size)
+            self._download(url, target, size, fingerprint)
             with self._count_lock:
                 self.downloads += 1
         self.evict(keep=target)
         return target
 
-    def _download(self, url: str, target: str, size: int | None) -> None:
+    def _download(self, url: str, target: str, size: int | None, fingerprint: str) -> None:
         """Download ``url`` to ``target`` through a ``.part-`` file, retrying transient
         errors; the caller holds the shard's lock."""
-        started = time.monotonic()
-        slept = 0.0
-        for attempt in range(self.retries + 1):
+
+        def attempt() -> None:
             tmp = f"{target}{_PART}{os.getpid()}-{uuid.uuid4().hex[:8]}"
             try:
                 fs, path = url_to_fs(url, **self.storage_options)
-                fs.get_file(path, tmp)
+                _get(fs, path, url, tmp, fingerprint, size)
                 got = os.path.getsize(tmp)
                 if size is not None and got != size:
-                    raise ValueError(
-                        f"the download of {url} has {got} bytes but the listing said {size}: "
-                        f"the object changed after the dataset was opened (or the transfer "
-                        f"was cut); nothing was cached: open the dataset again"
-                    )
+                    raise _size_error(url, got, size)
                 os.replace(tmp, target)
-                return
             except FileNotFoundError:
                 raise FileNotFoundError(f"shard not found: {url}") from None
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
+
+        self.retrying(attempt, f"download {url}", f"the download of {url}")
+
+    def retrying(self, call: Callable[[], T], doing: str, what: str) -> T:
+        """``call()``, tried again after a transient error (``retries`` more tries,
+        ``backoff`` seconds doubling, with jitter, at most 60 s of sleeps); the last error
+        raised as a ``ConnectionError`` saying what could not be done (``doing``: "download
+        <url>"; ``what``, for the log: "the download of <url>")."""
+        started = time.monotonic()
+        slept = 0.0
+        attempt = 0
+        while True:
+            try:
+                return call()
             except Exception as exc:
                 if not is_transient(exc):
                     raise
                 delay = self.backoff * 2**attempt * random.uniform(0.5, 1.0)
                 if attempt == self.retries or slept + delay > _MAX_BACKOFF_TOTAL:
                     raise ConnectionError(
-                        f"cannot download {url}: {type(exc).__name__}: {exc} (after "
+                        f"cannot {doing}: {type(exc).__name__}: {exc} (after "
                         f"{attempt + 1} tries in {time.monotonic() - started:.1f} s); is the "
                         f"storage reachable? retries are set by ShardCache(retries=, backoff=)"
                     ) from exc
                 logger.warning(
-                    "evenly: retrying the download of %s in %.2f s (try %d of %d): %s: %s",
-                    url,
+                    "evenly: retrying %s in %.2f s (try %d of %d): %s: %s",
+                    what,
                     delay,
                     attempt + 2,
                     self.retries + 1,
@@ -254,9 +274,7 @@ class ShardCache:
                 )
                 time.sleep(delay)
                 slept += delay
-            finally:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(tmp)
+                attempt += 1
 
     def prefetch(self, items: Iterable[tuple[str, str] | tuple[str, str, int | None]]) -> None:
         """Start background downloads of ``(url, fingerprint[, size])`` not cached yet."""
@@ -347,6 +365,61 @@ class ShardCache:
                     removed.append(path)
                 total -= size
         return removed
+
+
+def _size_error(url: str, got: int, size: int) -> ValueError:
+    return ValueError(
+        f"the download of {url} has {got} bytes but the listing said {size}: the object "
+        f"changed after the dataset was opened (or the transfer was cut); nothing was "
+        f"cached: open the dataset again"
+    )
+
+
+def _get(fs: Any, path: str, url: str, tmp: str, fingerprint: str, size: int | None) -> None:
+    """Copy ``path`` to ``tmp``, from the version of the object that was listed.
+
+    With a ``fingerprint`` (``size:version`` from the listing), the object is opened
+    (its ``info``: the version this download reads) and compared with it before a byte is
+    copied; s3fs then sends that ETag with every range read (``If-Match``), so a version
+    written during the download fails the read instead of mixing into the copy."""
+    if not fingerprint:  # nothing listed to compare with
+        fs.get_file(path, tmp)
+        return
+    try:
+        with fs.open(path, "rb", block_size=_CHUNK, cache_type="none") as f:
+            details = getattr(f, "details", None)  # what the open file reads (s3fs, gcsfs)
+            now = object_fingerprint(details if isinstance(details, dict) else fs.info(path))
+            opened = getattr(f, "size", None)
+            if size is not None and opened is not None and int(opened) != size:
+                raise _size_error(url, int(opened), size)
+            if not same_version(fingerprint, now):
+                raise _changed(url, fingerprint, now)
+            with open(tmp, "wb") as out:
+                while chunk := f.read(_CHUNK):
+                    out.write(chunk)
+    except OSError as exc:
+        if _expired(exc):  # s3fs: the If-Match failed, a newer version was written
+            raise _changed(url, fingerprint, "a newer version") from exc
+        raise
+
+
+def _changed(url: str, listed: str, now: str) -> ValueError:
+    return ValueError(
+        f"{url} changed since the dataset was opened (size:version {listed} when listed, "
+        f"{now} now): its rows are not the ones the epoch was planned from; nothing was "
+        f"cached (a changed remote object is an error, never re-listed by itself): open "
+        f"the source again to read the new object"
+    )
+
+
+def _expired(exc: BaseException) -> bool:
+    """Whether ``exc`` (or its cause) says the object changed under an open file."""
+    e: BaseException | None = exc
+    while e is not None:
+        if type(e).__name__ == "FileExpired":
+            return True
+        e = e.__cause__
+    return False
 
 
 def _touch(path: str) -> None:

@@ -19,6 +19,7 @@ rows, for every column where that is possible without per-row Python objects.
 from __future__ import annotations
 
 import base64
+import hashlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -226,6 +227,15 @@ class ArrowBatchSource(ShardedSource):
     def fingerprint(self) -> str:
         base = super().fingerprint
         return base if self._mapping is None else f"{base}:indices:{len(self)}:{self._mapping_id}"
+
+    def content_key(self) -> str:
+        """The files' identities, and the indices mapping's: an HF dataset's fingerprint,
+        else a digest of the mapping itself."""
+        base = super().content_key()
+        if self._mapping is None:
+            return base
+        mapping = self._mapping_id or hashlib.sha256(self._mapping.tobytes()).hexdigest()[:32]
+        return f"{base}:indices:{len(self)}:{mapping}"
 
     def token_lengths(self, field: str) -> npt.NDArray[np.int32]:
         """Tokens per sample of the list column ``field`` (packing's lengths), read from

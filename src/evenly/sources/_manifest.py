@@ -44,8 +44,11 @@ __all__ = [
     "default_cache_dir",
     "load_entries",
     "local_fingerprint",
+    "object_fingerprint",
     "pack_array",
+    "relist",
     "resolve",
+    "same_version",
     "save_manifest",
     "unpack_array",
 ]
@@ -102,7 +105,9 @@ def local_fingerprint(path: str) -> str:
     return f"{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}:{st.st_ino}"
 
 
-def _fingerprint(info: dict[str, Any]) -> str:
+def object_fingerprint(info: dict[str, Any]) -> str:
+    """``size:version`` of an object from its fsspec info (a listing entry or a HEAD):
+    the version is its ETag, else its version id, generation or modification time."""
     version = (
         info.get("ETag")
         or info.get("etag")
@@ -115,6 +120,56 @@ def _fingerprint(info: dict[str, Any]) -> str:
         or info.get("created")
     )
     return f"{info.get('size')}:{version}"
+
+
+def same_version(then: str, now: str) -> bool:
+    """Whether two object fingerprints (``size:version``) can name one version of an
+    object: their sizes, and their versions, agree wherever both sides know them.
+
+    >>> same_version('16:"a1"', '16:"a1"'), same_version('16:"a1"', '16:"b2"')
+    (True, False)
+    >>> same_version('16:"a1"', '17:"a1"'), same_version("16:None", '16:"b2"')
+    (False, True)
+    """
+    if ":" not in then or ":" not in now:  # not of this form: nothing to compare
+        return True
+    unknown = ("", "None")
+    then_size, _, then_version = then.partition(":")
+    now_size, _, now_version = now.partition(":")
+    if then_size not in unknown and now_size not in unknown and then_size != now_size:
+        return False
+    return then_version in unknown or now_version in unknown or then_version == now_version
+
+
+def relist(shards: Shards) -> list[str | None]:
+    """Each remote shard's fingerprint as the storage lists it now (None: it is gone).
+
+    One fresh listing per directory holding shards (S3: one request per 1,000 objects),
+    not one request per shard; a shard that listing does not show, or shows with no
+    version, is asked for by itself (a HEAD).  The filesystem's listing cache is dropped
+    first, so nothing listed before is reused.
+    """
+    fs, _ = url_to_fs(shards.urls[0], **shards.storage_options)  # this process's instance
+    paths = [str(fs._strip_protocol(u)) for u in shards.urls]
+    by_parent: dict[str, list[int]] = {}
+    for k, path in enumerate(paths):
+        by_parent.setdefault(posixpath.dirname(path), []).append(k)
+    out: list[str | None] = [None] * len(paths)
+    for parent, ks in by_parent.items():
+        fs.invalidate_cache(parent)
+        try:
+            listed = {str(i["name"]).rstrip("/"): i for i in fs.ls(parent, detail=True)}
+        except (FileNotFoundError, NotADirectoryError):
+            listed = {}
+        for k in ks:
+            info = listed.get(paths[k])
+            if info is None or object_fingerprint(info).endswith(":None"):
+                try:
+                    info = fs.info(paths[k])
+                except FileNotFoundError:
+                    continue
+            out[k] = object_fingerprint(info)
+    return out
 
 
 def _unstrip(fs: Any, path: str) -> str:
@@ -151,6 +206,7 @@ def resolve(
             raise ValueError(
                 f"{what}: all paths must be on one filesystem, got {items[0]!r} and {item!r}"
             )
+        item_fs.invalidate_cache(path)  # a listing kept from before is not the storage now
         if fsspec.core.has_magic(path):  # type: ignore[attr-defined]
             found = item_fs.glob(path, detail=True)
             if not found:
@@ -183,7 +239,7 @@ def resolve(
         fs=fs,
         urls=tuple(_unstrip(fs, n) for n in names),
         fingerprints=tuple(
-            _stat_fingerprint(n, what) if local else _fingerprint(infos[n]) for n in names
+            _stat_fingerprint(n, what) if local else object_fingerprint(infos[n]) for n in names
         ),
         storage_options=options,
         sizes=tuple(int(infos[n].get("size") or 0) for n in names),

@@ -255,6 +255,13 @@ class MegatronSource:
         )
         return f"megatron:{self.num_sequences}:{digest.hexdigest()[:16]}"
 
+    def content_key(self) -> str:
+        """The key of these two files on this machine (their paths, sizes, mtimes, ctimes
+        and inodes), for packing's cached lengths: unlike :attr:`fingerprint`, another
+        corpus of the same name and sizes, or a rewrite, has another."""
+        text = f"{self.idx_path}\t{self._identity[0]}\n{self.bin_path}\t{self._identity[1]}"
+        return f"megatron:{self.num_sequences}:{hashlib.sha256(text.encode()).hexdigest()[:32]}"
+
     def locate(self, index: int) -> str:
         """Where sample ``index`` lives, e.g. ``"/data/corpus.bin sequence 17"``."""
         return f"{self.bin_path} sequence {int(index)}"

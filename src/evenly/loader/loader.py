@@ -8,6 +8,7 @@ them gets the user's settings; the iteration runs on a private loader (``engine`
 
 from __future__ import annotations
 
+import logging
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -40,7 +41,9 @@ from evenly.runtime.agreement import DEFAULT_TIMEOUT, check_pass
 from evenly.runtime.checks import warn_about, warn_skipped
 from evenly.runtime.delegation import Delegation
 
-__all__ = ["DataLoader"]
+__all__ = ["DataLoader", "per_rank_batch"]
+
+_log = logging.getLogger("evenly")
 
 
 def _agreement_timeout(timeout: float | None, check_plan: bool | None) -> float | None:
@@ -56,6 +59,29 @@ def _agreement_timeout(timeout: float | None, check_plan: bool | None) -> float 
         if not check_plan:
             return None
     return check_timeout("evenly.DataLoader(agreement_timeout=...)", timeout)
+
+
+def per_rank_batch(global_batch_size: int, batch_size: int | None, world_size: int) -> int:
+    """The per-rank batch size that keeps ``global_batch_size`` samples per step on
+    ``world_size`` ranks (``batch_size``: what was also given, 1 being the default)."""
+    check_int("global_batch_size", global_batch_size, minimum=1)
+    if global_batch_size % world_size:
+        fits = [w for w in range(1, global_batch_size + 1) if global_batch_size % w == 0]
+        raise ValueError(
+            f"evenly.DataLoader(global_batch_size={global_batch_size}) cannot be split over "
+            f"world_size={world_size} ranks: it must be a multiple of the world size "
+            f"(world sizes that divide it: {fits[:12]}{' ...' if len(fits) > 12 else ''}); "
+            f"choose a global batch size that every world size of the job divides, or give "
+            f"batch_size= (per rank) instead"
+        )
+    per_rank = global_batch_size // world_size
+    if batch_size not in (None, 1, per_rank):
+        raise ValueError(
+            f"evenly.DataLoader: batch_size={batch_size} and global_batch_size="
+            f"{global_batch_size} disagree on world_size={world_size} (per rank: "
+            f"{per_rank}); give one of them"
+        )
+    return per_rank
 
 
 class DataLoader(torch.utils.data.DataLoader[Any]):
@@ -104,6 +130,11 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
             ``worker_init_fn``).  ``"auto"`` (default): threads for columnar passes
             and packed passes over a token-reading source with no transform, where
             safe; processes otherwise.
+        global_batch_size: opt-in: the samples of one step over all ranks, kept when
+            the world size changes (an elastic restart): the per-rank ``batch_size`` is
+            ``global_batch_size // world_size`` (logged), and a world size that does not
+            divide it is refused with the sizes that do.  A checkpoint resumes exactly
+            onto another world size either way (docs/elastic.md).
 
     >>> loader = evenly.DataLoader(evenly.Dataset(list(range(5))), batch_size=2,
     ...                            infinite=True)
@@ -133,12 +164,24 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         transport: Transport = "slots",
         worker_type: WorkerType = "auto",
         check_plan: bool | None = None,
+        global_batch_size: int | None = None,
         **kwargs: Any,
     ) -> None:
         if not isinstance(dataset, Dataset):
             raise TypeError(
                 f"evenly.DataLoader needs an evenly.Dataset, got {type(dataset).__name__}; "
                 f"wrap it: evenly.DataLoader(evenly.Dataset(your_data), ...)"
+            )
+        #: the samples of one step over all ranks, kept whatever the world size (opt-in)
+        self.global_batch_size = global_batch_size
+        if global_batch_size is not None:
+            world = dataset.topology().world_size
+            batch_size = per_rank_batch(global_batch_size, batch_size, world)
+            _log.info(
+                "evenly.DataLoader: global_batch_size=%d over %d ranks: batch_size=%d per rank",
+                global_batch_size,
+                world,
+                batch_size,
             )
         if batch_size is not None:
             check_int("batch_size", batch_size, minimum=1)

@@ -323,7 +323,7 @@ def test_gather_for_metrics_over_a_padded_evenly_loader_is_warned_once(pad: str)
         warnings.simplefilter("always")
         for _ in range(2):
             list(loader)
-    said = [str(w.message) for w in caught if "gather_for_metrics" in str(w.message)]
+    said = [str(w.message) for w in caught if "gather_for_metrics() keeps" in str(w.message)]
     if pad == "repeat":
         assert len(said) == 1 and "pad='mask'" in said[0] and "1 repeated" in said[0]
     else:

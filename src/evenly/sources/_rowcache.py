@@ -34,7 +34,6 @@ import contextlib
 import hashlib
 import json
 import logging
-import mmap
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -301,17 +300,17 @@ def _write(tmp: str, table: pa.Table, key: Key) -> None:
 
 def _map(path: str) -> pa.Table:
     """An IPC file as a table whose buffers live in a read-only memory map (no file
-    descriptor kept: the map holds the file, even once it is renamed or removed)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        size = os.fstat(fd).st_size
-        if size == 0:
+    descriptor kept: the map holds the file, even once it is renamed or removed).
+
+    Through Arrow's own map, closed once read: its buffers keep the mapping, not the
+    file.  ``mmap.mmap`` would keep a duplicate of the descriptor for as long as the map
+    lives (``trackfd`` exists from Python 3.13 only): a process holding many row groups
+    would hold as many descriptors."""
+    with pa.memory_map(path) as mapped:
+        if mapped.size() == 0:
             raise ValueError("it is empty")
-        mapped = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
-    finally:
-        os.close(fd)
-    reader = pa.ipc.open_file(pa.py_buffer(mapped))
-    batches = [reader.get_batch(i) for i in range(reader.num_record_batches)]
+        reader = pa.ipc.open_file(mapped)
+        batches = [reader.get_batch(i) for i in range(reader.num_record_batches)]
     return pa.Table.from_batches(batches, schema=reader.schema)
 
 

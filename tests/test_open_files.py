@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import warnings
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import pyarrow as pa
@@ -28,20 +29,23 @@ def open_fds() -> int:
 @pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc")
 @pytest.mark.parametrize("worker_type", ["process", "thread"])
 def test_break_and_restart_cycles_keep_open_files_bounded(
-    worker_type: str, tmp_path: Path
+    worker_type: Literal["process", "thread"], tmp_path: Path
 ) -> None:
     """20 cycles of 3 batches and a break over a Parquet source with the decoded-row
     cache: the descriptors open after 20 cycles are those after 2 (a small margin for
     torch's shared-memory hand-offs), where each mapped row group used to keep one."""
     for shard in range(4):
         ids = np.arange(shard * ROWS // 4, (shard + 1) * ROWS // 4, dtype=np.int64)
-        pq.write_table(pa.table({"id": ids}), tmp_path / f"part-{shard}.parquet",
-                       row_group_size=GROUP)  # fmt: skip
+        pq.write_table(
+            pa.table({"id": ids}), tmp_path / f"part-{shard}.parquet", row_group_size=GROUP
+        )
     source = evenly.from_parquet(str(tmp_path), cache_dir=str(tmp_path / "cache"))
     loader = evenly.DataLoader(
-        evenly.Dataset(source, shuffle=True), batch_size=4, num_workers=2,
-        worker_type=worker_type,  # type: ignore[arg-type]
-    )  # fmt: skip
+        evenly.Dataset(source, shuffle=True),
+        batch_size=4,
+        num_workers=2,
+        worker_type=worker_type,
+    )
     counts = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", evenly.EvenlyWarning)

@@ -338,7 +338,7 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         plan = self.dataset._planner.plan_for(spec)
         warn_about(plan, self.num_workers, spec.rank)
         if not self._warned_gather:  # once per loader
-            self._warned_gather = gather.warn_gather(plan.num_padded, self.dataset.pad)
+            self._warned_gather = gather.warn_gather(plan, self.dataset.pad)
         if self._last_num_samples not in (None, spec.num_samples):
             warnings.warn(
                 f"evenly: the source had {self._last_num_samples} samples last epoch and has "
@@ -353,7 +353,9 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
             plan.consumed_after,
             plan.end,
         )
-        return self._start(spec, plan, current)
+        iterator = self._start(spec, plan, current)
+        iterator.epoch_end = gather.epoch_end(plan, self.dataset.pad, iterator)
+        return iterator
 
     def _iter_stream(self) -> PassIterator:
         """One endless pass over consecutive epochs (``infinite=True``), continuing from

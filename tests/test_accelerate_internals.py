@@ -22,7 +22,14 @@ Accelerate's wrappers silently fail (and data be sharded twice): these tests fai
   marked ``_initial_iter_for_state_dict`` (torchdata) until the first ``iter()``;
 - ``prepare()`` keeps a loader that says ``_is_accelerate_prepared``; ``save_state`` /
   ``load_state`` save and load ``loader.state_dict()`` when it says
-  ``use_stateful_dataloader``.
+  ``use_stateful_dataloader``;
+- ``GradientState()._add_dataloader(x)`` / ``_remove_dataloader(x)`` make any object the
+  active dataloader (held weakly) and remove it; ``GradientState().end_of_dataloader``
+  and ``.remainder`` are the active one's attributes; ``gather_for_metrics`` keeps the
+  first ``remainder`` rows of the gathered batch when ``end_of_dataloader`` and
+  ``remainder > 0``, every row when ``remainder`` is 0 or -1 (``interop/gather.py``);
+  ``PartialState._shared_state`` is set and ``PartialState().num_processes`` counts the
+  processes once an ``Accelerator`` exists.
 """
 
 from __future__ import annotations
@@ -322,3 +329,44 @@ def test_skip_first_batches_of_a_loader_it_did_not_wrap_is_a_skip_loader_in_grad
     assert skipped.skip_batches == 1  # the count evenly's delegated pass leaves out
     assert [b.tolist() for b in skipped] == [[2, 3], [4, 5]]
     assert seen == [skipped]
+
+
+class _End:
+    """Stands for what evenly registers (``interop.gather.EpochEnd``)."""
+
+    def __init__(self, remainder: int) -> None:
+        self.end_of_dataloader = False
+        self.remainder = remainder
+
+
+def test_any_object_can_be_the_active_dataloader_that_gather_for_metrics_truncates_by() -> None:
+    import gc
+    import weakref
+
+    from accelerate import Accelerator
+    from accelerate.state import GradientState, PartialState
+
+    accelerator = Accelerator(cpu=True)
+    assert PartialState._shared_state and PartialState().num_processes == 1
+    state = GradientState()
+    rows = torch.arange(6)
+    end = _End(remainder=4)
+    state._add_dataloader(end)
+    assert state.active_dataloader is end and state.in_dataloader
+    assert state.end_of_dataloader is False and state.remainder == 4
+    assert accelerator.gather_for_metrics(rows).tolist() == list(range(6))  # not the end yet
+    end.end_of_dataloader = True
+    assert state.end_of_dataloader is True
+    assert accelerator.gather_for_metrics(rows).tolist() == [0, 1, 2, 3]
+    pair = {"a": rows, "b": rows * 10}  # every tensor of a structure alike
+    assert accelerator.gather_for_metrics(pair)["b"].tolist() == [0, 10, 20, 30]
+    for kept in (0, -1):
+        end.remainder = kept
+        assert accelerator.gather_for_metrics(rows).tolist() == list(range(6))
+    state._remove_dataloader(end)
+    assert state.active_dataloader is None and state.end_of_dataloader is False
+    state._add_dataloader(end)  # held weakly
+    ref = weakref.ref(end)
+    del end
+    gc.collect()
+    assert ref() is None and state.active_dataloader is None

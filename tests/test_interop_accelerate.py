@@ -162,3 +162,23 @@ def test_hf_trainer_resumes_mid_epoch_exactly_in_a_fresh_run(
     assert_exactly_once(join(before, rest), n, WORLD, f"{label}, epoch 0 (both runs)")
     assert_exactly_once(epoch1, n, WORLD, f"{label}, epoch 1")
     assert_order_changes(join(before, rest), epoch1, label)
+
+
+def test_gather_for_metrics_over_a_prepared_evenly_loader_counts_every_sample_once() -> None:
+    """An evaluation loop gathering each batch's ids with ``gather_for_metrics`` over 2
+    real ranks, under the default pad and pad="mask", N = 1000 (no padding), 1001 and
+    1013 (one repeat in the last step of 1 and 7 rows per rank): the loader tells
+    Accelerate the last batch and its real rows, as Accelerate's own loaders do, so each
+    epoch's gathered ids are every sample exactly once, on both ranks, and nothing warns
+    that the repeats are kept."""
+    ns = (1000, 1001, 1013)
+    results = run_ranks(accelerate_ranks.gather_metrics, WORLD, ns, env=QUIET, timeout=240)
+    for key, got in results[0].items():
+        pad, n = key
+        assert results[1][key]["epochs"] == got["epochs"], f"{key}: the ranks gathered alike"
+        for e, gathered in enumerate(got["epochs"]):
+            assert sorted(gathered) == list(range(n)), f"pad={pad}, N={n}, epoch {e}"
+        assert got["epochs"][0] != got["epochs"][1]
+        for rank in results:
+            said = rank[key]["warnings"]
+            assert not [w for w in said if "gather_for_metrics" in w], (key, said)

@@ -345,11 +345,38 @@ def test_gather_for_metrics_over_a_padded_evenly_loader_is_warned_once(pad: str)
         warnings.simplefilter("always")
         for _ in range(2):
             list(loader)
-    said = [str(w.message) for w in caught if "gather_for_metrics" in str(w.message)]
+    said = [str(w.message) for w in caught if "gather_for_metrics() keeps" in str(w.message)]
     if pad == "repeat":
         assert len(said) == 1 and "pad='mask'" in said[0] and "1 repeated" in said[0]
     else:
         assert said == []
+
+
+def test_an_evenly_pass_is_the_active_dataloader_accelerate_reads_the_epoch_end_from() -> None:
+    """Under Accelerate, a pass of an evenly.DataLoader is GradientState's active
+    dataloader: end_of_dataloader as its last batch is handed out, the gathered last
+    batch's real rows as remainder (its processes being the plan's ranks), and gone once
+    the pass ends or is dropped after a break."""
+    import warnings
+
+    from accelerate import Accelerator
+    from accelerate.state import GradientState
+
+    Accelerator(cpu=True)  # one process
+    state = GradientState()
+    loader = evenly.DataLoader(evenly.Dataset(list(range(N)), rank=0, world_size=1), batch_size=B)
+    seen = [(state.active_dataloader is not None, state.end_of_dataloader) for _ in loader]
+    assert seen == [(True, False)] * (len(seen) - 1) + [(True, True)]
+    assert state.active_dataloader is None
+    for _ in loader:
+        assert state.remainder == 0  # one rank: nothing padded
+        break
+    assert state.active_dataloader is None
+    two = evenly.Dataset(list(range(N)), rank=0, world_size=WORLD)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", evenly.EvenlyWarning)
+        for _ in evenly.DataLoader(two, batch_size=B):
+            assert state.remainder == -1  # 2 ranks, 1 process: Accelerate keeps every row
 
 
 def times_ten(x: int) -> int:

@@ -179,3 +179,39 @@ def test_a_metric_synced_over_two_gloo_ranks_equals_the_one_process_value(pad: s
     results = run_ranks(_metric_rank, 2, pad, timeout=240)
     assert results[0] == results[1] == pytest.approx(51.0)
     assert float(torch.arange(1, 102).float().mean()) == pytest.approx(51.0)
+
+
+def _uneven_warnings(rank: int, world: int) -> list[list[str]]:
+    """Each rank's EvenlyWarnings over one pass of pad="none" (11 samples, batch 1: the
+    ranks get 6 and 5 batches) under an evenly.DataLoader (2 workers) and a BatchSampler,
+    and over one pass of the same plan with pad="mask" (equal batches)."""
+    loaders: list[Any] = [
+        evenly.DataLoader(evenly.Dataset(list(range(11)), pad="none"), num_workers=2),
+        tud.DataLoader(list(range(11)), batch_sampler=evenly.BatchSampler(11, 1, pad="none")),
+        evenly.DataLoader(
+            evenly.Dataset(list(range(11)), pad="mask", transform=lambda x: x), num_workers=2
+        ),
+    ]
+    out = []
+    for loader in loaders:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            list(loader)
+        out.append([str(w.message) for w in caught if issubclass(w.category, evenly.EvenlyWarning)])
+    return out
+
+
+@pytest.mark.slow
+def test_pad_none_with_uneven_batch_counts_warns_at_the_pass_start_on_every_rank() -> None:
+    """A per-step collective over pad="none" hangs or fails in gloo on the rank with one
+    batch more: every rank is told, once, at the pass start, with the counts per rank
+    and the pad mode that keeps them equal; pad="mask" (equal counts) says nothing of it."""
+    from tests.distributed import run_ranks
+
+    ranks = run_ranks(_uneven_warnings, 2, timeout=240)
+    for rank in ranks:
+        for said in rank[:2]:  # evenly.DataLoader, BatchSampler
+            uneven = [m for m in said if "different batch counts" in m]
+            assert len(uneven) == 1, said
+            assert "rank 0: 6, rank 1: 5 batches" in uneven[0] and "pad='mask'" in uneven[0]
+        assert not any("different batch counts" in m for m in rank[2]), rank[2]

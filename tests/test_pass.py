@@ -132,6 +132,49 @@ def test_a_rank_that_never_joins_makes_the_others_raise_naming_it() -> None:
     assert "rank(s) [1]" in messages[0] and "world_size=1" in messages[0]
 
 
+def store_host_alone(rank: int, world: int) -> list[str]:
+    """Rank 0, which hosts the store, built its loader with world_size=1 and trains alone
+    (1 s a step, 10 steps); the others' loaders are split over the group.  Each of them
+    times out (2 s), then waits again (60 s) until rank 0 finishes and exits."""
+    import time
+
+    import torch.distributed as dist
+
+    dist.barrier()  # rank 0 is still training when the others look
+    if rank == 0:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", evenly.EvenlyWarning)  # the world_size=1 warning
+            ds = evenly.Dataset(list(range(10)), rank=0, world_size=1)
+        for _ in evenly.DataLoader(ds, batch_size=1):
+            time.sleep(1)
+        return ["trained alone"]
+    said = []
+    for timeout in (2, 60):
+        loader = evenly.DataLoader(evenly.Dataset(list(range(30))), agreement_timeout=timeout)
+        try:
+            next(iter(loader))
+        except evenly.PlanMismatchError as exc:
+            said.append(str(exc))
+    return said
+
+
+@pytest.mark.slow
+def test_a_store_host_that_never_joins_is_named_by_every_other_rank() -> None:
+    """Rank 0 (the store's host) built with world_size=1 under 3 real gloo ranks: ranks 1
+    and 2 name it and why, both when their wait times out and when rank 0 exits and takes
+    the store with it (not just "the store's host exited or crashed")."""
+    ranks = run_ranks(store_host_alone, 3, timeout=180)
+    assert ranks[0] == ["trained alone"]
+    for said in ranks[1:]:
+        assert len(said) == 2, said
+        timed_out, lost = said
+        assert "rank(s) [0]" in timed_out and "did not start epoch 0 within 2 s" in timed_out
+        assert "rank(s) [0]" in lost and "never joined epoch 0" in lost
+        for message in said:
+            assert "world_size=1 in a process group of 3 rank(s)" in message, message
+            assert "process_group=" in message
+
+
 def evaluation_on_rank_zero(rank: int, world: int) -> dict[str, list[list[int]]]:
     """Two training epochs split over the group; after each, on rank 0 only, a pass of a
     rank-local evaluation loader (world_size=1, a short agreement timeout)."""

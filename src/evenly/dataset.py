@@ -345,7 +345,7 @@ class Dataset(IterableDataset[Any], Generic[T_co]):
         spec = self._own_spec(state)
         if info is None:
             self._skipped.zero_()
-            warn_about(self._planner.plan_for(spec), num_workers, spec.rank)
+            warn_about(self._planner.plan_for(spec), num_workers, spec.rank, batches=spec.handoff)
         yield from self._planner.read(
             spec,
             worker_id,

@@ -191,3 +191,38 @@ def boundaries(rank: int, world: int, ns: tuple[int, ...]) -> dict[str, dict[Any
                 out["stateful"][n] = _epochs(accelerator, model, opt, loader, n, 1)
         out["stateful"][n]["errors"] = errors
     return out
+
+
+def _marked(x: int) -> dict[str, Any]:
+    return {"id": x, "real": not evenly.is_padding()}
+
+
+def gather_metrics(rank: int, world: int, ns: tuple[int, ...]) -> dict[Any, Any]:
+    """An evaluation loop as Accelerate documents it: ``gather_for_metrics`` of each
+    batch's ids, over prepared evenly.DataLoaders (default pad and pad="mask", 2 workers)
+    for 2 epochs; per (pad, N): the gathered ids of each epoch, and the EvenlyWarnings."""
+    import warnings
+
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    out: dict[Any, Any] = {}
+    for pad in ("repeat", "mask"):
+        for n in ns:
+            kw: dict[str, Any] = {"transform": _marked} if pad == "mask" else {}
+            ds = evenly.Dataset(list(range(n)), shuffle=True, pad=pad, **kw)
+            loader = accelerator.prepare(
+                evenly.DataLoader(ds, batch_size=BATCH, num_workers=WORKERS)
+            )
+            epochs = []
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                for _ in range(2):
+                    gathered: list[int] = []
+                    for batch in loader:
+                        ids = batch["id"] if pad == "mask" else batch
+                        gathered += accelerator.gather_for_metrics(ids).tolist()
+                    epochs.append(gathered)
+            said = [str(w.message) for w in caught if issubclass(w.category, evenly.EvenlyWarning)]
+            out[pad, n] = {"epochs": epochs, "warnings": said}
+    return out

@@ -11,7 +11,8 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 
-from evenly.runtime.hooks import PassHooks, Wrapped, register
+from evenly.core.plan import EpochPlan
+from evenly.runtime.hooks import PassHooks, PassWatcher, Wrapped, register
 
 __all__ = ["AccelerateHooks"]
 
@@ -53,10 +54,17 @@ class AccelerateHooks(PassHooks):
         return skip.skipping(dataset)
 
     @property
-    def warn_padded(self) -> Callable[[int, str], bool]:
+    def warn_padded(self) -> Callable[[EpochPlan, str], bool]:
         from evenly.interop import gather
 
         return gather.warn_gather
+
+    def watch_pass(self, plan: EpochPlan, pad: str, owner: object) -> PassWatcher | None:
+        if "accelerate.state" not in sys.modules:
+            return None
+        from evenly.interop import gather
+
+        return gather.epoch_end(plan, pad, owner)
 
 
 register(AccelerateHooks())

@@ -20,6 +20,7 @@ from evenly.loader.threads import ThreadPass
 from evenly.runtime import torch_compat
 from evenly.runtime.channel import PassChannel
 from evenly.runtime.clock import StageClock, perf_counter
+from evenly.runtime.hooks import PassWatcher
 from evenly.runtime.planner import Planner
 from evenly.transport.slots import Transport, plain_collate, unpack
 
@@ -143,6 +144,8 @@ class PassIterator(Iterator[Any]):
         self._on_end = on_end
         #: the pass's figures for ``loader.stats()`` (set by the loader)
         self.recorder: PassRecorder | None = None
+        #: what Accelerate's GradientState reads of this pass (set by the loader)
+        self.epoch_end: PassWatcher | None = None
 
     @property
     def inner(self) -> Iterator[Any]:
@@ -155,6 +158,10 @@ class PassIterator(Iterator[Any]):
         self._inner, self._pass, self._plan, self._on_end = (
             other._inner, other._pass, other._plan, other._on_end
         )  # fmt: skip
+        if other.epoch_end is not None:  # this object stays the one Accelerate follows
+            other.epoch_end.leave()
+            if self.epoch_end is not None:
+                self.epoch_end.remainder = other.epoch_end.remainder
 
     def __iter__(self) -> PassIterator:
         return self
@@ -180,8 +187,12 @@ class PassIterator(Iterator[Any]):
                     self._on_end(self._plan)
                 if recorder is not None:
                     recorder.end(started)
+            if self.epoch_end is not None:
+                self.epoch_end.leave()
             raise
         self._pass.received += 1
+        if self.epoch_end is not None and self._pass.remaining == 0:
+            self.epoch_end.last()
         if recorder is not None:
             recorder.add(times, started, got, batch is not item)
         return batch

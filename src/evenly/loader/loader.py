@@ -438,7 +438,7 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         plan = self._planner.plan_for(spec)
         warn_about(plan, self.num_workers, spec.rank)
         for adapter in () if self._warned_gather else hooks.registered():  # once per loader
-            self._warned_gather = adapter.warn_padded(plan.num_padded, self.dataset.pad)
+            self._warned_gather = adapter.warn_padded(plan, self.dataset.pad)
             if self._warned_gather:
                 break
         if self._last_num_samples not in (None, spec.num_samples):
@@ -455,7 +455,9 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
             plan.consumed_after,
             plan.end,
         )
-        return self._start(spec, plan, current)
+        iterator = self._start(spec, plan, current)
+        iterator.epoch_end = hooks.watch_pass(plan, self.dataset.pad, iterator)
+        return iterator
 
     def _iter_stream(self) -> PassIterator:
         """One endless pass over consecutive epochs (``infinite=True``), continuing from

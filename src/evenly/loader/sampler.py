@@ -27,6 +27,7 @@ from evenly.core.state import PassState
 from evenly.core.topology import Topology
 from evenly.errors import EvenlyWarning, StateError, check_int
 from evenly.options import SAMPLER_PADS, SamplerPad
+from evenly.runtime.checks import uneven_batches
 from evenly.runtime.detect import resolve_topology, warn_if_rank_local
 
 __all__ = ["BatchSampler"]
@@ -227,6 +228,8 @@ class BatchSampler(Sampler[list[int]]):
             )
         elif plan.num_padded:
             warnings.warn(f"evenly: {plan.describe()}", EvenlyWarning, stacklevel=4)
+        elif uneven := uneven_batches(plan):
+            warnings.warn(uneven, EvenlyWarning, stacklevel=4)
         return current, plan, topo.rank
 
     # ---- checkpoints -----------------------------------------------------------

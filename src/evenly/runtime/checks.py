@@ -20,6 +20,7 @@ from evenly.options import Shuffle
 __all__ = [
     "check_current",
     "shuffle_mode",
+    "uneven_batches",
     "warn_about",
     "warn_skipped",
 ]
@@ -27,8 +28,10 @@ __all__ = [
 logger = logging.getLogger("evenly")
 
 
-def warn_about(plan: EpochPlan, num_workers: int, rank: int) -> None:
-    """Warn, in the main process, about padding, idle workers and empty sources."""
+def warn_about(plan: EpochPlan, num_workers: int, rank: int, *, batches: bool = True) -> None:
+    """Warn, in the main process, about padding, uneven ranks, idle workers and empty
+    sources; ``batches``: the plan's units are the loader's batches (False under a plain
+    DataLoader, whose batches the dataset does not know)."""
     if plan.num_samples == 0:
         warnings.warn(
             "evenly: the source is empty, so every rank yields 0 batches this epoch",
@@ -38,6 +41,9 @@ def warn_about(plan: EpochPlan, num_workers: int, rank: int) -> None:
         return
     if plan.num_padded:
         warnings.warn(f"evenly: {plan.describe()}", EvenlyWarning, stacklevel=3)
+    uneven = uneven_batches(plan, batches=batches)
+    if uneven:
+        warnings.warn(uneven, EvenlyWarning, stacklevel=3)
     idle = plan.idle_workers(num_workers)
     if idle:
         warnings.warn(
@@ -46,6 +52,44 @@ def warn_about(plan: EpochPlan, num_workers: int, rank: int) -> None:
             EvenlyWarning,
             stacklevel=3,
         )
+
+
+def uneven_batches(plan: EpochPlan, *, batches: bool = True) -> str | None:
+    """Under ``pad="none"``, when the ranks get different batch counts this epoch: the
+    warning naming them (a collective at every step hangs or fails on the rank with
+    more), else None.  The same on every rank: it depends on the plan only.
+    ``batches=False``: the plan's units are samples, batched by a plain DataLoader.
+
+    >>> print(uneven_batches(EpochPlan(num_samples=11, world_size=2, pad="none")))
+    evenly: pad='none' gives the 2 ranks different batch counts in epoch 0 (rank 0: 6, \
+rank 1: 5 batches), so a collective at every step (an all_reduce of a metric, DDP's \
+gradient sync, gather_for_metrics) hangs or fails on the ranks with more; use \
+pad='mask' (equal batches, evenly.is_padding() marks the repeats) or sync the metric \
+once after the loop
+    """
+    if plan.pad != "none" or plan.world_size == 1:
+        return None
+    counts = [plan.rank_batches(r) for r in range(plan.world_size)]
+    if counts[0] == counts[-1]:
+        return None
+    more = counts.count(counts[0])  # ranks 0..more-1 get one batch more than the rest
+    groups = [(0, more - 1, counts[0]), (more, plan.world_size - 1, counts[-1])]
+    per_rank = ", ".join(
+        f"rank {lo}: {n}" if lo == hi else f"ranks {lo}-{hi}: {n}" for lo, hi, n in groups
+    )
+    counted = (
+        f"different batch counts in epoch {plan.epoch} ({per_rank} batches)"
+        if batches
+        else f"different sample counts in epoch {plan.epoch} ({per_rank} samples), so "
+        f"their batch counts may differ too"
+    )
+    return (
+        f"evenly: pad='none' gives the {plan.world_size} ranks {counted}, so a "
+        f"collective at every step (an "
+        f"all_reduce of a metric, DDP's gradient sync, gather_for_metrics) hangs or fails "
+        f"on the ranks with more; use pad='mask' (equal batches, evenly.is_padding() marks "
+        f"the repeats) or sync the metric once after the loop"
+    )
 
 
 def check_current(

@@ -13,11 +13,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
+from evenly.core.plan import EpochPlan
 from evenly.core.topology import Topology
 
 __all__ = [
     "PassHooks",
+    "PassWatcher",
     "Wrapped",
     "before_pass",
     "check_pass",
@@ -26,6 +29,7 @@ __all__ = [
     "registered",
     "skipping",
     "under",
+    "watch_pass",
 ]
 
 
@@ -82,16 +86,35 @@ class PassHooks:
         return None
 
     @property
-    def warn_padded(self) -> Callable[[int, str], bool]:
+    def warn_padded(self) -> Callable[[EpochPlan, str], bool]:
         """A function the ``evenly.DataLoader`` calls as a pass starts with
-        ``(num_padded, pad)`` (its repeated samples, its pad mode): it warns if the
-        framework would keep the repeats where the user does not expect it and returns
-        whether it warned (the loader asks until one did).  A property, so that the
-        warning's ``stacklevel`` counts from the loader."""
+        ``(plan, pad)`` (the pass's plan, its pad mode): it warns if the framework would
+        keep the repeated samples where the user does not expect it and returns whether
+        it warned (the loader asks until one did).  A property, so that the warning's
+        ``stacklevel`` counts from the loader."""
         return _no_warning
 
+    def watch_pass(self, plan: EpochPlan, pad: str, owner: object) -> PassWatcher | None:
+        """Called by the ``evenly.DataLoader`` as a pass of ``plan`` starts: a watcher the
+        framework follows the pass through (told of its last batch and of its end), or
+        ``None``.  ``owner``: the pass's iterator (the watcher may leave when it is
+        collected)."""
+        return None
 
-def _no_warning(num_padded: int, pad: str) -> bool:
+
+class PassWatcher(Protocol):
+    """What a framework follows one pass of an ``evenly.DataLoader`` through."""
+
+    remainder: int
+
+    def last(self) -> None:
+        """The batch being handed out is the pass's last."""
+
+    def leave(self) -> None:
+        """The pass ended (or was dropped)."""
+
+
+def _no_warning(plan: EpochPlan, pad: str) -> bool:
     return False
 
 
@@ -136,4 +159,13 @@ def skipping(dataset: object) -> int | None:
         k = hooks.skipping(dataset)
         if k is not None:
             return k
+    return None
+
+
+def watch_pass(plan: EpochPlan, pad: str, owner: object) -> PassWatcher | None:
+    """The first registered adapter's answer to :meth:`PassHooks.watch_pass`."""
+    for hooks in _REGISTERED:
+        watcher = hooks.watch_pass(plan, pad, owner)
+        if watcher is not None:
+            return watcher
     return None

@@ -35,7 +35,6 @@ import contextlib
 import hashlib
 import json
 import logging
-import mmap
 import os
 import struct
 import time
@@ -378,25 +377,30 @@ _CRC_BLOCK = 8 << 20
 def _map(path: str, *, verify: bool = True) -> pa.Table:
     """An entry as a table whose buffers live in a read-only memory map (no file
     descriptor kept: the map holds the file, even once it is renamed or removed); with
-    ``verify``, its CRC-32 is checked first (``ValueError`` if it fails)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        size = os.fstat(fd).st_size
+    ``verify``, its CRC-32 is checked first (``ValueError`` if it fails).
+
+    Through Arrow's own map, closed once read: its buffers keep the mapping, not the
+    file.  ``mmap.mmap`` would keep a duplicate of the descriptor for as long as the map
+    lives (``trackfd`` exists from Python 3.13 only): a process holding many row groups
+    would hold as many descriptors.  The cost: Arrow advises the kernel that the entry
+    will be needed (``madvise(WILLNEED)``) as it maps it, so a first map in a process
+    takes longer, with the entry's size: 0.65-1.1 ms for a 15 MiB entry against
+    0.03-0.15 ms with ``mmap.mmap`` (warm page cache, a busy 2-core machine); once per
+    entry and process, since the process's LRU keeps it mapped."""
+    with pa.memory_map(path) as mapped:
+        size = mapped.size()
         if size <= _TRAILER.size:
             raise ValueError(f"it is {size} bytes, too short for an entry")
-        mapped = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
-    finally:
-        os.close(fd)
+        whole = mapped.read_buffer(size)  # a view of the map (no copy)
     body = size - _TRAILER.size
-    crc, magic = _TRAILER.unpack_from(mapped, body)
+    crc, magic = _TRAILER.unpack_from(whole, body)
     if magic != _MAGIC:
         raise ValueError("it does not end with a checksum")
     if verify:
-        with memoryview(mapped) as view, view[:body] as data:
-            found = zlib.crc32(data)
+        found = zlib.crc32(whole.slice(0, body))
         if found != crc:
             raise ValueError(f"its CRC-32 is {found:08x}, {crc:08x} when it was written")
-    reader = pa.ipc.open_file(pa.py_buffer(mapped).slice(0, body))
+    reader = pa.ipc.open_file(whole.slice(0, body))
     batches = [reader.get_batch(i) for i in range(reader.num_record_batches)]
     return pa.Table.from_batches(batches, schema=reader.schema)
 

@@ -47,6 +47,9 @@ class Tokenizer:
             self.eos_id = _eos_id(tok, self.kind)
         #: changes whenever the output would (the tokenizer, its settings, the options)
         self.tokenizer_id = self._id()
+        #: ids it can give are below this (added tokens included): ``Packing`` checks
+        #: every id against it
+        self.vocab_size = _vocab_size(tok, self.kind)
 
     def __call__(self, texts: list[str]) -> list[list[int]]:
         if self.kind == "tokenizers":
@@ -100,6 +103,20 @@ class Tokenizer:
 
 def _is_tokenizers(tok: Any) -> bool:
     return type(tok).__module__.startswith("tokenizers") and hasattr(tok, "encode_batch")
+
+
+def _vocab_size(tok: Any, kind: str) -> int | None:
+    """One more than the largest id ``tok`` can give (None where it cannot say)."""
+    try:
+        if kind == "tokenizers":
+            size = int(tok.get_vocab_size(with_added_tokens=True))
+            vocab = tok.get_vocab(with_added_tokens=True)
+        else:
+            size, vocab = len(tok), tok.get_vocab()  # with the added tokens
+        size = max(size, max(vocab.values(), default=-1) + 1)  # ids need not be dense
+    except (AttributeError, TypeError):
+        return None
+    return size if size > 0 else None
 
 
 def _eos_id(tok: Any, kind: str) -> int:

@@ -48,14 +48,15 @@ def check_tokens(
     ``base``: where each piece's document starts in the source's document (a token
     mixture's pieces of documents), for the offset named.
 
-    One vectorised pass per read: a minimum and a maximum, and a search for ``pad_id``
-    only when it lies between them."""
+    Vectorised, two passes per read: the maximum of the ids read as unsigned (a negative
+    id is then 2^63 or more, so one reduction bounds both ends) and the search for
+    ``pad_id`` the check had before."""
     if not flat.size:
         return
-    low, high = int(flat.min()), int(flat.max())
     vocab, pad_id = packing.vocab_size, packing.pad_id
-    in_range = low >= 0 and (vocab is None or high < vocab)
-    if in_range and (not low <= pad_id <= high or not bool((flat == pad_id).any())):
+    limit = 2**63 if vocab is None else vocab
+    unsigned = np.ascontiguousarray(flat).view(np.uint64)
+    if int(unsigned.max()) < limit and not bool((flat == pad_id).any()):
         return
     bad = (flat < 0) | (flat == pad_id)
     if vocab is not None:

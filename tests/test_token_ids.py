@@ -216,3 +216,12 @@ def test_the_vocabulary_size_comes_from_evenly_tokenizer() -> None:
     assert evenly.Packing(16, tokenize=tk).vocab_size == size
     assert evenly.Packing(16, tokenize=tk, vocab_size=256).vocab_size == 256  # the model's
     assert evenly.tokenizer(fast_tokenizer(tok)).vocab_size == size
+
+
+def test_a_bad_id_in_a_token_mixture_names_the_source_and_sample() -> None:
+    good = [d.tolist() for d in documents(None)]
+    bad = [d.tolist() for d in documents(-100)]
+    mix = evenly.Mix({"good": good, "bad": bad}, unit="tokens")
+    pattern = rf"of the Mix, source 'bad' sample {BAD_DOC}, holds {KINDS['ignore-index'][2]}"
+    with pytest.raises(ValueError, match=pattern):
+        packed(mix)

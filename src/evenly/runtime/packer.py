@@ -4,8 +4,9 @@ For a batch of rows the worker looks up their pieces (the epoch's plan, memory-m
 reads each document they touch once, runs the per-document transform under the
 document's own seeds (a function of seed, epoch and the document's position in the
 epoch's order, so a document split over two rows, in two workers, is the same in both),
-checks its token count against the planned length and that it does not use ``pad_id``,
-and assembles the rows.  Rows past the epoch's last one are pad rows.
+checks its token count against the planned length and its token ids (non-negative,
+below ``Packing.vocab_size`` when known, never ``pad_id``), and assembles the rows.
+Rows past the epoch's last one are pad rows.
 """
 
 from __future__ import annotations
@@ -265,6 +266,7 @@ def _rows(
         base: Any = 0  # where the document at a position starts in its real document
         flat = None
         tokens: dict[int, npt.NDArray[np.integer]] = {}
+        stored: StoredDtype  # the dtype each document's ids were stored in
         if isinstance(order, TokenItems):  # a token mixture's pieces of documents
             tokens = _documents(ctx, packing, files, int(epoch), where, index, spreader)
             tokens = order.cut(where, tokens)
@@ -278,6 +280,7 @@ def _rows(
                 tokens = _documents(ctx, packing, files, int(epoch), where, index, spreader)
             else:
                 flat, dtype = found
+                stored = _one_dtype(dtype)
         if seen is not None:  # the audit: the one place a piece's absolute start is made
             first = pieces["start"].astype(np.int64) + base
             seen.append(
@@ -286,8 +289,6 @@ def _rows(
         if flat is None:
             flat = piece_tokens(pieces, tokens, alloc)
             stored = _stored_dtype(tokens)
-        else:
-            stored = _one_dtype(dtype)
         check_tokens(ctx, packing, flat, pieces, (index, inverse), int(epoch), stored, base)
         doc_index = index[inverse] if packing.document_ids else None
         arrays = place(

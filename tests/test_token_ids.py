@@ -225,3 +225,31 @@ def test_a_bad_id_in_a_token_mixture_names_the_source_and_sample() -> None:
     pattern = rf"of the Mix, source 'bad' sample {BAD_DOC}, holds {KINDS['ignore-index'][2]}"
     with pytest.raises(ValueError, match=pattern):
         packed(mix)
+
+
+@pytest.mark.parametrize(
+    ("kind", "says"),
+    [
+        ("negative", r"token id -100, negative \(-100 is the loss's ignore index\)"),
+        ("beyond-int32", r"token id 4294967301, outside int32's range"),  # would wrap to 5
+        (
+            "beyond-the-tokenizer's-vocab",
+            r"token id (\d+), not below the tokenizer's vocabulary size \1",
+        ),
+    ],
+)
+def test_write_tokenize_refuses_an_id_it_would_write_wrong(
+    tmp_path: Path, kind: str, says: str
+) -> None:
+    texts = corpus(12, seed=5)
+    tk = evenly.tokenizer(tiny_tokenizer(texts))
+    tokenize: Any = Shifting(tk, tk.vocab_size if kind.endswith("vocab") else -100)
+    if kind == "beyond-int32":  # a plain function (no vocabulary size) giving numpy int64s
+        shifting = Shifting(tk, 2**32 + 5)
+
+        def tokenize(texts: list[str]) -> list[Any]:
+            return [np.asarray(ids, dtype=np.int64) for ids in shifting(texts)]
+
+    with pytest.raises(ValueError, match=rf"write\(tokenize=...\): sample {BAD_DOC}: .*{says}"):
+        evenly.write(texts, tmp_path / "tok", "parquet", tokenize=tokenize, progress=False)
+    assert not list((tmp_path / "tok").glob("*.parquet"))  # nothing half-written

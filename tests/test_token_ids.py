@@ -4,7 +4,8 @@ vocabulary), an unsigned id of 2^63 or more (which int64 rows would read as nega
 raise in the main process, naming the source, the document (file and row where known),
 the id and the setting; over each way tokens come in: pre-tokenized Arrow (read through
 the token window) and Parquet list columns, Megatron ``.bin/.idx``, tokenizing on the
-fly, in-memory lists; with real worker processes too."""
+fly, in-memory lists, a token mixture; with real worker processes too.  And
+``evenly.write(tokenize=...)`` refuses to write an id it would get wrong."""
 
 from __future__ import annotations
 
@@ -74,8 +75,8 @@ def packed(source: Any, num_workers: int = 0, **packing: Any) -> list[Any]:
 
 
 def written(tmp_path: Path, fmt: str, docs: list[np.ndarray]) -> Any:
-    """``docs`` as an ``input_ids`` list column of Arrow or Parquet shards (two shards:
-    the bad document in the second, at row 2), opened."""
+    """``docs`` as an ``input_ids`` list column of Arrow or Parquet shards of 5 rows (the
+    bad document is row 2 of the second), opened."""
     schema = pa.schema([("input_ids", pa.list_(pa.from_numpy_dtype(docs[0].dtype)))])
     evenly.write(
         [{"input_ids": d} for d in docs], tmp_path / fmt, fmt, 5, schema=schema, progress=False

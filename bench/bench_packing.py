@@ -31,6 +31,14 @@ Planning 10^8 documents is ``bench_plan_packing.py``'s child (``--plan-docs``).
     bash bench/setup_peers.sh   # litdata, grain
     python bench/bench_packing.py --rounds 3
 
+A change's cost: ``--also-src LABEL=PATH`` adds the evenly contender importing evenly from
+``PATH`` (another commit's ``src``, e.g. from ``git archive``), as ``evenly@LABEL``, in
+the same rounds (interleaved, over the same corpus)::
+
+    mkdir /tmp/before && git archive HEAD~1 src | tar -x -C /tmp/before
+    python bench/bench_packing.py --rounds 5 --plan-docs 0 --only evenly \\
+        --also-src before=/tmp/before/src
+
 Pass ``--child`` only internally.
 """
 
@@ -336,21 +344,35 @@ def main() -> None:
     p.add_argument("--text-docs", type=int, default=5_000, help="first lengths pass")
     p.add_argument("--plan-docs", type=int, default=10**8, help="0: skip the planning row")
     p.add_argument("--only", nargs="*", default=list(CONTENDERS))
+    p.add_argument(
+        "--also-src",
+        nargs="*",
+        default=[],
+        metavar="LABEL=PATH",
+        help="also time evenly imported from PATH (another commit's src), as evenly@LABEL",
+    )
     p.add_argument("--child", nargs=2, metavar=("NAME", "DATA"))
     a = p.parse_args()
     if a.child:
         child(a.child[0], a.child[1], a.seq_len, a.batch, a.workers)
         return
     names = tuple(n for n in CONTENDERS if n in a.only)
+    sources = dict(item.split("=", 1) for item in a.also_src)
+    timed = (*names, *(f"evenly@{label}" for label in sources))
     with tempfile.TemporaryDirectory() as tmp:
         data = os.path.join(tmp, "data")
         os.makedirs(data)
         env = {**env_for(data), "EVENLY_CACHE_DIR": os.path.join(tmp, "cache")}
         os.environ["EVENLY_BENCH_DATA"] = data
         corpus = prepare(data, a.docs, names)
-        runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
+        runs: dict[str, list[dict[str, Any]]] = {n: [] for n in timed}
         for _ in range(a.rounds):
-            for name in names:
+            for name in timed:
+                label = name.partition("@")[2]
+                child_env = env
+                if label:  # evenly from another tree, with its own cache
+                    cache = os.path.join(tmp, f"cache-{label}")
+                    child_env = {**env, "PYTHONPATH": sources[label], "EVENLY_CACHE_DIR": cache}
                 cmd = [
                     sys.executable,
                     __file__,
@@ -361,10 +383,10 @@ def main() -> None:
                     "--workers",
                     str(a.workers),
                     "--child",
-                    name,
+                    name.partition("@")[0],
                     data,
                 ]
-                runs[name].append(run_child(cmd, env, timeout=900))
+                runs[name].append(run_child(cmd, child_env, timeout=900))
         pad = padding(make_lengths(a.padding_docs, seed=2), a.seq_len, os.path.join(tmp, "pc"))
         first = first_pass(tmp, a.text_docs, a.seq_len)
         plans = plan_memory(a.plan_docs, a.seq_len, tmp) if a.plan_docs else []
@@ -387,13 +409,13 @@ def report(
     rates: dict[str, float] = {}
     rates2: dict[str, float] = {}
     print(
-        f"\n{'contender':<10} {'tokens/s, epoch 1':>30} {'epoch 2':>30} {'setup s':>8} "
+        f"\n{'contender':<14} {'tokens/s, epoch 1':>30} {'epoch 2':>30} {'setup s':>8} "
         f"{'PSS MiB':>8} {'missing':>9}"
     )
     for name, rs in runs.items():
         bad = next((r["error"] for r in rs if "error" in r), None)
         if bad:
-            print(f"{name:<10} failed: {bad}")
+            print(f"{name:<14} failed: {bad}")
             continue
         med, lo, hi = summary([r["tokens"] / r["seconds"] for r in rs])
         med2, lo2, hi2 = summary([r["tokens2"] / r["seconds2"] for r in rs])
@@ -407,7 +429,7 @@ def report(
             for k in ("", "2")
         )
         print(
-            f"{name:<10} {med / 1e6:>9.2f}M [{lo / 1e6:.2f}M-{hi / 1e6:.2f}M] "
+            f"{name:<14} {med / 1e6:>9.2f}M [{lo / 1e6:.2f}M-{hi / 1e6:.2f}M] "
             f"{med2 / 1e6:>9.2f}M [{lo2 / 1e6:.2f}M-{hi2 / 1e6:.2f}M] "
             f"{setup:>8.1f} {pss:>8,.0f} {missing:>9,}{'  (token sum differs!)' if wrong else ''}"
         )

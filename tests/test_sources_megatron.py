@@ -190,6 +190,65 @@ def test_truncated_bin_names_it(tmp_path: Path) -> None:
         evenly.from_megatron(tmp_path / "c")
 
 
+def test_a_bin_that_is_no_whole_number_of_tokens_names_files_sizes_and_dtype(
+    tmp_path: Path,
+) -> None:
+    write_megatron(tmp_path / "c", documents(5), dtype=np.int32)
+    data = (tmp_path / "c.bin").read_bytes()
+    (tmp_path / "c.bin").write_bytes(data[:-1])
+    size = len(data) - 1
+    with pytest.raises(
+        ValueError,
+        match=rf"c\.bin holds {size} bytes, not a whole number of int32 tokens \(4 bytes "
+        rf"each, the dtype .*c\.idx names\)",
+    ):
+        evenly.from_megatron(tmp_path / "c")
+
+
+def rewrite_index(prefix: Path, edit: Any) -> None:
+    """Rewrite ``prefix.idx`` after ``edit(sizes, pointers)`` changed its arrays in place
+    (the header and the document indices kept)."""
+    data = bytearray((prefix.parent / f"{prefix.name}.idx").read_bytes())
+    n = int(np.frombuffer(bytes(data[18:26]), np.uint64)[0])
+    sizes = np.frombuffer(data, np.int32, n, 34)
+    pointers = np.frombuffer(data, np.int64, n, 34 + 4 * n)
+    edit(sizes, pointers)
+    (prefix.parent / f"{prefix.name}.idx").write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        # sequence 1 one token longer, sequence 4 one shorter: the same .bin size in all
+        (
+            lambda s, p: (s.__setitem__(1, s[1] + 1), s.__setitem__(4, s[4] - 1)),
+            r"sequence 1 \(\d+ int32 tokens from byte \d+\) ends at byte \d+ of .*c\.bin, but "
+            r"sequence 2 starts at byte \d+: it runs into sequence 2",
+        ),
+        (
+            lambda s, p: (s.__setitem__(1, s[1] - 1), s.__setitem__(4, s[4] + 1)),
+            r"sequence 1 .* but sequence 2 starts at byte \d+: the 4 bytes between belong "
+            r"to no sequence",
+        ),
+        (lambda s, p: p.__setitem__(3, p[3] + 4), r"sequence 2 .* sequence 3 starts at byte"),
+        (lambda s, p: p.__setitem__(0, 4), r"sequence 0 starts at byte 4 of .*c\.bin, not at"),
+        (
+            lambda s, p: s.__setitem__(2, -1),
+            r"sequence 2 has a negative size \(-1 tokens\)",
+        ),
+    ],
+    ids=["overlap", "gap", "pointer", "first-pointer", "negative-size"],
+)
+def test_an_index_whose_sequences_do_not_lie_back_to_back_names_the_sequence(
+    tmp_path: Path, edit: Any, message: str
+) -> None:
+    docs = [np.arange(1, 6) + 10 * i for i in range(6)]  # every sequence 5 tokens long
+    write_megatron(tmp_path / "c", docs)
+    rewrite_index(tmp_path / "c", edit)
+    with pytest.raises(ValueError, match=r"c\.idx is corrupt: " + message):
+        evenly.from_megatron(tmp_path / "c")
+
+
 def test_other_formats_and_corrupt_headers_name_the_file(tmp_path: Path) -> None:
     (tmp_path / "c.bin").write_bytes(b"")
     (tmp_path / "c.idx").write_bytes(b"TNTIDX\x00\x00" + bytes(40))

@@ -4,13 +4,14 @@ For a batch of rows the worker looks up their pieces (the epoch's plan, memory-m
 reads each document they touch once, runs the per-document transform under the
 document's own seeds (a function of seed, epoch and the document's position in the
 epoch's order, so a document split over two rows, in two workers, is the same in both),
-checks its token count against the planned length and that it does not use ``pad_id``,
-and assembles the rows.  Rows past the epoch's last one are pad rows.
+checks its token count against the planned length and its token ids (non-negative,
+below ``Packing.vocab_size`` when known, never ``pad_id``), and assembles the rows.
+Rows past the epoch's last one are pad rows.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -39,7 +40,7 @@ from evenly.runtime.reader import ReadContext
 from evenly.runtime.rowtap import RowPieces, tap_part
 from evenly.runtime.seeds import RngState, SeedSpreader
 from evenly.runtime.token_mix import TokenItems, is_token_mix, mix_lengths, token_items
-from evenly.runtime.token_reads import check_lengths, direct_tokens
+from evenly.runtime.token_reads import StoredDtype, check_lengths, check_tokens, direct_tokens
 from evenly.transport.pool import BufferPool
 from evenly.transport.slots import plain_collate
 
@@ -264,17 +265,22 @@ def _rows(
         index = where if order is None else np.asarray(order(where), dtype=np.int64)
         base: Any = 0  # where the document at a position starts in its real document
         flat = None
+        tokens: dict[int, npt.NDArray[np.integer]] = {}
+        stored: StoredDtype  # the dtype each document's ids were stored in
         if isinstance(order, TokenItems):  # a token mixture's pieces of documents
             tokens = _documents(ctx, packing, files, int(epoch), where, index, spreader)
             tokens = order.cut(where, tokens)
             base = order.starts(pieces["pos"])
         else:
             planned = files.lengths[index]
-            flat = direct_tokens(
+            found = direct_tokens(
                 ctx, packing, planned, int(epoch), where, index, pieces, inverse, alloc
             )
-            if flat is None:
+            if found is None:
                 tokens = _documents(ctx, packing, files, int(epoch), where, index, spreader)
+            else:
+                flat, dtype = found
+                stored = _one_dtype(dtype)
         if seen is not None:  # the audit: the one place a piece's absolute start is made
             first = pieces["start"].astype(np.int64) + base
             seen.append(
@@ -282,7 +288,8 @@ def _rows(
             )
         if flat is None:
             flat = piece_tokens(pieces, tokens, alloc)
-        _check_pads(flat, pieces, (index, inverse), packing, int(epoch))
+            stored = _stored_dtype(tokens)
+        check_tokens(ctx, packing, flat, pieces, (index, inverse), int(epoch), stored, base)
         doc_index = index[inverse] if packing.document_ids else None
         arrays = place(
             wanted, pieces, flat, seq_len=packing.seq_len, pad_id=packing.pad_id,
@@ -300,26 +307,19 @@ def _rows(
     return out
 
 
-def _check_pads(
-    flat: I64, pieces: npt.NDArray[np.void], docs: tuple[I64, I64], packing: Packing, epoch: int
-) -> None:
-    """Raise if a token of the rows is ``pad_id`` (one vectorised check per batch: every
-    token of the epoch is in one piece, so each is checked once), naming the document
-    (``docs``: the source index of each distinct position, and each piece's position)."""
-    pad_id = packing.pad_id
-    if not flat.size or not bool((flat == pad_id).any()):
-        return
-    at = int(np.flatnonzero(flat == pad_id)[0])
-    ends = np.cumsum(pieces["len"].astype(np.int64))
-    k = int(np.searchsorted(ends, at, side="right"))
-    offset = int(pieces["start"][k]) + at - (int(ends[k]) - int(pieces["len"][k]))
-    doc, pos = int(docs[0][docs[1][k]]), int(pieces["pos"][k])
-    raise ValueError(
-        f"evenly: packing: document {doc} (position {pos} of epoch {epoch}) uses the pad "
-        f"token pad_id={pad_id} (at token {offset}): pads would be indistinguishable from "
-        f"its tokens; choose a pad_id no document uses (Packing(pad_id=...), e.g. the "
-        f"tokenizer's pad id)"
-    )
+def _stored_dtype(tokens: Mapping[int, npt.NDArray[Any]]) -> StoredDtype:
+    """The dtype a document was read in, by its position (for an error message)."""
+
+    def stored(pos: int) -> np.dtype[Any] | None:
+        found = tokens.get(pos)
+        return None if found is None else found.dtype
+
+    return stored
+
+
+def _one_dtype(dtype: np.dtype[Any]) -> StoredDtype:
+    """Every document's dtype: ``dtype`` (documents read through a token window)."""
+    return lambda pos: dtype
 
 
 def _documents(
@@ -354,9 +354,11 @@ def _documents(
         samples = _transformed(ctx, spreader, samples, epoch, positions, wanted)
     if packing.tokenize is not None:
         texts = [document_text(s, packing, i) for s, i in zip(samples, wanted, strict=True)]
-        arrays = [
-            np.asarray(t, dtype=np.int64) for t in tokenized(packing.tokenize, texts, wanted[0])
-        ]
+        ids = tokenized(packing.tokenize, texts, wanted[0])
+        try:
+            arrays = [np.asarray(t, dtype=np.int64) for t in ids]
+        except OverflowError:
+            raise _overflow(ctx, ids, wanted, positions, epoch) from None
     else:
         arrays = [
             s if type(s) is np.ndarray and s.ndim == 1 and s.dtype.kind in "iu"  # no copy
@@ -367,6 +369,24 @@ def _documents(
     sizes = np.fromiter((a.size for a in arrays), dtype=np.int64, count=len(arrays))
     check_lengths(sizes, planned, wanted, positions, epoch)  # one vectorised check
     return dict(zip(positions.tolist(), arrays, strict=True))
+
+
+def _overflow(
+    ctx: ReadContext, ids: list[list[int]], wanted: list[int], positions: I64, epoch: int
+) -> ValueError:
+    """The error for a tokenizer's id outside int64's range, naming the first document
+    that holds one."""
+    for j, tokens in enumerate(ids):
+        big = [t for t in tokens if not -(2**63) <= t < 2**63]
+        if big:
+            doc = wanted[j]
+            return ValueError(
+                f"evenly: packing: Packing(tokenize=...) gave document {doc} (position "
+                f"{int(positions[j])} of epoch {epoch}) of the {type(ctx.source).__name__}"
+                f"{ctx.locate(doc)}, the token id {big[0]}, outside int64's range (an "
+                f"unsigned id of 2^63 or more): rows are int64; fix the tokenizer"
+            )
+    return ValueError("evenly: packing: Packing(tokenize=...) gave an id outside int64's range")
 
 
 def _transformed(

@@ -56,6 +56,8 @@ DTYPES: dict[int, type[np.number[Any]]] = {
     8: np.uint16,
 }
 _WHAT = "evenly.from_megatron"
+#: sequences of the index checked at a time when the source opens
+CHECK_CHUNK = 1 << 20
 
 
 def _paths(prefix: str | os.PathLike[str]) -> tuple[str, str, str]:
@@ -152,19 +154,63 @@ class MegatronSource:
             )
         #: whether the index has one ``int8`` mode per sequence (multimodal datasets)
         self.multimodal = idx_size == plain + n and n > 0
+        bin_size = int(self._identity[1].split(":")[0])
+        if bin_size % self.dtype.itemsize:
+            raise ValueError(
+                f"{_WHAT}: {self.bin_path} holds {bin_size} bytes, not a whole number of "
+                f"{self.dtype.name} tokens ({self.dtype.itemsize} bytes each, the dtype "
+                f"{self.idx_path} names): the .bin is truncated, or the two files are not "
+                f"a pair"
+            )
         self._pid = os.getpid()
         self._maps: _Maps | None = None
-        maps = self._mapped()
-        bin_size = int(self._identity[1].split(":")[0])
-        need = 0
-        if n:
-            need = int(maps.pointers[-1]) + int(maps.sizes[-1]) * self.dtype.itemsize
-        if bin_size != need or (n and int(maps.pointers[0]) != 0):
+        need = self._check_index(self._mapped())
+        if bin_size != need:
             raise ValueError(
                 f"{_WHAT}: {self.bin_path} holds {bin_size} bytes, but {self.idx_path} "
                 f"describes {need} bytes of {self.dtype.name} tokens: the .bin is truncated, "
                 f"or the two files are not a pair"
             )
+
+    def _check_index(self, maps: _Maps) -> int:
+        """Check that the sequences lie back to back from byte 0 (sequence ``i + 1``
+        starts where ``i`` ends, as megatron-core writes them), and return where the last
+        one ends: vectorised, ``CHECK_CHUNK`` sequences at a time (constant memory)."""
+        item = self.dtype.itemsize
+        end = 0  # where the next sequence must start
+        for lo in range(0, self.num_sequences, CHECK_CHUNK):
+            sizes = maps.sizes[lo : lo + CHECK_CHUNK].astype(np.int64)
+            pointers = maps.pointers[lo : lo + CHECK_CHUNK]
+            ends = pointers + sizes * item
+            starts = np.concatenate([[end], ends[:-1]])
+            bad = (sizes < 0) | (pointers != starts)
+            if bool(bad.any()):
+                raise self._bad_sequence(lo + int(np.argmax(bad)), maps)
+            end = int(ends[-1])
+        return end
+
+    def _bad_sequence(self, i: int, maps: _Maps) -> ValueError:
+        """The error for sequence ``i``, whose size or pointer does not fit the others."""
+        item, size, pointer = self.dtype.itemsize, int(maps.sizes[i]), int(maps.pointers[i])
+        head = f"{_WHAT}: {self.idx_path} is corrupt: sequence {i}"
+        tail = "the index was damaged or written by another tool; write it again"
+        if size < 0:
+            return ValueError(f"{head} has a negative size ({size} tokens); {tail}")
+        if i == 0:
+            return ValueError(
+                f"{head} starts at byte {pointer} of {self.bin_path}, not at byte 0; {tail}"
+            )
+        before, prior = int(maps.pointers[i - 1]), int(maps.sizes[i - 1])
+        end = before + prior * item
+        if end > pointer:
+            how = f"it runs into sequence {i}: their shared tokens would be served twice"
+        else:
+            how = f"the {pointer - end} bytes between belong to no sequence (tokens lost)"
+        return ValueError(
+            f"{_WHAT}: {self.idx_path} is corrupt: sequence {i - 1} ({prior} {self.dtype.name} "
+            f"tokens from byte {before}) ends at byte {end} of {self.bin_path}, but sequence "
+            f"{i} starts at byte {pointer}: {how}; {tail}"
+        )
 
     # ---- mapping (once per process) -----------------------------------------------
     def _mapped(self) -> _Maps:

@@ -28,6 +28,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 __all__ = ["Tokenizer", "tokenized_rows", "tokenizer"]
 
@@ -47,6 +48,9 @@ class Tokenizer:
             self.eos_id = _eos_id(tok, self.kind)
         #: changes whenever the output would (the tokenizer, its settings, the options)
         self.tokenizer_id = self._id()
+        #: ids it can give are below this (added tokens included): ``Packing`` checks
+        #: every id against it
+        self.vocab_size = _vocab_size(tok, self.kind)
 
     def __call__(self, texts: list[str]) -> list[list[int]]:
         if self.kind == "tokenizers":
@@ -100,6 +104,20 @@ class Tokenizer:
 
 def _is_tokenizers(tok: Any) -> bool:
     return type(tok).__module__.startswith("tokenizers") and hasattr(tok, "encode_batch")
+
+
+def _vocab_size(tok: Any, kind: str) -> int | None:
+    """One more than the largest id ``tok`` can give (None where it cannot say)."""
+    try:
+        if kind == "tokenizers":
+            size = int(tok.get_vocab_size(with_added_tokens=True))
+            vocab = tok.get_vocab(with_added_tokens=True)
+        else:
+            size, vocab = len(tok), tok.get_vocab()  # with the added tokens
+        size = max(size, max(vocab.values(), default=-1) + 1)  # ids need not be dense
+    except (AttributeError, TypeError):
+        return None
+    return size if size > 0 else None
 
 
 def _eos_id(tok: Any, kind: str) -> int:
@@ -214,6 +232,39 @@ def _text(sample: Any, index: int, text_field: str) -> str:
     )
 
 
+#: the first id int32 cannot hold (the shards' ``input_ids`` are int32)
+INT32_END = 2**31
+
+
+def _int32_ids(tokens: Any, index: int, limit: int, vocab: Any) -> npt.NDArray[np.int32]:
+    """One text's ids as int32, each checked in ``[0, limit)`` first (no id wrapped into
+    another, no negative id written): two numpy reductions per text."""
+    try:
+        ids = np.asarray(tokens).reshape(-1)
+    except (OverflowError, ValueError) as exc:
+        raise ValueError(f"evenly.write(tokenize=...): sample {index}: {exc}") from None
+    if ids.size and ids.dtype.kind not in "iu":
+        raise ValueError(
+            f"evenly.write(tokenize=...): sample {index}: the tokenizer gave {ids.dtype} ids "
+            f"(a Python int of 2^64 or more, or not integers): token ids are integers"
+        )
+    if not ids.size:
+        return ids.astype(np.int32)
+    low, high = int(ids.min()), int(ids.max())
+    if low >= 0 and high < limit:
+        return ids.astype(np.int32)
+    if low < 0:
+        bad, what = low, "negative (-100 is the loss's ignore index)"
+    elif limit < INT32_END:
+        bad, what = high, f"not below the tokenizer's vocabulary size {vocab}"
+    else:
+        bad, what = high, "outside int32's range, which the shards' input_ids hold"
+    raise ValueError(
+        f"evenly.write(tokenize=...): sample {index}: the tokenizer gave token id {bad}, "
+        f"{what}; token ids are in [0, {limit}): fix the tokenizer"
+    )
+
+
 def _encode(
     batch: list[Any], first: int, tokenize: Any, text_field: str, keep: list[str]
 ) -> Iterator[dict[str, Any]]:
@@ -224,8 +275,10 @@ def _encode(
             f"evenly.write(tokenize=...): the tokenizer returned {len(ids)} token lists for "
             f"{len(texts)} texts (samples {first}..{first + len(texts) - 1})"
         )
+    vocab = getattr(tokenize, "vocab_size", None)
+    limit = min(vocab, INT32_END) if type(vocab) is int and vocab > 0 else INT32_END
     for j, (sample, tokens) in enumerate(zip(batch, ids, strict=True)):
-        row: dict[str, Any] = {"input_ids": np.asarray(tokens, dtype=np.int32).reshape(-1)}
+        row: dict[str, Any] = {"input_ids": _int32_ids(tokens, first + j, limit, vocab)}
         for name in keep:
             if not isinstance(sample, dict) or name not in sample:
                 raise ValueError(

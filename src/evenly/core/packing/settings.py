@@ -54,6 +54,10 @@ class Packing:
         field: the key of a document's token ids (ignored for documents that are the
             sequence itself).
         pad_id: the padding token; no document may use it (checked as rows are built).
+        vocab_size: the vocabulary's size: every token id must be below it (checked as
+            rows are built, with the ids' other checks: non-negative, never -100 nor
+            ``pad_id``).  Taken from ``tokenize`` when it has one (``evenly.tokenizer``
+            does); ``None``: ids are only checked non-negative.
         document_ids: add ``document_ids`` to every row.
         cu_seqlens: add ``cu_seqlens`` and ``max_seqlen`` to every batch of
             ``evenly.DataLoader``'s default collate (flash-attention's varlen inputs).
@@ -76,6 +80,7 @@ class Packing:
     strategy: Strategy = "concat"
     field: str = "input_ids"
     pad_id: int = 0
+    vocab_size: int | None = None
     document_ids: bool = False
     cu_seqlens: bool = False
     tokenize: Tokenize | None = None
@@ -108,8 +113,14 @@ class Packing:
                     "tokenizer>': it keys the cached document lengths, which must change "
                     "whenever the tokenizer's output would"
                 )
+            known = getattr(self.tokenize, "vocab_size", None)  # evenly.tokenizer(tok)
+            if self.vocab_size is None and type(known) is int and known > 0:
+                object.__setattr__(self, "vocab_size", known)
         elif self.tokenizer_id is not None:
             raise ValueError("Packing(tokenizer_id=...) is only used with tokenize=...")
+        if self.vocab_size is not None:
+            size = check_int("Packing(vocab_size)", self.vocab_size, minimum=1)
+            object.__setattr__(self, "vocab_size", size)
 
     @property
     def lengths_key(self) -> str:

@@ -34,13 +34,14 @@ import random
 import re
 import threading
 import time
-import uuid
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from filelock import FileLock, Timeout
 from fsspec.core import url_to_fs
+
+from ._cachedir import part_abandoned, part_path
 
 __all__ = ["DEFAULT_CACHE_BYTES", "ShardCache", "is_transient"]
 
@@ -218,7 +219,7 @@ class ShardCache:
         started = time.monotonic()
         slept = 0.0
         for attempt in range(self.retries + 1):
-            tmp = f"{target}{_PART}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            tmp = part_path(target)
             try:
                 fs, path = url_to_fs(url, **self.storage_options)
                 fs.get_file(path, tmp)
@@ -312,7 +313,9 @@ class ShardCache:
         removed = []
         for _, path, _ in self._files(parts=True):
             head, sep, _ = os.path.basename(path).partition(_PART)
-            if not sep:
+            # another host's download (a node sharing cache_dir): only once it is stale,
+            # whatever its lock says here; this host's: its lock, below
+            if not sep or not part_abandoned(path, lambda: True):
                 continue
             lock = FileLock(os.path.join(self.cache_dir, head + ".lock"))
             try:

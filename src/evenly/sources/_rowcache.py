@@ -43,7 +43,7 @@ from typing import Any
 import pyarrow as pa
 from filelock import FileLock, Timeout
 
-from ._cachedir import PART, cache_subdir, publish
+from ._cachedir import PART, cache_subdir, part_abandoned, publish
 
 __all__ = ["DEFAULT_DECODED_CACHE_BYTES", "ENV_BYTES", "RowCache", "decoded_cache_bytes"]
 
@@ -316,24 +316,20 @@ def _map(path: str) -> pa.Table:
 
 
 def _abandoned(part: str) -> bool:
-    """Whether a ``.part-`` file's writer is gone: its entry's lock is free, or the
-    process named in it is dead."""
-    head, _, tail = os.path.basename(part).partition(PART)
-    pid = tail.split("-", 1)[0]
-    if pid.isdigit():
+    """Whether a ``.part-`` file's writer is gone (:func:`part_abandoned`: the process
+    named in it is dead or its entry's lock is free; another host's, once stale)."""
+
+    def lock_free() -> bool:
+        head = os.path.basename(part).partition(PART)[0]
+        lock = FileLock(os.path.join(os.path.dirname(part), head + ".lock"))
         try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:
+            lock.acquire(timeout=0)
+        except Timeout:
             return False
-    lock = FileLock(os.path.join(os.path.dirname(part), head + ".lock"))
-    try:
-        lock.acquire(timeout=0)
-    except Timeout:
-        return False
-    lock.release()
-    return True
+        lock.release()
+        return True
+
+    return part_abandoned(part, lock_free)
 
 
 def _write_text(path: str, text: str) -> None:

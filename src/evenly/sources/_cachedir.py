@@ -112,7 +112,7 @@ def host_tag() -> str:
     """This host as ``.part-`` names record it: its host name and PID namespace (the
     processes a pid can be checked against, the locks that reach one another).
 
-    >>> "-" not in host_tag().rsplit("~", 1)[-1]
+    >>> bool(re.fullmatch(r"[A-Za-z0-9._-]+(~[0-9]+)?", host_tag()))
     True
     """
     name = re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname()) or "host"

@@ -41,7 +41,7 @@ from typing import Any
 from filelock import FileLock, Timeout
 from fsspec.core import url_to_fs
 
-from ._cachedir import part_abandoned, part_path
+from ._cachedir import part_abandoned, part_path, written_elsewhere
 
 __all__ = ["DEFAULT_CACHE_BYTES", "ShardCache", "is_transient"]
 
@@ -313,10 +313,10 @@ class ShardCache:
         removed = []
         for _, path, _ in self._files(parts=True):
             head, sep, _ = os.path.basename(path).partition(_PART)
-            # another host's download (a node sharing cache_dir): only once it is stale,
-            # whatever its lock says here; this host's: its lock, below
-            if not sep or not part_abandoned(path, lambda: True):
+            if not sep:
                 continue
+            if written_elsewhere(path) and not part_abandoned(path, lambda: False):
+                continue  # another node's download: only once stale, whatever locks say here
             lock = FileLock(os.path.join(self.cache_dir, head + ".lock"))
             try:
                 lock.acquire(timeout=0)

@@ -38,6 +38,7 @@ __all__ = [
     "part_abandoned",
     "part_path",
     "publish",
+    "written_elsewhere",
 ]
 
 #: the infix of a file being written (``<target>.part-<pid>-<host>-<random>``)
@@ -128,21 +129,32 @@ def part_path(target: str) -> str:
     return f"{target}{PART}{os.getpid()}-{host_tag()}-{uuid.uuid4().hex[:8]}"
 
 
+def written_elsewhere(part: str) -> bool:
+    """Whether the ``.part-`` file ``part`` names another host than this one (a name
+    without a host, from an older version, counts as this host's).
+
+    >>> written_elsewhere("/c/x.part-12-node-b~4026531836-0123abcd"), written_elsewhere(
+    ...     part_path("/c/x")), written_elsewhere("/c/x.part-12-0123abcd")
+    (True, False, False)
+    """
+    fields = os.path.basename(part).partition(PART)[2].split("-")
+    return len(fields) >= 3 and "-".join(fields[1:-1]) != host_tag()
+
+
 def part_abandoned(part: str, lock_free: Callable[[], bool]) -> bool:
     """Whether the writer of the ``.part-`` file ``part`` is gone.
 
     One written on this host: its process is dead, or ``lock_free()`` (its entry's lock
     can be taken).  One of another host (a node sharing ``cache_dir``): neither a pid nor
     a lock of this host says anything about it, so only once it has been left untouched
-    for :data:`STALE_PART_SECONDS`.  (A name without a host, from an older version,
-    counts as this host's.)
+    for :data:`STALE_PART_SECONDS`.
     """
-    fields = os.path.basename(part).partition(PART)[2].split("-")
-    if len(fields) >= 3 and "-".join(fields[1:-1]) != host_tag():
+    if written_elsewhere(part):
         try:
             return time.time() - os.stat(part).st_mtime > STALE_PART_SECONDS
         except FileNotFoundError:
             return False
+    fields = os.path.basename(part).partition(PART)[2].split("-")
     if fields[0].isdigit():
         try:
             os.kill(int(fields[0]), 0)

@@ -50,13 +50,14 @@ def record_writes() -> None:
     write_rows, read_lengths = rowcache_mod._write, lengths_mod._read_lengths
     concat = plans_mod.concat_checkpoints
 
-    def rows(tmp: str, table: Any, key: Any) -> None:
-        logged("rows", f"{os.path.dirname(os.path.dirname(tmp))}:{key[0]}:{key[2]}")
-        write_rows(tmp, table, key)
+    def rows(tmp: str, *args: Any, **kwargs: Any) -> Any:
+        entry = os.path.basename(tmp).partition(".part-")[0]
+        logged("rows", f"{os.path.dirname(os.path.dirname(tmp))}:{entry}")
+        return write_rows(tmp, *args, **kwargs)
 
-    def lengths(view: Any, packing: Any) -> Any:
+    def lengths(*args: Any, **kwargs: Any) -> Any:
         logged("lengths", os.environ["EVENLY_CACHE_DIR"])
-        return read_lengths(view, packing)
+        return read_lengths(*args, **kwargs)
 
     def plan(*args: Any, **kwargs: Any) -> Any:
         logged("plan", os.environ["EVENLY_CACHE_DIR"])

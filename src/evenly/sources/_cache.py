@@ -38,7 +38,6 @@ import random
 import re
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -46,6 +45,7 @@ from typing import Any, TypeVar
 from filelock import FileLock, Timeout
 from fsspec.core import url_to_fs
 
+from ._cachedir import part_abandoned, part_path, written_elsewhere
 from ._manifest import object_fingerprint, same_version
 
 __all__ = ["DEFAULT_CACHE_BYTES", "ShardCache", "is_transient"]
@@ -226,7 +226,7 @@ class ShardCache:
         errors; the caller holds the shard's lock."""
 
         def attempt() -> None:
-            tmp = f"{target}{_PART}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            tmp = part_path(target)
             try:
                 fs, path = url_to_fs(url, **self.storage_options)
                 _get(fs, path, url, tmp, fingerprint, size)
@@ -332,6 +332,8 @@ class ShardCache:
             head, sep, _ = os.path.basename(path).partition(_PART)
             if not sep:
                 continue
+            if written_elsewhere(path) and not part_abandoned(path, lambda: False):
+                continue  # another node's download: only once stale, whatever locks say here
             lock = FileLock(os.path.join(self.cache_dir, head + ".lock"))
             try:
                 lock.acquire(timeout=0)

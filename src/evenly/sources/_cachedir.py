@@ -6,6 +6,12 @@ decoded rows) lives under one ``cache_dir`` (``$EVENLY_CACHE_DIR``, else
 the node.  Files are written once, by whichever process comes first, through
 :func:`publish`: a reader never sees a partial file, a killed writer leaves nothing a
 reader trusts.
+
+Several nodes may share one ``cache_dir`` (a shared file system): nothing here relies on
+a lock reaching across nodes (a lock only saves a second node the same write), entries
+are named by their content's identity and renamed into place whole, and a ``.part-``
+file names its writer's host, so that no node ever takes another node's write in
+progress for an abandoned one (see :func:`part_abandoned`).
 """
 
 from __future__ import annotations
@@ -13,6 +19,9 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
+import socket
+import time
 import uuid
 from collections.abc import Callable
 
@@ -23,17 +32,25 @@ __all__ = [
     "MOUNTS",
     "NETWORK_FS",
     "PART",
+    "STALE_PART_SECONDS",
     "CacheDirError",
     "cache_subdir",
     "default_cache_dir",
+    "host_tag",
     "network_fs",
+    "part_abandoned",
+    "part_path",
     "publish",
     "unwritable",
     "where_from",
+    "written_elsewhere",
 ]
 
-#: the infix of a file being written (``<target>.part-<pid>-<random>``)
+#: the infix of a file being written (``<target>.part-<pid>-<host>-<random>``)
 PART = ".part-"
+
+#: a ``.part-`` file of another host counts as abandoned once untouched this long
+STALE_PART_SECONDS = 3600.0
 
 #: file system types (as ``/proc/mounts`` names them) served over a network: memory maps
 #: of them are slow, their locks unreliable
@@ -198,6 +215,62 @@ def network_fs(path: str, mounts: str | None = None) -> str | None:
     return kind if kind in NETWORK_FS else None
 
 
+def host_tag() -> str:
+    """This host as ``.part-`` names record it: its host name and PID namespace (the
+    processes a pid can be checked against, the locks that reach one another).
+
+    >>> bool(re.fullmatch(r"[A-Za-z0-9._-]+(~[0-9]+)?", host_tag()))
+    True
+    """
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname()) or "host"
+    with contextlib.suppress(OSError):
+        namespace = os.readlink("/proc/self/ns/pid")  # 'pid:[4026531836]'
+        name += "~" + "".join(c for c in namespace if c.isdigit())
+    return name
+
+
+def part_path(target: str) -> str:
+    """A unique name to write ``target`` at before it is renamed into place:
+    ``<target>.part-<pid>-<host>-<random>`` (the writer's pid and :func:`host_tag`)."""
+    return f"{target}{PART}{os.getpid()}-{host_tag()}-{uuid.uuid4().hex[:8]}"
+
+
+def written_elsewhere(part: str) -> bool:
+    """Whether the ``.part-`` file ``part`` names another host than this one (a name
+    without a host, from an older version, counts as this host's).
+
+    >>> written_elsewhere("/c/x.part-12-node-b~4026531836-0123abcd"), written_elsewhere(
+    ...     part_path("/c/x")), written_elsewhere("/c/x.part-12-0123abcd")
+    (True, False, False)
+    """
+    fields = os.path.basename(part).partition(PART)[2].split("-")
+    return len(fields) >= 3 and "-".join(fields[1:-1]) != host_tag()
+
+
+def part_abandoned(part: str, lock_free: Callable[[], bool]) -> bool:
+    """Whether the writer of the ``.part-`` file ``part`` is gone.
+
+    One written on this host: its process is dead, or ``lock_free()`` (its entry's lock
+    can be taken).  One of another host (a node sharing ``cache_dir``): neither a pid nor
+    a lock of this host says anything about it, so only once it has been left untouched
+    for :data:`STALE_PART_SECONDS`.
+    """
+    if written_elsewhere(part):
+        try:
+            return time.time() - os.stat(part).st_mtime > STALE_PART_SECONDS
+        except FileNotFoundError:
+            return False
+    fields = os.path.basename(part).partition(PART)[2].split("-")
+    if fields[0].isdigit():
+        try:
+            os.kill(int(fields[0]), 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+    return lock_free()
+
+
 def publish(target: str, write: Callable[[str], None], cache_dir: str | None = None) -> str:
     """Make ``target`` exist, written once per machine by whichever process comes first.
 
@@ -222,7 +295,7 @@ def publish(target: str, write: Callable[[str], None], cache_dir: str | None = N
         with FileLock(target + ".lock"):
             if os.path.exists(target):
                 return target
-            tmp = f"{target}{PART}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            tmp = part_path(target)
             try:
                 write(tmp)
                 os.replace(tmp, target)

@@ -48,7 +48,7 @@ from filelock import FileLock, Timeout
 
 from evenly.errors import EvenlyWarning
 
-from ._cachedir import PART, CacheDirError, cache_subdir, publish, where_from
+from ._cachedir import PART, CacheDirError, cache_subdir, part_abandoned, publish, where_from
 
 __all__ = ["DEFAULT_DECODED_CACHE_BYTES", "ENV_BYTES", "RowCache", "decoded_cache_bytes"]
 
@@ -406,24 +406,20 @@ def _map(path: str, *, verify: bool = True) -> pa.Table:
 
 
 def _abandoned(part: str) -> bool:
-    """Whether a ``.part-`` file's writer is gone: its entry's lock is free, or the
-    process named in it is dead."""
-    head, _, tail = os.path.basename(part).partition(PART)
-    pid = tail.split("-", 1)[0]
-    if pid.isdigit():
+    """Whether a ``.part-`` file's writer is gone (:func:`part_abandoned`: the process
+    named in it is dead or its entry's lock is free; another host's, once stale)."""
+
+    def lock_free() -> bool:
+        head = os.path.basename(part).partition(PART)[0]
+        lock = FileLock(os.path.join(os.path.dirname(part), head + ".lock"))
         try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:
+            lock.acquire(timeout=0)
+        except Timeout:
             return False
-    lock = FileLock(os.path.join(os.path.dirname(part), head + ".lock"))
-    try:
-        lock.acquire(timeout=0)
-    except Timeout:
-        return False
-    lock.release()
-    return True
+        lock.release()
+        return True
+
+    return part_abandoned(part, lock_free)
 
 
 def _write_text(path: str, text: str) -> None:

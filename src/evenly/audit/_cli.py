@@ -32,11 +32,11 @@ an evenly.Dataset over an evenly.Mix: samples per source per epoch against mix.c
 and duplicates/missing judged per source stream.  With --resume: every rank stops at a
 few batches (early, middle, the last batch, the epoch boundary, a second resume), saves
 the loader's state, and fresh processes load it and finish; the rest is compared with
-the uninterrupted run (missing, repeated, reordered, wrong epoch).  With --nodes N the
-ranks are N simulated nodes of world-size/N ranks each, with the variables torchrun gives a
-multi-node job (GROUP_RANK = node, LOCAL_RANK within it, LOCAL_WORLD_SIZE...) and, on Linux
-as root, each node's own host name (evenly-node-<n>, a UTS namespace per rank): a dataset
-that splits by LOCAL_RANK or host name repeats its data on every node, and shows it.
+the uninterrupted run (missing, repeated, reordered, wrong epoch).  With --nodes N:
+the ranks as N simulated nodes of world-size/N ranks each, with the variables torchrun
+gives a multi-node job (GROUP_RANK = node, LOCAL_RANK within it, LOCAL_WORLD_SIZE...)
+and, on Linux as root, each node's own host name (evenly-node-<n>): a dataset that
+splits by LOCAL_RANK or host name repeats its data on every node, and it shows.
 
 examples:
   evenly audit examples.talk_attempts:naive --workers 4 --world-size 2 --epochs 2

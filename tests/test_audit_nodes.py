@@ -24,6 +24,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from evenly.audit import AuditError, AuditResult, Records, all_findings, audit_many
 from evenly.audit._cli import main
+from evenly.audit._report import _page
 from evenly.audit._table import result_table
 from evenly.audit._types import Settings
 from evenly.testing import assert_loader_correct
@@ -121,7 +122,7 @@ def test_a_local_rank_split_passes_on_one_node() -> None:
     )
 
 
-def test_the_table_names_the_node_layout() -> None:
+def test_the_table_and_the_html_report_name_the_node_layout() -> None:
     empty = np.zeros(0, dtype=np.int64)
     seen = [{"rank": r, "node": r // 3, "host": "vm", "host_note": "needs root"} for r in range(6)]
     rec = Records(
@@ -151,6 +152,8 @@ def test_the_table_names_the_node_layout() -> None:
         "nodes: 2 nodes x 3 ranks (GROUP_RANK 0-1, LOCAL_RANK 0-2); one host name for all "
         "nodes, vm (needs root)"
     )
+    page = _page(result.factory, rec, result.findings)
+    assert "<p>Nodes: 2 nodes x 3 ranks (GROUP_RANK 0-1, LOCAL_RANK 0-2); one host" in page
 
 
 @pytest.mark.parametrize(

@@ -310,10 +310,9 @@ class Records:
         per_node = self.world_size // max(self.nodes, 1)
         if self.nodes == 1:
             return f"1 node x {per_node} rank(s)"
-        text = (
-            f"{self.nodes} nodes x {per_node} ranks (GROUP_RANK 0-{self.nodes - 1}, "
-            f"LOCAL_RANK 0-{per_node - 1})"
-        )
+        ranks = "1 rank (GROUP_RANK" if per_node == 1 else f"{per_node} ranks (GROUP_RANK"
+        local = "0" if per_node == 1 else f"0-{per_node - 1}"
+        text = f"{self.nodes} nodes x {ranks} 0-{self.nodes - 1}, LOCAL_RANK {local})"
         hosts = list(dict.fromkeys(str(s.get("host")) for s in self.seen))
         notes = sorted({str(s["host_note"]) for s in self.seen if s.get("host_note")})
         if len(hosts) == self.nodes and not notes:

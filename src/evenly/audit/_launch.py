@@ -15,9 +15,12 @@ rank gets the variables torchrun's agent gives a worker of a multi-node job
 ``GROUP_WORLD_SIZE``, ``ROLE_*``, ``TORCHELASTIC_*``), and, on Linux as root, its own
 host name ``evenly-node-<node>`` in a UTS namespace of its own (``unshare(2)``; the
 ranks of a node share the name, so code keyed by host name sees N hosts).  The
-namespace is entered after the process group is up (gloo binds 127.0.0.1 by the real
-host name) and before the task runs; DataLoader workers inherit it.  Where that is not
-allowed, the ranks keep the machine's host name and ``seen_here`` says why.
+namespace is entered after the process group is up (gloo picks its address by resolving
+the host name) and before the task runs; DataLoader workers inherit it.  One namespace a
+rank, not a node: each rank is forked on its own from the fork server; a namespace holds
+only the host and domain names, so ranks with the same name cannot tell the difference.
+Where that is not allowed, the ranks keep the machine's host name and ``seen_here`` says
+why.
 """
 
 from __future__ import annotations
@@ -151,10 +154,15 @@ def own_host_name(node: int) -> str | None:
         return f"needs Linux, this is {sys.platform}"
     if os.geteuid() != 0:
         return "needs root for unshare(CLONE_NEWUTS)"
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.unshare(_CLONE_NEWUTS) != 0:
+    unshare = getattr(ctypes.CDLL(None, use_errno=True), "unshare", None)
+    if unshare is None:
+        return "the C library has no unshare(2)"
+    if unshare(_CLONE_NEWUTS) != 0:
         return f"unshare(CLONE_NEWUTS) refused: {os.strerror(ctypes.get_errno())}"
-    socket.sethostname(f"{HOST_PREFIX}{node}")
+    try:
+        socket.sethostname(f"{HOST_PREFIX}{node}")
+    except OSError as exc:
+        return f"sethostname refused in the new UTS namespace: {exc.strerror}"
     return None
 
 

@@ -64,10 +64,15 @@ def assert_loader_correct(
     id_fn: Callable[[Any], Any] | None = None,
     expected: int | None = None,
     timeout: float = 300.0,
+    nodes: int = 1,
+    resume_nodes: int | None = None,
 ) -> AuditResult:
     """Audit ``factory`` (see ``evenly.audit.run`` for the arguments) and raise
     ``AssertionError`` naming every FAIL finding (every WARN too with ``strict=True``:
     a loader that cannot resume, an unknown length...).  Returns the result otherwise.
+
+    ``nodes`` splits the ranks over simulated nodes (``world_size / nodes`` each, with
+    torchrun's multi-node variables): a dataset that splits by ``LOCAL_RANK`` fails.
 
     ``evenly.audit.AuditError`` (the audit could not run: a factory that does not
     import, a rank that failed, a timeout) propagates as it is.
@@ -88,19 +93,24 @@ def assert_loader_correct(
         resume_workers=resume_workers,
         resume_at=resume_at,
         set_weights=set_weights,
+        nodes=nodes,
+        resume_nodes=resume_nodes,
     )
     bad = {"FAIL", "WARN"} if strict else {"FAIL"}
     failed = [f for f in result.findings if f.status in bad]
     if failed:
         lines = "\n".join(f"  {f.status} {f.title}: {f.detail}" for f in failed)
-        where = (
-            f"{world_size} rank(s) x {num_workers} worker(s), batch {batch_size}, {epochs} epoch(s)"
-        )
+        ranks = f"{world_size} rank(s)"
+        if nodes > 1:
+            ranks = f"{nodes} nodes x {world_size // nodes} ranks"
+        where = f"{ranks} x {num_workers} worker(s), batch {batch_size}, {epochs} epoch(s)"
         if resume:
             where += (
                 f", resumed onto {resume_world_size or world_size} x "
                 f"{num_workers if resume_workers is None else resume_workers}"
             )
+            if (resume_nodes or nodes) > 1:
+                where += f" on {resume_nodes or nodes} nodes"
         raise AssertionError(f"evenly audit of {result.factory} ({where}):\n{lines}")
     return result
 

@@ -18,6 +18,7 @@ import numpy as np
 
 from ._factory import Factory, describe, resolve
 from ._findings import all_findings
+from ._launch import ranks_per_node
 from ._packfindings import merged_pieces
 from ._result import AuditResult
 from ._types import I64, AuditError, IdFn, Records, Settings, row_label
@@ -123,6 +124,8 @@ def build_records(
         pack=pack,
         pieces=pieces,
         dropped=_dropped(ranks),
+        nodes=settings.nodes,
+        seen=[result.seen for result in ranks],
     )
 
 
@@ -193,6 +196,8 @@ def audit_many(
     resume_at: Sequence[float] = (),
     set_weights: Sequence[tuple[int, int, Mapping[str, float]]] = (),
     progress: Callable[[str], None] | None = None,
+    nodes: int = 1,
+    resume_nodes: int | None = None,
 ) -> list[AuditResult]:
     """Audit several factories in one group of rank processes (cheaper than one
     ``run`` each); arguments as for ``run``."""
@@ -204,13 +209,22 @@ def audit_many(
         timeout=float(timeout),
         resume_at=tuple(float(f) for f in resume_at),
         set_weights=_changes(set_weights),
+        nodes=nodes,
     )
+    ranks_per_node(settings.world_size, nodes)
     if any(not 0.0 < f <= 1.0 for f in settings.resume_at):
         raise ValueError(f"resume_at must be fractions in (0, 1], got {list(resume_at)}")
     if expected is not None:
         _check("expected", expected, 0)
     if resume_world_size is not None:
         _check("resume_world_size", resume_world_size, 1)
+    if resume_nodes is not None or resume_world_size is not None:
+        # the default: the audit's nodes, which must then divide the resumed world size
+        ranks_per_node(
+            world_size if resume_world_size is None else resume_world_size,
+            nodes if resume_nodes is None else resume_nodes,
+            ("resume_world_size", "resume_nodes"),
+        )
     if resume_workers is not None:
         _check("resume_workers", resume_workers, 0)
     for factory in factories:
@@ -227,7 +241,8 @@ def audit_many(
 
     if not resume:
         if progress is not None:
-            progress(f"running {len(factories)} factory(ies) on {world_size} ranks")
+            on = f" on {nodes} nodes" if nodes > 1 else ""
+            progress(f"running {len(factories)} factory(ies) on {world_size} ranks{on}")
         per_job = collect([Job(f, id_fn) for f in factories], settings, progress)
         results = []
         for factory, ranks in zip(factories, per_job, strict=True):
@@ -242,6 +257,7 @@ def audit_many(
         settings,
         world_size=resume_world_size,
         num_workers=resume_workers,
+        nodes=resume_nodes,
         progress=progress,
     )
     results = []
@@ -274,6 +290,8 @@ def run(
     resume_workers: int | None = None,
     resume_at: Sequence[float] = (),
     set_weights: Sequence[tuple[int, int, Mapping[str, float]]] = (),
+    nodes: int = 1,
+    resume_nodes: int | None = None,
 ) -> AuditResult:
     """Run ``factory`` in ``world_size`` real rank processes, each through a DataLoader
     with ``num_workers`` workers for ``epochs`` epochs, and judge what was delivered.
@@ -310,6 +328,11 @@ def run(
             epoch ``epoch`` (an ``evenly.DataLoader`` over an ``evenly.Mix``, or a
             ``LoaderFactory``'s loader with ``set_weights``), resumed runs too; the
             mixture findings judge each source's share against the weights in force.
+        nodes: simulated nodes the ranks are split over, ``world_size / nodes`` ranks each
+            (a multiple: else ``ValueError``), each rank with the variables torchrun gives
+            a multi-node job (``GROUP_RANK``, ``LOCAL_RANK`` within the node...) and, on
+            Linux as root, its node's own host name (``evenly-node-<n>``).
+        resume_nodes: the nodes to resume onto (default: ``nodes``).
     """
     return audit_many(
         [factory],
@@ -326,4 +349,6 @@ def run(
         resume_workers=resume_workers,
         resume_at=resume_at,
         set_weights=set_weights,
+        nodes=nodes,
+        resume_nodes=resume_nodes,
     )[0]

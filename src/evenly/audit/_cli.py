@@ -6,8 +6,9 @@ FAIL, 1 when one is, 2 when the audit could not run (bad factory path, failing r
 timeout: every process the audit started is stopped, DataLoader workers included).
 
     evenly audit examples.talk_attempts:naive --workers 4 --world-size 2 --epochs 2 \\
-        --batch-size 10 [--json] [--report DIR] [--junit FILE] [--shard-fn mod:fn]
-        [--id-fn mod:fn] [--resume [--resume-world-size N] [--resume-workers K]]
+        --batch-size 10 [--nodes N] [--json] [--report DIR] [--junit FILE]
+        [--shard-fn mod:fn] [--id-fn mod:fn]
+        [--resume [--resume-world-size N] [--resume-workers K] [--resume-nodes M]]
     evenly audit --peer litdata --data DIR [--resume]
 """
 
@@ -31,11 +32,16 @@ an evenly.Dataset over an evenly.Mix: samples per source per epoch against mix.c
 and duplicates/missing judged per source stream.  With --resume: every rank stops at a
 few batches (early, middle, the last batch, the epoch boundary, a second resume), saves
 the loader's state, and fresh processes load it and finish; the rest is compared with
-the uninterrupted run (missing, repeated, reordered, wrong epoch).
+the uninterrupted run (missing, repeated, reordered, wrong epoch).  With --nodes N:
+the ranks as N simulated nodes of world-size/N ranks each, with the variables torchrun
+gives a multi-node job (GROUP_RANK = node, LOCAL_RANK within it, LOCAL_WORLD_SIZE...)
+and, on Linux as root, each node's own host name (evenly-node-<n>): a dataset that
+splits by LOCAL_RANK or host name repeats its data on every node, and it shows.
 
 examples:
   evenly audit examples.talk_attempts:naive --workers 4 --world-size 2 --epochs 2
   evenly audit examples.talk_attempts:evenly_dataset --resume --resume-world-size 3
+  evenly audit examples.talk_attempts:evenly_dataset --world-size 4 --nodes 2
   evenly audit --peer litdata --data DIR --resume
 
 exit status: 0 when no finding is FAIL, 1 when one is, 2 when the audit could not run.
@@ -69,11 +75,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--resume-workers", type=int, default=None, help="workers per rank to resume onto"
     )
     parser.add_argument(
+        "--resume-nodes",
+        type=int,
+        default=None,
+        help="simulated nodes to resume onto (default: --nodes; must divide the resumed "
+        "world size)",
+    )
+    parser.add_argument(
         "--junit", default=None, metavar="FILE", help="write the findings as JUnit XML"
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     parser.add_argument("--workers", type=int, default=2, help="DataLoader workers per rank")
     parser.add_argument("--world-size", type=int, default=2, help="rank processes (gloo)")
+    parser.add_argument(
+        "--nodes",
+        type=int,
+        default=1,
+        help="simulated nodes the ranks are split over (must divide --world-size): "
+        "torchrun's multi-node variables per rank, and each node's own host name as root "
+        "on Linux",
+    )
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=10)
     parser.add_argument(
@@ -171,6 +192,8 @@ def run(args: argparse.Namespace) -> int:
                 resume_world_size=args.resume_world_size,
                 resume_workers=args.resume_workers,
                 progress=say,
+                nodes=args.nodes,
+                resume_nodes=args.resume_nodes,
             )
     except KeyboardInterrupt:
         err.print("evenly audit: interrupted; every process it started was stopped")

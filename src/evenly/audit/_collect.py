@@ -23,7 +23,7 @@ from evenly.dataset import Dataset as EvenlyDataset
 from evenly.loader.loader import DataLoader as EvenlyLoader
 
 from ._factory import Factory, describe, resolve
-from ._launch import launch, tell, working_on
+from ._launch import launch, seen_here, tell, working_on
 from ._sourceinfo import mix_info, pack_info, reweigh
 from ._trace import (
     MetaBatch,
@@ -90,6 +90,8 @@ class RankResult:
     expected: int | None = None
     expected_source: str = "unknown"
     warnings: list[str] = field(default_factory=list)
+    #: what the rank saw of its place: torchrun's variables, its host name
+    seen: dict[str, Any] = field(default_factory=dict)
 
     def arrays(self) -> tuple[I64, I64, I64, I64, F64]:
         """(worker, epoch, batch, pos, draws) as numpy arrays."""
@@ -320,7 +322,7 @@ def build_loader(job: Job, settings: Settings) -> tuple[Any, Any, dict[str, Any]
 
 def run_job(job: Job, settings: Settings, rank: int) -> RankResult:
     """Audit one factory in this (already initialised) rank process."""
-    result = RankResult(rank=rank)
+    result = RankResult(rank=rank, seen=seen_here())
     log = _WarningLog()
     columns = Columns()
     with warnings.catch_warnings():
@@ -370,7 +372,15 @@ def _run_jobs(rank: int, payload: tuple[list[Job], Settings]) -> list[RankResult
 def collect(
     jobs: list[Job], settings: Settings, progress: Callable[[str], None] | None = None
 ) -> list[list[RankResult]]:
-    """Run every job in ``settings.world_size`` fresh rank processes (one group for all
-    jobs); return, per job, the ``RankResult`` of each rank in rank order."""
-    per_rank = launch(settings.world_size, settings.timeout, _run_jobs, (jobs, settings), progress)
+    """Run every job in ``settings.world_size`` fresh rank processes on ``settings.nodes``
+    simulated nodes (one group for all jobs); return, per job, the ``RankResult`` of each
+    rank in rank order."""
+    per_rank = launch(
+        settings.world_size,
+        settings.timeout,
+        _run_jobs,
+        (jobs, settings),
+        progress,
+        nodes=settings.nodes,
+    )
     return [[per_rank[r][j] for r in range(settings.world_size)] for j in range(len(jobs))]

@@ -2,7 +2,8 @@
 
 One ``<testsuite>`` per audited factory, one ``<testcase>`` per finding: a FAIL finding
 is a ``<failure>``, a WARN one passes with its detail in ``<system-out>`` (CI shows it,
-the build stays green: the audit's exit status is 1 only on a FAIL).
+the build stays green: the audit's exit status is 1 only on a FAIL).  An audit on more
+than one simulated node names its layout in the suite's ``<property name="nodes">``.
 
 >>> from evenly.audit._types import Finding
 >>> xml = junit_xml([("demo:f", [Finding("missing", "Missing", "FAIL", 3, "3 missing")])])
@@ -13,7 +14,7 @@ True
 from __future__ import annotations
 
 import xml.etree.ElementTree as ET
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -25,11 +26,15 @@ if TYPE_CHECKING:
 __all__ = ["junit_xml", "write_junit"]
 
 
-def junit_xml(suites: Sequence[tuple[str, Sequence[Finding]]]) -> str:
-    """The JUnit XML document of ``(factory, findings)`` pairs."""
+def junit_xml(
+    suites: Sequence[tuple[str, Sequence[Finding]]],
+    properties: Sequence[Mapping[str, str]] = (),
+) -> str:
+    """The JUnit XML document of ``(factory, findings)`` pairs (``properties``: per
+    suite, in the same order, its ``<properties>``; none where missing or empty)."""
     root = ET.Element("testsuites", name="evenly audit")
     total = failed = 0
-    for factory, findings in suites:
+    for i, (factory, findings) in enumerate(suites):
         fails = sum(f.status == "FAIL" for f in findings)
         suite = ET.SubElement(
             root,
@@ -40,6 +45,10 @@ def junit_xml(suites: Sequence[tuple[str, Sequence[Finding]]]) -> str:
             errors="0",
             skipped="0",
         )
+        if i < len(properties) and properties[i]:
+            props = ET.SubElement(suite, "properties")
+            for name, value in properties[i].items():
+                ET.SubElement(props, "property", name=name, value=value)
         for f in findings:
             case = ET.SubElement(suite, "testcase", classname=factory, name=f.name)
             if f.status == "FAIL":
@@ -58,5 +67,6 @@ def write_junit(results: Sequence[AuditResult], path: str | Path) -> Path:
     """Write the JUnit XML of ``results`` to ``path``; return it."""
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(junit_xml([(r.factory, r.findings) for r in results]), encoding="utf-8")
+    props = [{"nodes": r.records.layout()} if r.settings.nodes > 1 else {} for r in results]
+    out.write_text(junit_xml([(r.factory, r.findings) for r in results], props), encoding="utf-8")
     return out

@@ -8,10 +8,24 @@ calls the module-level ``task(rank, payload)`` in every rank and returns the res
 rank order; every process it started (DataLoader workers included) is stopped on every
 exit path.  The caller's ``sys.path``, environment and working directory travel with the
 task (a fork server keeps the ones it started with).
+
+With ``nodes=N`` the ranks are N simulated nodes of ``world_size / N`` ranks each: every
+rank gets the variables torchrun's agent gives a worker of a multi-node job
+(``GROUP_RANK`` = its node, ``LOCAL_RANK`` within it, ``LOCAL_WORLD_SIZE``,
+``GROUP_WORLD_SIZE``, ``ROLE_*``, ``TORCHELASTIC_*``), and, on Linux as root, its own
+host name ``evenly-node-<node>`` in a UTS namespace of its own (``unshare(2)``; the
+ranks of a node share the name, so code keyed by host name sees N hosts).  The
+namespace is entered after the process group is up (gloo picks its address by resolving
+the host name) and before the task runs; DataLoader workers inherit it.  One namespace a
+rank, not a node: each rank is forked on its own from the fork server; a namespace holds
+only the host and domain names, so ranks with the same name cannot tell the difference.
+Where that is not allowed, the ranks keep the machine's host name and ``seen_here`` says
+why.
 """
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing
 import os
 import pickle
@@ -28,7 +42,7 @@ from typing import Any, TypeVar
 from ._procs import detach, exit_on_signals, stop
 from ._types import AuditError
 
-__all__ = ["launch", "start_fork_server", "working_on"]
+__all__ = ["launch", "ranks_per_node", "seen_here", "start_fork_server", "working_on"]
 
 #: What the fork server imports once: a rank forked from it starts without ``import torch``.
 PRELOAD = ["torch", "evenly.audit._resume"]
@@ -58,9 +72,54 @@ P = TypeVar("P")
 R = TypeVar("R")
 
 
-def rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
-    """The environment torchrun gives rank ``rank`` of a one-node group on 127.0.0.1."""
-    return {
+#: A simulated node's host name is this and its number.
+HOST_PREFIX = "evenly-node-"
+#: ``unshare(2)``'s flag for a new UTS namespace (host and domain name), from <sched.h>.
+_CLONE_NEWUTS = 0x04000000
+#: Why this rank kept the machine's host name (None: it has its node's own, or 1 node).
+_HOST_NOTE: list[str | None] = [None]
+
+
+def ranks_per_node(
+    world_size: int, nodes: int, names: tuple[str, str] = ("world_size", "nodes")
+) -> int:
+    """The ranks of each of ``nodes`` simulated nodes; ``ValueError`` naming the settings
+    (``names``: their keywords) when ``nodes`` is not a divisor of ``world_size``.
+
+    >>> ranks_per_node(4, 2)
+    2
+    >>> try:
+    ...     ranks_per_node(6, 4)
+    ... except ValueError as exc:
+    ...     print(str(exc).split(": ")[0])
+    world_size 6 (--world-size) is not a multiple of nodes 4 (--nodes)
+    """
+    if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
+        flag = "--" + names[1].replace("_", "-")
+        raise ValueError(f"{names[1]} ({flag}) must be an integer >= 1, got {nodes!r}")
+    if world_size % nodes:
+        fits = [str(n) for n in range(1, world_size + 1) if world_size % n == 0]
+        listed = ", ".join(fits[:-1]) + f" or {fits[-1]}" if len(fits) > 1 else fits[0]
+        flags = [f"--{n.replace('_', '-')}" for n in names]
+        raise ValueError(
+            f"{names[0]} {world_size} ({flags[0]}) is not a multiple of {names[1]} {nodes} "
+            f"({flags[1]}): each simulated node runs {names[0]} / {names[1]} ranks, as "
+            f"torchrun's --nproc-per-node; use {names[1]} {listed}, or a {names[0]} that "
+            f"is a multiple of {nodes}"
+        )
+    return world_size // nodes
+
+
+def rank_env(rank: int, world_size: int, port: int, nodes: int = 1) -> dict[str, str]:
+    """The environment torchrun gives rank ``rank`` of a group on 127.0.0.1: one node, or
+    ``nodes`` nodes of ``world_size / nodes`` ranks (its agent's variables for a worker;
+    rank 0 hosts the store, as without an agent: ``TORCHELASTIC_USE_AGENT_STORE=False``).
+
+    >>> env = rank_env(3, 4, 29500, nodes=2)
+    >>> [env[k] for k in ("RANK", "GROUP_RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")]
+    ['3', '1', '1', '2']
+    """
+    env = {
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(port),
         "RANK": str(rank),
@@ -68,9 +127,64 @@ def rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
         "LOCAL_RANK": str(rank),
         "LOCAL_WORLD_SIZE": str(world_size),
     }
+    if nodes == 1:
+        return env
+    local = ranks_per_node(world_size, nodes)
+    return {
+        **env,
+        "LOCAL_RANK": str(rank % local),
+        "LOCAL_WORLD_SIZE": str(local),
+        "GROUP_RANK": str(rank // local),
+        "GROUP_WORLD_SIZE": str(nodes),
+        "ROLE_NAME": "default",
+        "ROLE_RANK": str(rank),
+        "ROLE_WORLD_SIZE": str(world_size),
+        "TORCHELASTIC_RESTART_COUNT": "0",
+        "TORCHELASTIC_MAX_RESTARTS": "0",
+        "TORCHELASTIC_RUN_ID": "none",
+        "TORCHELASTIC_USE_AGENT_STORE": "False",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+    }
 
 
-def _rank_main(rank: int, world_size: int, port: int, job: bytes, out: Any) -> None:
+def own_host_name(node: int) -> str | None:
+    """Enter a new UTS namespace named ``evenly-node-<node>`` (this process and what it
+    starts); return why not (not Linux, not root, unshare refused), or None when done."""
+    if not sys.platform.startswith("linux"):
+        return f"needs Linux, this is {sys.platform}"
+    if os.geteuid() != 0:
+        return "needs root for unshare(CLONE_NEWUTS)"
+    unshare = getattr(ctypes.CDLL(None, use_errno=True), "unshare", None)
+    if unshare is None:
+        return "the C library has no unshare(2)"
+    if unshare(_CLONE_NEWUTS) != 0:
+        return f"unshare(CLONE_NEWUTS) refused: {os.strerror(ctypes.get_errno())}"
+    try:
+        socket.sethostname(f"{HOST_PREFIX}{node}")
+    except OSError as exc:
+        return f"sethostname refused in the new UTS namespace: {exc.strerror}"
+    return None
+
+
+def seen_here() -> dict[str, Any]:
+    """What this rank process sees of its place: torchrun's variables (None where unset),
+    its host name and why it is not its node's own (``host_note``)."""
+
+    def number(name: str) -> int | None:
+        raw = os.environ.get(name, "")
+        return int(raw) if raw.lstrip("-").isdigit() else None
+
+    return {
+        "rank": number("RANK"),
+        "node": number("GROUP_RANK"),
+        "local_rank": number("LOCAL_RANK"),
+        "local_world_size": number("LOCAL_WORLD_SIZE"),
+        "host": socket.gethostname(),
+        "host_note": _HOST_NOTE[0],
+    }
+
+
+def _rank_main(rank: int, world_size: int, nodes: int, port: int, job: bytes, out: Any) -> None:
     # Deferred: importing this module must stay light (``start_fork_server`` runs before
     # the audit process imports torch); a rank has them preloaded.
     import numpy as np
@@ -90,7 +204,7 @@ def _rank_main(rank: int, world_size: int, port: int, job: bytes, out: Any) -> N
     random.seed()
     np.random.seed()
     torch.seed()
-    os.environ.update(rank_env(rank, world_size, port))
+    os.environ.update(rank_env(rank, world_size, port, nodes))
     # A spawned process inherits "spawn" as its start method; a rank started by torchrun
     # has the platform's default (fork on Linux), which is what DataLoader workers use.
     multiprocessing.set_start_method(multiprocessing.get_all_start_methods()[0], force=True)
@@ -99,6 +213,8 @@ def _rank_main(rank: int, world_size: int, port: int, job: bytes, out: Any) -> N
     try:
         task, payload = pickle.loads(job[int.from_bytes(job[:8], "little") + 8 :])
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        if nodes > 1:
+            _HOST_NOTE[0] = own_host_name(rank // ranks_per_node(world_size, nodes))
         try:
             out.put((rank, True, task(rank, payload)))
         finally:
@@ -183,9 +299,11 @@ def launch(
     task: Callable[[int, P], R],
     payload: P,
     progress: Callable[[str], None] | None = None,
+    nodes: int = 1,
 ) -> list[R]:
-    """``task(rank, payload)`` in ``world_size`` fresh rank processes; results by rank
-    (``progress`` gets rank 0's ``tell`` lines)."""
+    """``task(rank, payload)`` in ``world_size`` fresh rank processes on ``nodes``
+    simulated nodes; results by rank (``progress`` gets rank 0's ``tell`` lines)."""
+    ranks_per_node(world_size, nodes)
     try:
         body = pickle.dumps((task, payload))
     except (pickle.PicklingError, AttributeError, TypeError) as exc:
@@ -200,7 +318,7 @@ def launch(
     out = ctx.Queue()
     port = _free_port()
     procs = [
-        ctx.Process(target=_rank_main, args=(r, world_size, port, job, out))
+        ctx.Process(target=_rank_main, args=(r, world_size, nodes, port, job, out))
         for r in range(world_size)
     ]
     try:

@@ -271,6 +271,7 @@ def _page(factory: str, rec: Records, findings: Sequence[Finding]) -> str:
     )
     warns = "".join(f"<li>{esc(w)}</li>" for w in rec.warnings) or "<li>none</li>"
     mix = _mix_section(rec)
+    nodes = f"<p>Nodes: {esc(rec.layout())}.</p>\n" if rec.nodes > 1 else ""
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>evenly audit: {esc(factory)}</title>
 <style>{_CSS}</style></head><body>
@@ -278,7 +279,7 @@ def _page(factory: str, rec: Records, findings: Sequence[Finding]) -> str:
 <p>{rec.world_size} rank(s) &times; {rec.num_workers} worker(s) &times; {rec.epochs} epoch(s),
 batch size {rec.batch_size}; {len(rec)} samples delivered; expected {rec.expected} distinct
 per epoch ({esc(rec.expected_source)}).</p>
-<table><tr><th>finding</th><th>status</th><th>value</th><th>detail</th></tr>
+{nodes}<table><tr><th>finding</th><th>status</th><th>value</th><th>detail</th></tr>
 {rows}
 </table>
 <h2>Per rank and epoch</h2>

@@ -62,6 +62,9 @@ class AuditResult:
             "world_size": s.world_size,
             "epochs": s.epochs,
             "batch_size": s.batch_size,
+            "nodes": s.nodes,
+            "node_layout": rec.layout(),
+            "ranks_seen": rec.seen,
             "samples_delivered": len(rec),
             "expected_per_epoch": rec.expected,
             "expected_source": rec.expected_source,
@@ -95,8 +98,10 @@ class AuditResult:
         return {**rec.mix.to_dict(), "per_epoch": per_epoch(rec)}
 
     def to_json(self, indent: int | None = 2) -> str:
-        """The result as JSON (findings, settings, per-rank counts, warnings; for a Mix,
-        the samples per source per epoch under ``"mix"``)."""
+        """The result as JSON (findings, settings, per-rank counts, warnings; the node
+        layout, and per rank what it saw of it under ``"ranks_seen"``: ``rank``, ``node``
+        (``GROUP_RANK``), ``local_rank``, ``local_world_size``, ``host``; for a Mix, the
+        samples per source per epoch under ``"mix"``)."""
         return json.dumps(self.to_dict(), indent=indent)
 
     def write_report(self, directory: str | Path) -> Path:

@@ -37,7 +37,7 @@ from ._collect import (
     set_epoch,
 )
 from ._factory import describe
-from ._launch import tell, working_on
+from ._launch import seen_here, tell, working_on
 from ._sourceinfo import reweigh
 from ._trace import metas_of
 from ._types import LoaderFactory, Settings
@@ -160,7 +160,7 @@ def _run(
 ) -> Resumed:
     """Build the loader fresh, load ``state`` (saved at ``start``), run to ``until`` (or the
     last epoch) and save there."""
-    result = RankResult(rank=rank)
+    result = RankResult(rank=rank, seen=seen_here())
     columns = Columns()
     log = _WarningLog()
     out = Resumed(result)

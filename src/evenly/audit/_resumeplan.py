@@ -50,6 +50,13 @@ class StopRun:
     run: Run | None = None
     #: ``len(loader)`` after a load that broke the standing rule, per rank
     length_errors: list[str] = field(default_factory=list)
+    #: the simulated nodes it resumed on
+    nodes: int = 1
+
+    def onto(self) -> str:
+        """Where it resumed: ranks x workers, and the nodes where more than one."""
+        on = f" on {self.nodes} nodes" if self.nodes > 1 else ""
+        return f"{self.world_size} ranks x {self.num_workers} workers{on}"
 
 
 @dataclass
@@ -70,6 +77,7 @@ class ResumeReport:
                     "stop": str(s.stop),
                     "world_size": s.world_size,
                     "num_workers": s.num_workers,
+                    "nodes": s.nodes,
                     "error": s.error,
                     "notes": s.notes,
                 }
@@ -93,21 +101,22 @@ def _slug(stop: Stop) -> str:
 
 
 class _Plan:
-    """The resumes still to run: items grouped by world size, and where each goes."""
+    """The resumes still to run: items grouped by world size and nodes, and where each
+    goes."""
 
     def __init__(self) -> None:
-        self.items: dict[int, list[tuple[ResumeItem, StopRun]]] = {}
+        self.items: dict[tuple[int, int], list[tuple[ResumeItem, StopRun]]] = {}
 
     def add(self, item: ResumeItem, target: StopRun) -> None:
-        self.items.setdefault(target.world_size, []).append((item, target))
+        self.items.setdefault((target.world_size, target.nodes), []).append((item, target))
 
     def run(
         self, timeout: float, say: Callable[[str], None]
     ) -> list[tuple[ResumeItem, StopRun, list[Resumed]]]:
         done = []
-        for world_size, pairs in sorted(self.items.items()):
+        for (world_size, nodes), pairs in sorted(self.items.items()):
             items = [item for item, _ in pairs]
-            per_rank = launch(world_size, timeout, resume_task, items, say)
+            per_rank = launch(world_size, timeout, resume_task, items, say, nodes=nodes)
             for i, (item, target) in enumerate(pairs):
                 done.append((item, target, [per_rank[r][i] for r in range(world_size)]))
         self.items = {}
@@ -120,6 +129,7 @@ def run_resume(
     *,
     world_size: int | None = None,
     num_workers: int | None = None,
+    nodes: int | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> list[tuple[list[RankResult], ResumeReport]]:
     """Per job: the reference's rank results and the resume report (findings unset:
@@ -127,8 +137,16 @@ def run_resume(
     say = progress or (lambda _: None)
     w2 = settings.world_size if world_size is None else world_size
     k2 = settings.num_workers if num_workers is None else num_workers
+    n2 = settings.nodes if nodes is None else nodes
     say(f"reference and interrupted runs on {settings.world_size} ranks")
-    per_rank = launch(settings.world_size, settings.timeout, reference_task, (jobs, settings), say)
+    per_rank = launch(
+        settings.world_size,
+        settings.timeout,
+        reference_task,
+        (jobs, settings),
+        say,
+        nodes=settings.nodes,
+    )
     out: list[tuple[list[RankResult], ResumeReport]] = []
     plan = _Plan()
     for j, job in enumerate(jobs):
@@ -137,7 +155,7 @@ def run_resume(
         out.append((refs, report))
         for i, stop in enumerate(per_rank[0][j][2]):
             runs = [per_rank[r][j][3][i] for r in range(settings.world_size)]
-            target = StopRun(stop, w2, k2, segments=[[run.result for run in runs]])
+            target = StopRun(stop, w2, k2, segments=[[run.result for run in runs]], nodes=n2)
             report.stops.append(target)
             states, error = _states(runs)
             if states is None:
@@ -149,17 +167,22 @@ def run_resume(
                     f"cannot resume onto another topology: the state differs per rank, so "
                     f"it resumed on {settings.world_size} ranks, not {w2}"
                 )
-                target.world_size = settings.world_size
+                target.world_size, target.nodes = settings.world_size, settings.nodes
             item: ResumeItem = (
                 job,
-                replace(settings, num_workers=target.num_workers, world_size=target.world_size),
+                replace(
+                    settings,
+                    num_workers=target.num_workers,
+                    world_size=target.world_size,
+                    nodes=target.nodes,
+                ),
                 stop,
                 states,
                 own,
                 stop.then,
             )
             plan.add(item, target)
-    say(f"resumed runs on {w2} ranks x {k2} workers")
+    say(f"resumed runs on {w2} ranks x {k2} workers" + (f" on {n2} nodes" if n2 > 1 else ""))
     retry: list[tuple[ResumeItem, StopRun]] = []
     for item, target, runs in plan.run(settings.timeout, say):
         if any(run.error for run in runs) and (target.world_size, target.num_workers) != (
@@ -172,6 +195,7 @@ def run_resume(
                 f"({errors}): resumed on {settings.world_size} x {settings.num_workers}"
             )
             target.world_size, target.num_workers = settings.world_size, settings.num_workers
+            target.nodes = settings.nodes
             job, _, stop, states, own, then = item
             retry.append(((job, settings, stop, states, own, then), target))
             continue
@@ -374,7 +398,7 @@ def resume_findings(
                 status = "FAIL"
             elif check.notes:
                 status = "WARN"
-            where = f"onto {s.world_size} ranks x {s.num_workers} workers"
+            where = f"onto {s.onto()}"
             if moved:
                 where += (
                     " (a Mix's order depends on world_size x batch_size: judged by "
@@ -405,7 +429,6 @@ def resume_findings(
             "Resume",
             "PASS",
             0,
-            f"{len(report.stops)} stops resumed onto {s0.world_size} ranks x "
-            f"{s0.num_workers} workers",
+            f"{len(report.stops)} stops resumed onto {s0.onto()}",
         )
     return [head, *findings]

@@ -36,14 +36,20 @@ def findings_table(title: str, findings: Sequence[Finding], caption: str = "") -
 
 
 def result_table(result: AuditResult) -> Table:
-    """The findings of one audit, titled with the factory and the topology."""
+    """The findings of one audit, titled with the factory and the topology (and the node
+    layout in the caption, on more than one node)."""
     s = result.settings
+    ranks = f"{s.world_size} rank(s)"
+    if s.nodes > 1:
+        ranks = f"{s.nodes} nodes x {s.world_size // s.nodes} ranks"
     title = (
-        f"evenly audit {result.factory}: {s.world_size} rank(s) x {s.num_workers} worker(s) "
-        f"x {s.epochs} epoch(s), batch size {s.batch_size}"
+        f"evenly audit {result.factory}: {ranks} x {s.num_workers} worker(s) x {s.epochs} "
+        f"epoch(s), batch size {s.batch_size}"
     )
     verdict = "OK" if result.ok else "FAIL"
     caption = f"{verdict}: {len(result.records)} samples delivered"
+    if s.nodes > 1:
+        caption += f"; nodes: {result.records.layout()}"
     return findings_table(title, result.findings, caption)
 
 

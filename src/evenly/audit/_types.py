@@ -80,6 +80,8 @@ class Settings:
     #: ``loader.set_weights(weights)`` after batch ``batch`` of epoch ``epoch``, on every
     #: rank: ``(epoch, batch, ((name, weight), ...))``
     set_weights: tuple[tuple[int, int, tuple[tuple[str, float], ...]], ...] = ()
+    #: simulated nodes the ranks are split over (``world_size / nodes`` ranks each)
+    nodes: int = 1
 
     def weights_after(self, epoch: int, batch: int) -> dict[str, float] | None:
         """The weights to set after batch ``batch`` of ``epoch`` (None: no change)."""
@@ -264,6 +266,9 @@ class Records:
     pack: PackInfo | None = None
     pieces: I64 | None = None
     dropped: dict[int, list[str]] = field(default_factory=dict)
+    #: simulated nodes, and per rank what it saw of its place (see ``_launch.seen_here``)
+    nodes: int = 1
+    seen: list[dict[str, Any]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         n = len(self.ids)
@@ -289,6 +294,31 @@ class Records:
         if self.pack is not None:
             return row_label(code)
         return str(code) if self.labels is None else self.labels[code]
+
+    def layout(self) -> str:
+        """The node layout, as the ranks saw it: nodes x ranks, and their host names.
+
+        >>> empty = np.zeros(0, dtype=np.int64)
+        >>> rec = Records(ids=empty, rank=empty, worker=empty, epoch=empty, batch=empty,
+        ...               pos=empty, draws=np.zeros((0, 3)), per_rank=[], world_size=4,
+        ...               num_workers=0, epochs=1, batch_size=2, nodes=2, seen=[
+        ...                   {"rank": r, "node": r // 2, "host": f"evenly-node-{r // 2}",
+        ...                    "host_note": None} for r in range(4)])
+        >>> print(rec.layout())
+        2 nodes x 2 ranks (GROUP_RANK 0-1, LOCAL_RANK 0-1); hosts evenly-node-0, evenly-node-1
+        """
+        per_node = self.world_size // max(self.nodes, 1)
+        if self.nodes == 1:
+            return f"1 node x {per_node} rank(s)"
+        ranks = "1 rank (GROUP_RANK" if per_node == 1 else f"{per_node} ranks (GROUP_RANK"
+        local = "0" if per_node == 1 else f"0-{per_node - 1}"
+        text = f"{self.nodes} nodes x {ranks} 0-{self.nodes - 1}, LOCAL_RANK {local})"
+        hosts = list(dict.fromkeys(str(s.get("host")) for s in self.seen))
+        notes = sorted({str(s["host_note"]) for s in self.seen if s.get("host_note")})
+        if len(hosts) == self.nodes and not notes:
+            return f"{text}; hosts {', '.join(hosts)}"
+        why = f" ({'; '.join(notes)})" if notes else ""
+        return f"{text}; one host name for all nodes, {', '.join(hosts)}{why}"
 
     def global_order(self) -> I64:
         """Row indices sorted as a DDP step sees them: (epoch, batch, rank, position)."""

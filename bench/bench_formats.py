@@ -185,9 +185,13 @@ def prepare(data_dir: str, n: int, shards: int, names: list[str]) -> None:
             import litdata
 
             litdata.optimize(
-                fn=fn, inputs=list(range(n)), output_dir=out, chunk_size=per, num_workers=1,
+                fn=fn,
+                inputs=list(range(n)),
+                output_dir=out,
+                chunk_size=per,
+                num_workers=1,
                 mode="overwrite",
-            )  # fmt: skip
+            )
 
         return make
 
@@ -201,20 +205,31 @@ def prepare(data_dir: str, n: int, shards: int, names: list[str]) -> None:
                 w.write(s)
 
     jobs: list[tuple[str, Callable[[str], None], tuple[str, ...]]] = [
-        ("parquet", ev("parquet"), ("sample:evenly-parquet", "sample:evenly-parquet-block8",
-                                    "large:evenly-parquet", "large:evenly-parquet-block8",
-                                    "sample:evenly-parquet-process-cache",
-                                    "large:evenly-parquet-process-cache",
-                                    "sample:hf-datasets")),
-        ("tar", ev("webdataset"), ("sample:evenly-tar", "sample:evenly-tar-block8",
-                                   "sample:webdataset")),
+        (
+            "parquet",
+            ev("parquet"),
+            (
+                "sample:evenly-parquet",
+                "sample:evenly-parquet-block8",
+                "large:evenly-parquet",
+                "large:evenly-parquet-block8",
+                "sample:evenly-parquet-process-cache",
+                "large:evenly-parquet-process-cache",
+                "sample:hf-datasets",
+            ),
+        ),
+        (
+            "tar",
+            ev("webdataset"),
+            ("sample:evenly-tar", "sample:evenly-tar-block8", "sample:webdataset"),
+        ),
         ("arrow", ev("arrow"), ("sample:evenly-arrow", "large:evenly-arrow")),
         ("arrow-col", ev("arrow", True), ("columnar:evenly-arrow-columnar",)),
         ("parquet-col", ev("parquet", True), ("columnar:evenly-parquet-columnar",)),
         ("litdata", lit(_litdata_item), ("sample:litdata", "large:litdata")),
         ("litdata-col", lit(_litdata_col_item), ("columnar:litdata",)),
         ("mds", mds, ("sample:mosaic-streaming",)),
-    ]  # fmt: skip
+    ]
     for sub, make, users in jobs:
         out = os.path.join(data_dir, sub)
         if set(users) & set(names) and not os.path.exists(os.path.join(out, ".done")):
@@ -299,8 +314,11 @@ def loader_for(key: str, args: argparse.Namespace) -> Iterable[Any]:
     if name.endswith("-w0"):  # the same loader read in the main process
         name, workers = name[: -len("-w0")], 0
     #: evenly's reader and hand-off: -threads, -procs (zero-copy slots), -copy
-    how = {"-threads": {"worker_type": "thread"}, "-procs": {"worker_type": "process"},
-           "-copy": {"worker_type": "process", "transport": "copy"}}  # fmt: skip
+    how = {
+        "-threads": {"worker_type": "thread"},
+        "-procs": {"worker_type": "process"},
+        "-copy": {"worker_type": "process", "transport": "copy"},
+    }
     chosen = next((k for k in how if name.startswith("evenly-") and name.endswith(k)), None)
     reader_kw: dict[str, Any] = how[chosen] if chosen else {}
     if chosen:
@@ -355,9 +373,12 @@ def loader_for(key: str, args: argparse.Namespace) -> Iterable[Any]:
         rows = _NumpyRows(d)
         sampler = tud.BatchSampler(tud.RandomSampler(range(len(rows))), batch, drop_last=False)
         return tud.DataLoader(
-            rows, batch_size=None, sampler=sampler, num_workers=workers,  # type: ignore[arg-type]
+            rows,
+            batch_size=None,
+            sampler=sampler,
+            num_workers=workers,  # type: ignore[arg-type]
             persistent_workers=workers > 0,
-        )  # fmt: skip
+        )
     if name == "memmap-gather-1proc":
         return _memmap_gather(d, batch)
     if name == "hf-datasets":
@@ -465,12 +486,25 @@ def main() -> None:
         f"data ready in {time.perf_counter() - t_prep:.0f} s"
     )
     refs = {f"{w}:{n}": r for w, n, r, _ in CONTENDERS}
-    rows = {k: Row(k.split(":")[1], k.split(":")[0], refs=refs[k], note=NOTES.get(k, ""))
-            for k in keys}  # fmt: skip
-    base = [sys.executable, os.path.abspath(__file__), "--data-dir", args.data_dir,
-            "--workers", str(args.workers), "--batch-size", str(args.batch_size),
-            "--warmup", str(args.warmup), "--shards", str(args.shards),
-            "--cache-mib", str(args.cache_mib)]  # fmt: skip
+    rows = {
+        k: Row(k.split(":")[1], k.split(":")[0], refs=refs[k], note=NOTES.get(k, "")) for k in keys
+    }
+    base = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--data-dir",
+        args.data_dir,
+        "--workers",
+        str(args.workers),
+        "--batch-size",
+        str(args.batch_size),
+        "--warmup",
+        str(args.warmup),
+        "--shards",
+        str(args.shards),
+        "--cache-mib",
+        str(args.cache_mib),
+    ]
     t0 = time.perf_counter()
     done = 0
     for r in range(args.rounds):
@@ -508,33 +542,111 @@ GOALS: list[tuple[str, str, float, str, str, str]] = [
     ("in-memory vs map-style (2 workers)", ">=", 1.0, "sample:evenly-in-memory", MAP, "rate"),
     ("Parquet global (node cache) vs litdata", ">=", 2.0, "sample:evenly-parquet", LIT, "rate"),
     ("tar global vs litdata", ">=", 2.0, "sample:evenly-tar", LIT, "rate"),
-    ("columnar Arrow global vs litdata", ">=", 3.0,
-     "columnar:evenly-arrow-columnar", "columnar:litdata", "rate"),
-    ("columnar Parquet global vs litdata", ">=", 3.0,
-     "columnar:evenly-parquet-columnar", "columnar:litdata", "rate"),
-    ("columnar Arrow vs map-style numpy batched", ">=", 10.0,
-     "columnar:evenly-arrow-columnar", NP_BATCHED, "rate"),
-    ("columnar Arrow, processes, vs map-style numpy batched (reported)", ">=", 10.0,
-     "columnar:evenly-arrow-procs", NP_BATCHED, "rate"),
-    ("columnar Parquet vs map-style numpy batched", ">=", 1.0,
-     "columnar:evenly-parquet-columnar", NP_BATCHED, "rate"),
-    ("columnar Arrow (threads) vs 1-process memmap gather", ">=", 0.5,
-     "columnar:evenly-arrow-columnar", GATHER, "rate"),
-    ("columnar Arrow, processes, vs memmap gather (reported)", ">=", 0.5,
-     "columnar:evenly-arrow-procs", GATHER, "rate"),
-    ("columnar Parquet (threads) vs 1-process memmap gather", ">=", 0.5,
-     "columnar:evenly-parquet-columnar", GATHER, "rate"),
-    ("transform, seed_generators=('torch',), vs map-style", ">=", 0.8,
-     "sample:evenly-transform-torch", MAP_TF, "rate"),
-    ("transform, default generators, vs map-style", ">=", 1.0,
-     "sample:evenly-transform-default", MAP_TF, "rate"),
-    ("peak PSS anon+shm, Parquet global vs litdata", "<=", 1.0,
-     "sample:evenly-parquet", LIT, "peak_anon"),
-    ("peak PSS anon+shm, large Parquet global vs litdata", "<=", 1.0,
-     "large:evenly-parquet", "large:litdata", "peak_anon"),
-    ("peak PSS file-backed, Parquet global vs litdata (reported)", "<=", 1.0,
-     "sample:evenly-parquet", LIT, "peak_file"),
-]  # fmt: skip
+    (
+        "columnar Arrow global vs litdata",
+        ">=",
+        3.0,
+        "columnar:evenly-arrow-columnar",
+        "columnar:litdata",
+        "rate",
+    ),
+    (
+        "columnar Parquet global vs litdata",
+        ">=",
+        3.0,
+        "columnar:evenly-parquet-columnar",
+        "columnar:litdata",
+        "rate",
+    ),
+    (
+        "columnar Arrow vs map-style numpy batched",
+        ">=",
+        10.0,
+        "columnar:evenly-arrow-columnar",
+        NP_BATCHED,
+        "rate",
+    ),
+    (
+        "columnar Arrow, processes, vs map-style numpy batched (reported)",
+        ">=",
+        10.0,
+        "columnar:evenly-arrow-procs",
+        NP_BATCHED,
+        "rate",
+    ),
+    (
+        "columnar Parquet vs map-style numpy batched",
+        ">=",
+        1.0,
+        "columnar:evenly-parquet-columnar",
+        NP_BATCHED,
+        "rate",
+    ),
+    (
+        "columnar Arrow (threads) vs 1-process memmap gather",
+        ">=",
+        0.5,
+        "columnar:evenly-arrow-columnar",
+        GATHER,
+        "rate",
+    ),
+    (
+        "columnar Arrow, processes, vs memmap gather (reported)",
+        ">=",
+        0.5,
+        "columnar:evenly-arrow-procs",
+        GATHER,
+        "rate",
+    ),
+    (
+        "columnar Parquet (threads) vs 1-process memmap gather",
+        ">=",
+        0.5,
+        "columnar:evenly-parquet-columnar",
+        GATHER,
+        "rate",
+    ),
+    (
+        "transform, seed_generators=('torch',), vs map-style",
+        ">=",
+        0.8,
+        "sample:evenly-transform-torch",
+        MAP_TF,
+        "rate",
+    ),
+    (
+        "transform, default generators, vs map-style",
+        ">=",
+        1.0,
+        "sample:evenly-transform-default",
+        MAP_TF,
+        "rate",
+    ),
+    (
+        "peak PSS anon+shm, Parquet global vs litdata",
+        "<=",
+        1.0,
+        "sample:evenly-parquet",
+        LIT,
+        "peak_anon",
+    ),
+    (
+        "peak PSS anon+shm, large Parquet global vs litdata",
+        "<=",
+        1.0,
+        "large:evenly-parquet",
+        "large:litdata",
+        "peak_anon",
+    ),
+    (
+        "peak PSS file-backed, Parquet global vs litdata (reported)",
+        "<=",
+        1.0,
+        "sample:evenly-parquet",
+        LIT,
+        "peak_file",
+    ),
+]
 
 
 if __name__ == "__main__":

@@ -113,8 +113,9 @@ def _plan_mix(
     os.makedirs(os.path.dirname(path), exist_ok=True)
     names = list("abcd")[: len(parts)]
     with open(path, "wb") as f:
-        for chunk in token_epoch_chunks(parts, shares, seq_len=seq_len, seed=0, epoch=0,
-                                        shuffle=True, names=names):  # fmt: skip
+        for chunk in token_epoch_chunks(
+            parts, shares, seq_len=seq_len, seed=0, epoch=0, shuffle=True, names=names
+        ):
             chunk.tofile(f)
     items = _open_items(path, os.path.getsize(path) // ITEM.itemsize, "bench")
     files = PlanFiles(Packing(seq_len), lengths, "bench", sum(shares))

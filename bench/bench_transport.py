@@ -81,9 +81,11 @@ def rate(loader: Any) -> float:
 
 def processes(batches: int, transport: Transport | None) -> tud.DataLoader[Any]:
     return tud.DataLoader(
-        Gather(batches, transport), batch_size=None, num_workers=READERS,
+        Gather(batches, transport),
+        batch_size=None,
+        num_workers=READERS,
         persistent_workers=True,
-    )  # fmt: skip
+    )
 
 
 def main() -> None:
@@ -108,13 +110,17 @@ def main() -> None:
         for name in names:
             results[name].append(rate(loaders[name]))
     base = statistics.median(results["one process"])
-    print(f"# bench_transport: {BATCH} random rows of {WIDTH} B from {ROWS} per batch, "
-          f"{args.batches} batches, {args.rounds} interleaved rounds")  # fmt: skip
+    print(
+        f"# bench_transport: {BATCH} random rows of {WIDTH} B from {ROWS} per batch, "
+        f"{args.batches} batches, {args.rounds} interleaved rounds"
+    )
     for name, values in results.items():
         med = statistics.median(values)
-        print(f"{name:<28} {med:>12,.0f} [{min(values):,.0f}-{max(values):,.0f}] rows/s  "
-              f"{med / base:.2f}x [{min(values) / base:.2f}-{max(values) / base:.2f}] "
-              f"one process")  # fmt: skip
+        print(
+            f"{name:<28} {med:>12,.0f} [{min(values):,.0f}-{max(values):,.0f}] rows/s  "
+            f"{med / base:.2f}x [{min(values) / base:.2f}-{max(values) / base:.2f}] "
+            f"one process"
+        )
 
 
 if __name__ == "__main__":

@@ -123,13 +123,39 @@ def mix_order_cases() -> list[dict[str, Any]]:
     cases.append({**minors, "seed": 1, "epoch": 0, "shuffle": True, "step": 16})
     cases.append({**minors, "seed": 1, "epoch": 2, "shuffle": True, "step": 12, "hold": 4})
     cases.append(
-        {**minors, "seed": 2, "epoch": 1, "shuffle": True, "step": 6, "start": 96,
-         "history": [[0, 16], [48, 8]], "hold": 4}
-    )  # fmt: skip
-    cases.append({"lengths": [5, 3], "weights": None, "samples": None, "seed": 0, "epoch": 0,
-                  "shuffle": True, "step": 4})  # fmt: skip
-    cases.append({"lengths": [10**6, 3000], "weights": [1, 1], "samples": 20_000,
-                  "seed": _BIG_SEED, "epoch": 5, "shuffle": True, "step": 64})  # fmt: skip
+        {
+            **minors,
+            "seed": 2,
+            "epoch": 1,
+            "shuffle": True,
+            "step": 6,
+            "start": 96,
+            "history": [[0, 16], [48, 8]],
+            "hold": 4,
+        }
+    )
+    cases.append(
+        {
+            "lengths": [5, 3],
+            "weights": None,
+            "samples": None,
+            "seed": 0,
+            "epoch": 0,
+            "shuffle": True,
+            "step": 4,
+        }
+    )
+    cases.append(
+        {
+            "lengths": [10**6, 3000],
+            "weights": [1, 1],
+            "samples": 20_000,
+            "seed": _BIG_SEED,
+            "epoch": 5,
+            "shuffle": True,
+            "step": 64,
+        }
+    )
     return cases
 
 

@@ -459,9 +459,11 @@ def check_resume(
             f"{where}: the state resumes (epoch, position) {position}, not {(epoch, start)}"
         )
         plan = evenly.core.EpochPlan(
-            num_samples=num_samples, world_size=after.world_size, batch_size=after_plan_batch,
+            num_samples=num_samples,
+            world_size=after.world_size,
+            batch_size=after_plan_batch,
             start=start or 0,
-        )  # fmt: skip
+        )
         nxt = evenly.core.EpochPlan(
             num_samples=num_samples, world_size=after.world_size, batch_size=after_plan_batch
         )

@@ -494,9 +494,18 @@ def test_timeout_stops_the_ranks_and_their_blocked_workers(
 
     monkeypatch.setenv(STUCK_DIR, str(stuck_dir))
     code = main(
-        ["tests.test_audit:stuck_from_env", "--workers", "2", "--world-size", "1",
-         "--epochs", "1", "--timeout", "10"]
-    )  # fmt: skip
+        [
+            "tests.test_audit:stuck_from_env",
+            "--workers",
+            "2",
+            "--world-size",
+            "1",
+            "--epochs",
+            "1",
+            "--timeout",
+            "10",
+        ]
+    )
     assert code == 2
     pids = _recorded(stuck_dir)
     # The premise: the rank had started its 2 workers, blocked in __iter__, before 10 s
@@ -532,10 +541,23 @@ def test_an_interrupted_audit_stops_the_ranks_and_their_workers(
     env = dict(os.environ, PYTHONPATH=path, **{STUCK_DIR: str(stuck_dir)})
     # No pipes: a process left behind holding one would only turn into a hang here.
     proc = subprocess.Popen(
-        [sys.executable, "-m", "evenly.audit", "tests.test_audit:stuck_from_env",
-         "--workers", "2", "--world-size", "2", "--epochs", "1"],
-        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "evenly.audit",
+            "tests.test_audit:stuck_from_env",
+            "--workers",
+            "2",
+            "--world-size",
+            "2",
+            "--epochs",
+            "1",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         for _ in range(2400):  # until the 2 ranks' 4 workers are blocked (120 s at most)
             if len(_recorded(stuck_dir)["worker"]) == 4 or proc.poll() is not None:

@@ -185,11 +185,21 @@ def _packed_records(ids: list[int], rank: list[int], batch: list[int], pad: str)
     pieces = np.array([[i, i, 0, 4] for i in real], dtype=np.int64).reshape(-1, 4)
     pos = [sum(1 for j in range(i) if (rank[j], batch[j]) == (rank[i], batch[i])) for i in range(n)]
     return Records(
-        ids=np.asarray(ids), rank=np.asarray(rank), worker=zeros, epoch=zeros,
-        batch=np.asarray(batch), pos=np.asarray(pos), draws=np.zeros((n, 3)), per_rank=[],
-        world_size=2, num_workers=0, epochs=1, batch_size=2,
-        pack=PackInfo(8, pad, np.full(len(real), 4), (len(real),)), pieces=pieces,
-    )  # fmt: skip
+        ids=np.asarray(ids),
+        rank=np.asarray(rank),
+        worker=zeros,
+        epoch=zeros,
+        batch=np.asarray(batch),
+        pos=np.asarray(pos),
+        draws=np.zeros((n, 3)),
+        per_rank=[],
+        world_size=2,
+        num_workers=0,
+        epochs=1,
+        batch_size=2,
+        pack=PackInfo(8, pad, np.full(len(real), 4), (len(real),)),
+        pieces=pieces,
+    )
 
 
 def test_pad_rows_beyond_the_last_global_batch_and_short_batches_fail() -> None:
@@ -197,8 +207,9 @@ def test_pad_rows_beyond_the_last_global_batch_and_short_batches_fail() -> None:
     right = _packed_records([0, 1, 2, -1], [0, 0, 1, 1], [0, 0, 0, 0], "repeat")
     assert pad_rows(right).status == "PASS" and full_batches(right).status == "PASS"
     assert tokens(right).status == "PASS"
-    padded = _packed_records([0, 1, 2, -1, -2, -3, -4, -5], [0, 0, 1, 1, 0, 0, 1, 1],
-                             [0, 0, 0, 0, 1, 1, 1, 1], "repeat")  # fmt: skip
+    padded = _packed_records(
+        [0, 1, 2, -1, -2, -3, -4, -5], [0, 0, 1, 1, 0, 0, 1, 1], [0, 0, 0, 0, 1, 1, 1, 1], "repeat"
+    )
     found = pad_rows(padded)
     assert found.status == "FAIL" and "5 pad rows, more than the 3" in found.detail
     short = _packed_records([0, 1, 2], [0, 0, 1], [0, 0, 0], "repeat")
@@ -211,8 +222,13 @@ def test_a_mix_by_tokens_reweighted_mid_epoch_passes_and_its_rows_follow_the_new
     """``set_weights=`` over a Mix by tokens: the planned pieces after the change (as the
     loader plans them) are what every rank must deliver, resumed runs included."""
     (result,) = audit_many(
-        [zoo_packed.mixed], num_workers=1, world_size=2, epochs=2, batch_size=2, resume=True,
+        [zoo_packed.mixed],
+        num_workers=1,
+        world_size=2,
+        epochs=2,
+        batch_size=2,
+        resume=True,
         set_weights=[(0, 3, {"a": 1.0, "b": 3.0})],
-    )  # fmt: skip
+    )
     assert result.ok and all(f.status == "PASS" for f in result.findings), result.findings
     assert "every planned token of the mixture" in result.finding("tokens").detail

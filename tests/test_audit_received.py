@@ -124,12 +124,28 @@ def _named(detail: str, epoch: int) -> list[int]:
 
 def test_the_cli_fails_a_collate_fn_that_drops_samples_naming_them() -> None:
     run = subprocess.run(
-        [sys.executable, "-m", "evenly.audit", "tests.test_audit_received:dropping_collate",
-         "tests.test_audit_received:dropping_mix", "--workers", "1", "--world-size", str(WORLD),
-         "--epochs", str(EPOCHS), "--batch-size", str(BATCH), "--json"],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "evenly.audit",
+            "tests.test_audit_received:dropping_collate",
+            "tests.test_audit_received:dropping_mix",
+            "--workers",
+            "1",
+            "--world-size",
+            str(WORLD),
+            "--epochs",
+            str(EPOCHS),
+            "--batch-size",
+            str(BATCH),
+            "--json",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
-    )  # fmt: skip
+    )
     assert run.returncode == 1, run.stderr  # samples lost: exit status 1
     plain, mixed = json.loads(run.stdout)
     found = {f["name"]: f for f in plain["findings"]}

@@ -78,12 +78,31 @@ def test_cli_exit_codes_json_and_report(tmp_path: Path) -> None:
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
     proc = subprocess.run(
-        [sys.executable, "-m", "evenly.audit",
-         "examples.talk_attempts:naive", "examples.talk_attempts:evenly_dataset",
-         "--workers", "2", "--world-size", "2", "--epochs", "2", "--batch-size", "10",
-         "--json", "--report", str(report)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=240, check=False,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "evenly.audit",
+            "examples.talk_attempts:naive",
+            "examples.talk_attempts:evenly_dataset",
+            "--workers",
+            "2",
+            "--world-size",
+            "2",
+            "--epochs",
+            "2",
+            "--batch-size",
+            "10",
+            "--json",
+            "--report",
+            str(report),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
     assert proc.returncode == 1, proc.stderr  # the naive generator FAILs
     naive, good = json.loads(proc.stdout)
     assert naive["ok"] is False and good["ok"] is True

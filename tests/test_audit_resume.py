@@ -236,12 +236,29 @@ def test_the_resume_audit_passes_evenly_onto_more_ranks_and_workers(tmp_path: Pa
 def test_the_cli_resume_exit_status_and_junit(tmp_path: Path) -> None:
     junit = tmp_path / "audit.xml"
     run = subprocess.run(
-        [sys.executable, "-m", "evenly.audit", "tests.zoo:zoo", "tests.zoo:forgets_position",
-         "--resume", "--workers", "0", "--world-size", "2", "--batch-size", "4",
-         "--junit", str(junit), "--json"],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "evenly.audit",
+            "tests.zoo:zoo",
+            "tests.zoo:forgets_position",
+            "--resume",
+            "--workers",
+            "0",
+            "--world-size",
+            "2",
+            "--batch-size",
+            "4",
+            "--junit",
+            str(junit),
+            "--json",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
-    )  # fmt: skip
+    )
     assert run.returncode == 1, run.stderr  # a defect: exit status 1
     right, broken = json.loads(run.stdout)
     assert right["ok"] and not broken["ok"]
@@ -282,8 +299,11 @@ def test_the_pytest_plugin_gives_the_assert_loader_fixture(tmp_path: Path) -> No
     )
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
-    )  # fmt: skip
+    )
     assert run.returncode == 0, run.stdout + run.stderr
     assert "1 passed" in run.stdout

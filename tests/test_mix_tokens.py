@@ -57,8 +57,9 @@ def dataset(
     rank: int | None = None, world: int | None = None, strategy: str = "concat", **kwargs: Any
 ) -> evenly.Dataset:
     pack = evenly.Packing(SEQ, strategy=strategy, document_ids=True)
-    return evenly.Dataset(mix(), shuffle=True, seed=5, rank=rank, world_size=world, pack=pack,
-                          **kwargs)  # fmt: skip
+    return evenly.Dataset(
+        mix(), shuffle=True, seed=5, rank=rank, world_size=world, pack=pack, **kwargs
+    )
 
 
 def rows_of(batches: list[dict[str, torch.Tensor]]) -> list[list[int]]:
@@ -113,10 +114,19 @@ def test_core_every_token_once_before_twice_pieces_and_the_share_bound(
     assert max(bound) <= seq_len  # within one row, whatever the weights
     seen: Counter[tuple[int, int]] = Counter()
     for epoch in range(3):
-        items = token_epoch(arrays, shares, seq_len=seq_len, seed=seed, epoch=epoch,
-                            shuffle=shuffle, names=names)  # fmt: skip
-        windowed = token_epoch_chunks(arrays, shares, seq_len=seq_len, seed=seed, epoch=epoch,
-                                      shuffle=shuffle, names=names, chunk=3)  # fmt: skip
+        items = token_epoch(
+            arrays, shares, seq_len=seq_len, seed=seed, epoch=epoch, shuffle=shuffle, names=names
+        )
+        windowed = token_epoch_chunks(
+            arrays,
+            shares,
+            seq_len=seq_len,
+            seed=seed,
+            epoch=epoch,
+            shuffle=shuffle,
+            names=names,
+            chunk=3,
+        )
         assert np.concatenate([items[:0], *windowed]).tolist() == items.tolist()
         assert ((items["len"] >= 1) & (items["len"] <= seq_len)).all()
         src = np.searchsorted(bases, items["doc"], side="right") - 1
@@ -159,8 +169,12 @@ def test_core_weight_changes_continue_every_stream_with_the_bound_per_segment(
     arrays = [np.array(x, dtype=np.int32) for x in lengths]
     kw = {"seq_len": seq_len, "seed": 1, "shuffle": True, "names": list("abcde")[: len(lengths)]}
     segments = token_segments(None, 0, totals, None, tokens)
-    part: dict[str, Any] = {"anchor_epoch": 0, "anchor_offsets": [0] * len(lengths),
-                            "weights": None, "changes": []}  # fmt: skip
+    part: dict[str, Any] = {
+        "anchor_epoch": 0,
+        "anchor_offsets": [0] * len(lengths),
+        "weights": None,
+        "changes": [],
+    }
     for frac, w in changes:
         pos, w = int(frac * tokens), [float(x) for x in w[: len(lengths)]]
         if not sum(w) or pos <= max([0] + [c[0] for c in part["changes"]]):
@@ -267,8 +281,7 @@ def test_the_deadline_merge_is_the_same_whatever_its_windows(monkeypatch):
 def _check_shares(glob: list[list[int]], step: int, strategy: str = "concat") -> None:
     """At every global step boundary, each source's tokens within its bound of its share
     (``best_fit`` reorders documents inside its windows: exact per epoch only)."""
-    shares = dict(zip(LENGTHS, mix().token_shares([sum(LENGTHS[n]) for n in LENGTHS]),
-                      strict=True))  # fmt: skip
+    shares = dict(zip(LENGTHS, mix().token_shares([sum(LENGTHS[n]) for n in LENGTHS]), strict=True))
     bound = dict(zip(LENGTHS, deviation_bound(list(shares.values()), SEQ), strict=True))
     have: Counter[str] = Counter()
     for k in range(0, len(glob), step):
@@ -288,8 +301,12 @@ def test_every_share_exact_and_the_same_rows_for_every_topology(strategy):
     if strategy == "concat":
         assert len(real(ref)) == -(-TOKENS // SEQ)
     _check_shares(ref, 1, strategy)
-    rows = [(2, 2, 3, "fork", "process"), (3, 0, 2, None, "auto"), (1, 2, 4, "spawn", "process"),
-            (2, 2, 2, None, "thread")]  # fmt: skip
+    rows = [
+        (2, 2, 3, "fork", "process"),
+        (3, 0, 2, None, "auto"),
+        (1, 2, 4, "spawn", "process"),
+        (2, 2, 2, None, "thread"),
+    ]
     for world, workers, batch, context, kind in rows:
         per_rank = []
         for rank in range(world):
@@ -317,24 +334,29 @@ def test_a_dominant_mix_of_four_is_within_one_row_at_every_step_through_real_wor
     sizes = {"web": 60, "code": 6, "math": 6, "books": 6}
     base = {name: 1_000_000 * (k + 1) for k, name in enumerate(sizes)}
     corpus = {
-        name: [[base[name] + 1000 * i + t for t in range(int(n))]
-               for i, n in enumerate(rng.integers(8, 48, size=size))]
+        name: [
+            [base[name] + 1000 * i + t for t in range(int(n))]
+            for i, n in enumerate(rng.integers(8, 48, size=size))
+        ]
         for name, size in sizes.items()
-    }  # fmt: skip
+    }
     weights = {"web": 0.85, "code": 0.05, "math": 0.05, "books": 0.05}
 
     def make(rank: int | None = None, world: int | None = None) -> evenly.Dataset:
         m = evenly.Mix(corpus, weights=weights, unit="tokens", tokens_per_epoch=1600)
-        return evenly.Dataset(m, shuffle=True, seed=3, rank=rank, world_size=world,
-                              pack=evenly.Packing(SEQ))  # fmt: skip
+        return evenly.Dataset(
+            m, shuffle=True, seed=3, rank=rank, world_size=world, pack=evenly.Packing(SEQ)
+        )
 
     m = make().source
-    shares = dict(zip(sizes, m.token_shares([sum(map(len, corpus[n])) for n in sizes]),
-                      strict=True))  # fmt: skip
+    shares = dict(
+        zip(sizes, m.token_shares([sum(map(len, corpus[n])) for n in sizes]), strict=True)
+    )
     assert merge_of(list(shares.values())) == "deadline"
     ref = rows_of(list(evenly.DataLoader(make(), batch_size=1)))
-    per_rank = [rows_of(list(evenly.DataLoader(make(r, 2), batch_size=2, num_workers=2)))
-                for r in range(2)]  # fmt: skip
+    per_rank = [
+        rows_of(list(evenly.DataLoader(make(r, 2), batch_size=2, num_workers=2))) for r in range(2)
+    ]
     glob = interleave(per_rank, 2)
     assert real(glob) == real(ref)
     owner = {t: name for name, d in corpus.items() for doc in d for t in doc}
@@ -365,8 +387,9 @@ def test_a_state_saved_before_the_deadline_merge_loads_only_where_the_order_is_t
     naming why, instead of resuming other tokens."""
     names = ["web", "code", "math", "books"][:sources]
     corpus = {n: [[10 * k + i + 1 for i in range(5)]] * 8 for k, n in enumerate(names)}
-    weights = dict(zip(names, [0.85, 0.05, 0.05, 0.05] if sources == 4 else [0.85, 0.15],
-                       strict=True))  # fmt: skip
+    weights = dict(
+        zip(names, [0.85, 0.05, 0.05, 0.05] if sources == 4 else [0.85, 0.15], strict=True)
+    )
 
     def make() -> evenly.DataLoader:
         m = evenly.Mix(corpus, weights=weights, unit="tokens")
@@ -565,8 +588,9 @@ def test_refusals_name_the_setting():
 def test_a_source_file_rewritten_between_epochs_stops_the_next_pass(tmp_path):
     """The Mix checks each source's files at every pass start, as a single source does."""
     for name in LENGTHS:
-        evenly.write([{"input_ids": d} for d in docs(name)], tmp_path / name, "arrow", 4,
-                     progress=False)  # fmt: skip
+        evenly.write(
+            [{"input_ids": d} for d in docs(name)], tmp_path / name, "arrow", 4, progress=False
+        )
     sources = {n: evenly.from_arrow(str(tmp_path / n)) for n in LENGTHS}
     mixed = evenly.Mix(sources, weights=WEIGHTS, unit="tokens", tokens_per_epoch=TOKENS)
     loader = evenly.DataLoader(evenly.Dataset(mixed, pack=evenly.Packing(SEQ)), batch_size=2)

@@ -79,8 +79,17 @@ def test_an_order_with_weight_changes_reads_each_stream_item_once_and_holds_the_
         changes.append((k * step, mix_counts(lengths, new, total - k * step)))
     offsets = data.draw(st.lists(st.integers(0, 50), min_size=d, max_size=d), label="offsets")
     names = [f"s{i}" for i in range(d)]
-    order = MixOrder(lengths, counts, offsets, names=names, seed=1, epoch=0, shuffle=True,
-                     step=step, changes=changes)  # fmt: skip
+    order = MixOrder(
+        lengths,
+        counts,
+        offsets,
+        names=names,
+        seed=1,
+        epoch=0,
+        shuffle=True,
+        step=step,
+        changes=changes,
+    )
     src, item = order.locate(np.arange(total))
     # every stream item of the epoch's window is read exactly once
     for s in range(d):
@@ -91,8 +100,9 @@ def test_an_order_with_weight_changes_reads_each_stream_item_once_and_holds_the_
     # [P, Q) is within the segment's bound of (Q - P) * c'_d / (total - P)
     starts = [0] + [p for p, _ in changes] + [total]
     for (p, rest), end in zip([(0, counts), *changes], starts[1:], strict=True):
-        segment = MixOrder(lengths, rest, [0] * d, names=names, seed=0, epoch=0,
-                           shuffle=False, step=step)  # fmt: skip
+        segment = MixOrder(
+            lengths, rest, [0] * d, names=names, seed=0, epoch=0, shuffle=False, step=step
+        )
         for q in range(p + step, end + 1, step):
             have = np.bincount(src[p:q], minlength=d)
             share = (q - p) * np.array(rest) / (total - p)

@@ -69,8 +69,9 @@ def test_concat_pieces_of_any_rows_equal_those_located_row_by_row(lengths, seq_l
         return
     rows = data.draw(st.sets(st.integers(0, table.num_rows - 1), min_size=1))
     wanted = np.array(sorted(rows), dtype=np.int64)
-    one_by_one = np.concatenate([_concat(arr, seq_len, stride).pieces(wanted[i : i + 1])
-                                 for i in range(wanted.size)])  # fmt: skip
+    one_by_one = np.concatenate(
+        [_concat(arr, seq_len, stride).pieces(wanted[i : i + 1]) for i in range(wanted.size)]
+    )
     got = table.pieces(wanted[::-1])  # any order asked: sorted by row, then position
     assert got.tolist() == one_by_one.tolist()
 
@@ -145,8 +146,12 @@ def test_reader_threads_give_the_batches_of_worker_processes_and_auto_picks_them
         def __iter__(self) -> Any:
             for batch in self.loader:
                 names = [t.name for t in threading.enumerate()]
-                seen.append((any(n.startswith("evenly-reader") for n in names),
-                             len(multiprocessing.active_children())))  # fmt: skip
+                seen.append(
+                    (
+                        any(n.startswith("evenly-reader") for n in names),
+                        len(multiprocessing.active_children()),
+                    )
+                )
                 yield batch
 
     auto = _batches(Watch(evenly.DataLoader(ds, batch_size=3, num_workers=2)))
@@ -316,8 +321,9 @@ def test_more_files_than_stay_open_give_the_rows_of_the_documents_themselves(tmp
 
     def rows(src: Any, **kw: Any) -> list[list[int]]:
         ds = evenly.Dataset(src, shuffle=True, seed=4, pack=pack)
-        return [r for b in _batches(evenly.DataLoader(ds, batch_size=5, **kw))
-                for r in b["input_ids"]]  # fmt: skip
+        return [
+            r for b in _batches(evenly.DataLoader(ds, batch_size=5, **kw)) for r in b["input_ids"]
+        ]
 
     want = rows(docs)
     assert rows(source) == want

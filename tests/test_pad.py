@@ -56,13 +56,14 @@ def test_pad_none_under_simulated_ranks_reads_every_sample_once(workers: int) ->
     n, world = 301, 4
     loaders = [
         evenly.DataLoader(
-            evenly.Dataset(list(range(n)), shuffle=True, seed=5, rank=r, world_size=world,
-                           pad="none"),
+            evenly.Dataset(
+                list(range(n)), shuffle=True, seed=5, rank=r, world_size=world, pad="none"
+            ),
             batch_size=8,
             num_workers=workers,
         )
         for r in range(world)
-    ]  # fmt: skip
+    ]
     for _ in range(2):  # two epochs
         lengths = [len(ld) for ld in loaders]
         got = [list(ld) for ld in loaders]
@@ -73,8 +74,9 @@ def test_pad_none_under_simulated_ranks_reads_every_sample_once(workers: int) ->
 
 def test_pad_none_resumes_exactly_and_states_name_the_pad_mode() -> None:
     def loader(world: int, rank: int, pad: str = "none", batch: int = 8) -> evenly.DataLoader:
-        ds = evenly.Dataset(list(range(101)), shuffle=True, seed=2, rank=rank, world_size=world,
-                            pad=pad)  # fmt: skip
+        ds = evenly.Dataset(
+            list(range(101)), shuffle=True, seed=2, rank=rank, world_size=world, pad=pad
+        )
         return evenly.DataLoader(ds, batch_size=batch)
 
     first = [loader(3, r) for r in range(3)]
@@ -94,8 +96,17 @@ def test_pad_none_resumes_exactly_and_states_name_the_pad_mode() -> None:
 
 def test_a_version_2_state_loads_as_pad_repeat() -> None:
     ds = evenly.Dataset(list(range(10)))
-    v2 = {"format": "evenly.state", "version": 2, "epoch": 1, "position": 4, "batches": 2,
-          "num_samples": 10, "seed": 0, "shuffle": "none", "drop_last": False}  # fmt: skip
+    v2 = {
+        "format": "evenly.state",
+        "version": 2,
+        "epoch": 1,
+        "position": 4,
+        "batches": 2,
+        "num_samples": 10,
+        "seed": 0,
+        "shuffle": "none",
+        "drop_last": False,
+    }
     loader = evenly.DataLoader(ds, batch_size=2)
     loader.load_state_dict(v2)
     assert (loader.epoch, next(iter(loader)).tolist()) == (1, [4, 5])
@@ -135,14 +146,26 @@ def test_pad_mask_keeps_batches_equal_and_marks_exactly_the_repeats(workers: int
     n, world = 101, 4  # 101 = 4 * 25 + 1: 3 repeats
     per_rank = []
     for r in range(world):
-        ds = evenly.Dataset(list(range(n)), shuffle=True, seed=3, rank=r, world_size=world,
-                            pad="mask", transform=_marked)  # fmt: skip
+        ds = evenly.Dataset(
+            list(range(n)),
+            shuffle=True,
+            seed=3,
+            rank=r,
+            world_size=world,
+            pad="mask",
+            transform=_marked,
+        )
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", evenly.EvenlyWarning)
             per_rank.append(list(evenly.DataLoader(ds, batch_size=6, num_workers=workers)))
     assert len({len(b) for b in per_rank}) == 1, "every rank the same batches"
-    real = [int(x) for b in per_rank for batch in b
-            for x, p in zip(batch["x"], batch["pad"], strict=True) if not p]  # fmt: skip
+    real = [
+        int(x)
+        for b in per_rank
+        for batch in b
+        for x, p in zip(batch["x"], batch["pad"], strict=True)
+        if not p
+    ]
     pads = sum(int(p) for b in per_rank for batch in b for p in batch["pad"])
     assert sorted(real) == list(range(n)) and pads == 3
 

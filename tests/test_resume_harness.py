@@ -89,8 +89,10 @@ FINITE = {
     ),
     # reader threads: every stop (no process start per resumed rank)
     "evenly-loader-threads": finite(
-        evenly_loader(numbers, worker_type="thread", **SHUFFLED), Layout(2, 2, 4),
-        Layout(3, 3, 3), True,
+        evenly_loader(numbers, worker_type="thread", **SHUFFLED),
+        Layout(2, 2, 4),
+        Layout(3, 3, 3),
+        True,
     ),
     "torch-loader": finite(
         torch_loader(numbers, **SHUFFLED), Layout(2, 0, 4), Layout(3, 0, 5), True
@@ -100,17 +102,23 @@ FINITE = {
         sampler_loader(N, seed=4), Layout(2, 2, 4), Layout(1, 2, 7), False
     ),
     "stateful-loader": finite(
-        stateful_loader(numbers, **SHUFFLED), Layout(2, 0, 4), Layout(3, 0, 5), True,
+        stateful_loader(numbers, **SHUFFLED),
+        Layout(2, 0, 4),
+        Layout(3, 0, 5),
+        True,
         xfail=STATEFUL_LENGTH,
     ),
     # torchdata needs the same number of workers; with workers the state is per worker
     "stateful-loader-workers": finite(
-        stateful_loader(numbers, **SHUFFLED), Layout(2, 2, 4), Layout(2, 2, 5), False,
+        stateful_loader(numbers, **SHUFFLED),
+        Layout(2, 2, 4),
+        Layout(2, 2, 5),
+        False,
         xfail="len(StatefulDataLoader) is ceil(samples per rank / batch size) = 5, but each "
         "of the 2 workers batches its own share of the dataset-owned pass, so a rank gets 6 "
         "batches (two partial); and " + STATEFUL_LENGTH,
     ),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize(

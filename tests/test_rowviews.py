@@ -80,8 +80,12 @@ def test_batch_rows_equal_arrow_take_rows(tmp_path: Path, fmt: str, kind: str) -
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 1 << 62), st.binary(max_size=8)), max_size=30))
 def test_accessor_rows_equal_to_pylist(values: list[tuple[int, bytes]]) -> None:
-    t = pa.table({"n": pa.array([v for v, _ in values], pa.int64()),
-                  "b": pa.array([b for _, b in values], pa.binary())})  # fmt: skip
+    t = pa.table(
+        {
+            "n": pa.array([v for v, _ in values], pa.int64()),
+            "b": pa.array([b for _, b in values], pa.binary()),
+        }
+    )
     for start in (0, len(values) // 2):
         part = t.slice(start)
         access = RowAccess.of(part)
@@ -136,8 +140,15 @@ def test_columns_gathered_from_cached_chunks_equal_default_collate(
     schema = pa.schema([("i", pa.int32()), ("f", pa.float32()), ("v", pa.list_(pa.uint8(), 5))])
     rows = [{"i": i, "f": i / 3, "v": np.full(5, i % 256, dtype=np.uint8)} for i in range(130)]
     kind = "parquet" if fmt == "parquet" else "arrow"
-    evenly.write(iter(rows), tmp_path / "d", format=kind, rows_per_shard=50, schema=schema,
-                 row_group_size=16, progress=False)  # fmt: skip
+    evenly.write(
+        iter(rows),
+        tmp_path / "d",
+        format=kind,
+        rows_per_shard=50,
+        schema=schema,
+        row_group_size=16,
+        progress=False,
+    )
     if fmt == "parquet":  # a cache too small for all row groups: some are evicted mid-batch
         src: Any = evenly.from_parquet(
             tmp_path / "d", row_group_cache_bytes=2000, decoded_cache_bytes=0

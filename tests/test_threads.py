@@ -69,8 +69,12 @@ def epochs(fmt: str, shuffle: str, dirs: dict[str, str], worker_type: str) -> li
     return [[decoded(b) for b in loader] for _ in range(2)]
 
 
-CASES = [(f, s) for f in FORMATS for s in ("global", "block", "none")
-         if not (f == "memory" and s == "block")]  # fmt: skip
+CASES = [
+    (f, s)
+    for f in FORMATS
+    for s in ("global", "block", "none")
+    if not (f == "memory" and s == "block")
+]
 
 
 @pytest.mark.parametrize(("fmt", "shuffle"), CASES)

@@ -177,8 +177,11 @@ def test_the_tokenize_lengths_pass_runs_in_threads_and_equals_the_sequential_one
     monkeypatch.setattr(lengths_module, "THREADS", 3)
     texts = corpus(300, seed=4)
     tok = tiny_tokenizer(texts)
-    tk = ThreadNoting(tok if kind == "tokenizers" else fast_tokenizer(tok),
-                      add_special_tokens=True, append_eos=False)  # fmt: skip
+    tk = ThreadNoting(
+        tok if kind == "tokenizers" else fast_tokenizer(tok),
+        add_special_tokens=True,
+        append_eos=False,
+    )
     es.write([{"text": t} for t in texts], tmp_path / "raw", "jsonl", 70, progress=False)
     src = es.from_jsonl(tmp_path / "raw")
     ThreadNoting.threads = []

@@ -76,8 +76,11 @@ def train_ranks(rank: int, world: int, shards: str, vocab: int) -> list[list[dic
             return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
     pack = evenly.Packing(SEQ_LEN, document_ids=True)
-    mix = evenly.Mix({"a": evenly.from_arrow(shards), "b": evenly.from_arrow(shards)},
-                     weights={"a": 1, "b": 1}, unit="tokens")  # fmt: skip
+    mix = evenly.Mix(
+        {"a": evenly.from_arrow(shards), "b": evenly.from_arrow(shards)},
+        weights={"a": 1, "b": 1},
+        unit="tokens",
+    )
     out = []
     for source in (evenly.from_arrow(shards), mix):
         ds = evenly.Dataset(source, shuffle=True, seed=0, pack=pack)

@@ -220,9 +220,12 @@ def test_slots_give_the_same_batches_as_torchs_hand_off(context: str) -> None:
     def epochs(transport: str) -> list[list[dict[str, Any]]]:
         ds = evenly.Dataset(rows_source(203), shuffle=True, seed=5, rank=0, world_size=1)
         loader = evenly.DataLoader(
-            ds, batch_size=16, num_workers=2, transport=transport,
+            ds,
+            batch_size=16,
+            num_workers=2,
+            transport=transport,
             multiprocessing_context=context,
-        )  # fmt: skip
+        )
         return [list(loader) for _ in range(2)]
 
     slots, plain = epochs("slots"), epochs("torch")

@@ -60,8 +60,12 @@ def forgets_position() -> LoaderFactory:
 def mixed(**kwargs: Any) -> evenly.Dataset[Any]:
     """Right: a Mix by tokens (source ``b``, a third of the tokens, is up-sampled: some of
     its documents come twice in an epoch, as planned)."""
-    mix = evenly.Mix({"a": docs(), "b": docs()[:20]}, weights={"a": 1, "b": 1}, unit="tokens",
-                     tokens_per_epoch=sum(LENGTHS))  # fmt: skip
+    mix = evenly.Mix(
+        {"a": docs(), "b": docs()[:20]},
+        weights={"a": 1, "b": 1},
+        unit="tokens",
+        tokens_per_epoch=sum(LENGTHS),
+    )
     return evenly.Dataset(mix, shuffle=True, seed=3, pack=evenly.Packing(SEQ), **kwargs)
 
 

@@ -144,8 +144,10 @@ class Mix(Sources):
         """Identity for checkpoints: the source names and lengths (and each source's own
         fingerprint where it has one), not the weights: a state may change those."""
         views = zip(self.names, self.lengths, self._views, strict=True)
-        parts = [f"{name}: {n}" + ("" if v.fingerprint is None else f" [{v.fingerprint}]")
-                 for name, n, v in views]  # fmt: skip
+        parts = [
+            f"{name}: {n}" + ("" if v.fingerprint is None else f" [{v.fingerprint}]")
+            for name, n, v in views
+        ]
         return "evenly.Mix(" + ", ".join(parts) + ")"
 
     def __getitem__(self, index: int) -> Any:
@@ -296,8 +298,9 @@ class Mix(Sources):
             if part is None or part.resume is None or part.hold is None:
                 order = None
             else:  # a loaded state not read yet: its own resume point
-                order = self._order(0, epoch, False, (*part.resume, (position, part.hold)),
-                                    part.hold, part)  # fmt: skip
+                order = self._order(
+                    0, epoch, False, (*part.resume, (position, part.hold)), part.hold, part
+                )
         try:
             if order is None:
                 raise ValueError("no pass")

@@ -69,9 +69,17 @@ def pack_info(dataset: Any, epochs: int, settings: Settings | None = None) -> Pa
     expected, part = [], None
     for e in range(epochs):
         for _, b, w in (c for c in changes if c[0] == e):  # as the loader applies them
-            part = token_reweighted(dataset.source, packer.packing, files.lengths, part,
-                                    epoch=e, position=b * step, weights=dict(w),
-                                    seed=planner.seed, shuffle=shuffle)  # fmt: skip
+            part = token_reweighted(
+                dataset.source,
+                packer.packing,
+                files.lengths,
+                part,
+                epoch=e,
+                position=b * step,
+                weights=dict(w),
+                seed=planner.seed,
+                shuffle=shuffle,
+            )
         items = packer.items(planner.view, planner.seed, e, shuffle, part).items
         expected.append(
             tuple(np.asarray(items[k], dtype=np.int64) for k in ("doc", "start", "len"))

@@ -48,8 +48,13 @@ def compare(expected: Ranges, delivered: Ranges) -> tuple[int, int, str]:
     shown = [
         f"document {int(d)} tokens [{int(a)}, {int(a + w)}) "
         f"{'missing' if v > 0 else 'repeated'} {abs(int(v))}x"
-        for d, a, w, v in zip(docs[:-1][bad][:SHOWN], pos[:-1][bad][:SHOWN],
-                              width[bad][:SHOWN], value[bad][:SHOWN], strict=True)
-    ]  # fmt: skip
+        for d, a, w, v in zip(
+            docs[:-1][bad][:SHOWN],
+            pos[:-1][bad][:SHOWN],
+            width[bad][:SHOWN],
+            value[bad][:SHOWN],
+            strict=True,
+        )
+    ]
     more = ", ..." if int(bad.sum()) > SHOWN else ""
     return missing, repeated, ", ".join(shown) + more

@@ -13,8 +13,14 @@ from evenly.options import WORKER_TYPES, WorkerType
 from evenly.runtime.planner import Planner
 from evenly.runtime.token_mix import is_token_mix
 
-__all__ = ["WORKER_TYPES", "WorkerType", "check_worker_type", "refuse_planned_source",
-           "use_columns", "use_threads"]  # fmt: skip
+__all__ = [
+    "WORKER_TYPES",
+    "WorkerType",
+    "check_worker_type",
+    "refuse_planned_source",
+    "use_columns",
+    "use_threads",
+]
 
 
 def refuse_planned_source(planner: Planner) -> None:

@@ -126,9 +126,15 @@ class Engine:
         def read(w: int) -> Iterator[Any]:
             clock = StageClock()  # each item with its stage times, as the feed's
             items = planner.read(
-                spec, w, workers, collate=feed.collate, columnar=columnar,
-                skipped=feed.skipped, view=views[w], clock=clock,
-            )  # fmt: skip
+                spec,
+                w,
+                workers,
+                collate=feed.collate,
+                columnar=columnar,
+                skipped=feed.skipped,
+                view=views[w],
+                clock=clock,
+            )
             if feed.per_sample is not None:
                 items = map(feed.per_sample, items)
             if pin:

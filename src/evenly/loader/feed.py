@@ -156,8 +156,11 @@ class PassIterator(Iterator[Any]):
         """Go on with ``other``'s pass (a restart at the position reached, as
         ``set_weights`` does): the training loop keeps iterating this object."""
         self._inner, self._pass, self._plan, self._on_end = (
-            other._inner, other._pass, other._plan, other._on_end
-        )  # fmt: skip
+            other._inner,
+            other._pass,
+            other._plan,
+            other._on_end,
+        )
         if other.epoch_end is not None:  # this object stays the one Accelerate follows
             other.epoch_end.leave()
             if self.epoch_end is not None:

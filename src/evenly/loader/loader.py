@@ -481,10 +481,12 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         self._passes.begin(current)
         self._plan = plan
         # workers fork before the agreement, never right after a collective (may hang)
-        columnar = use_columns(self._columnar_choice, self.batch_size, self._planner,
-                               self._user_collate)  # fmt: skip
-        threads = use_threads(self.worker_type, self.num_workers, self._planner, columnar,
-                              self._loader_args)  # fmt: skip
+        columnar = use_columns(
+            self._columnar_choice, self.batch_size, self._planner, self._user_collate
+        )
+        threads = use_threads(
+            self.worker_type, self.num_workers, self._planner, columnar, self._loader_args
+        )
         iterator = self._engine.start(
             spec,
             plan,

@@ -130,8 +130,16 @@ class Packer:
         found = self._items.get(key)
         if found is None:
             files = self.files(view)
-            found = token_items(view.source, self.packing, files.lengths, files.lengths_key,
-                                seed=seed, epoch=epoch, shuffle=shuffle, part=part)  # fmt: skip
+            found = token_items(
+                view.source,
+                self.packing,
+                files.lengths,
+                files.lengths_key,
+                seed=seed,
+                epoch=epoch,
+                shuffle=shuffle,
+                part=part,
+            )
             if len(self._items) >= 3:
                 self._items.pop(next(iter(self._items)))
             self._items[key] = found
@@ -147,8 +155,9 @@ class Packer:
         if files is not None and isinstance(files.lengths, np.memmap):
             state["_files"] = None
         elif files is not None:
-            state["_files"] = PlanFiles(files.packing, files.lengths, files.lengths_key,
-                                        files.total)  # fmt: skip
+            state["_files"] = PlanFiles(
+                files.packing, files.lengths, files.lengths_key, files.total
+            )
         return state
 
 
@@ -292,9 +301,14 @@ def _rows(
         check_tokens(ctx, packing, flat, pieces, (index, inverse), int(epoch), stored, base)
         doc_index = index[inverse] if packing.document_ids else None
         arrays = place(
-            wanted, pieces, flat, seq_len=packing.seq_len, pad_id=packing.pad_id,
-            doc_index=doc_index, empty=alloc,
-        )  # fmt: skip
+            wanted,
+            pieces,
+            flat,
+            seq_len=packing.seq_len,
+            pad_id=packing.pad_id,
+            doc_index=doc_index,
+            empty=alloc,
+        )
         if sel.size == positions.size and np.array_equal(wanted, mine):
             ctx.clock.collate += perf_counter() - started
             return arrays  # the common case: a batch of consecutive rows of one epoch
@@ -361,10 +375,11 @@ def _documents(
             raise _overflow(ctx, ids, wanted, positions, epoch) from None
     else:
         arrays = [
-            s if type(s) is np.ndarray and s.ndim == 1 and s.dtype.kind in "iu"  # no copy
+            s
+            if type(s) is np.ndarray and s.ndim == 1 and s.dtype.kind in "iu"  # no copy
             else document_tokens(s, packing, i)
             for s, i in zip(samples, wanted, strict=True)
-        ]  # fmt: skip
+        ]
     planned = files.lengths[index]
     sizes = np.fromiter((a.size for a in arrays), dtype=np.int64, count=len(arrays))
     check_lengths(sizes, planned, wanted, positions, epoch)  # one vectorised check

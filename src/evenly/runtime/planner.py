@@ -302,10 +302,16 @@ class Planner:
         if is_token_mix(self.source) and self.packer is not None:
             files = self.packer.files(self.view)
             saved["source_state"]["part"] = token_reweighted(
-                self.source, self.packer.packing, files.lengths, state.source,
-                epoch=state.epoch, position=state.position, weights=weights, seed=self.seed,
+                self.source,
+                self.packer.packing,
+                files.lengths,
+                state.source,
+                epoch=state.epoch,
+                position=state.position,
+                weights=weights,
+                seed=self.seed,
                 shuffle=self.shuffle_mode != "none",
-            )  # fmt: skip
+            )
             return self.from_state(saved, drop_last)
         saved["source_state"] = planned.reweighted(saved["source_state"], weights)
         return self.from_state(saved, drop_last)

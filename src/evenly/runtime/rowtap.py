@@ -64,9 +64,15 @@ class RowPieces(NamedTuple):
         if not drop:
             return self
         keep = self.piece_row >= drop
-        return RowPieces(self.epoch[drop:], self.row[drop:], self.pad[drop:],
-                         self.piece_row[keep] - drop, self.doc[keep], self.start[keep],
-                         self.length[keep])  # fmt: skip
+        return RowPieces(
+            self.epoch[drop:],
+            self.row[drop:],
+            self.pad[drop:],
+            self.piece_row[keep] - drop,
+            self.doc[keep],
+            self.start[keep],
+            self.length[keep],
+        )
 
 
 #: ``rows_tap(rows, pieces) -> rows``: may wrap each row (the audit: ``(row, meta)``).

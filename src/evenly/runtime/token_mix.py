@@ -174,8 +174,15 @@ def token_items(
     path = os.path.join(folder, f"{key}-e{epoch}.items")
 
     def plan(tmp: str) -> None:
-        chunks = segmented_chunks(lengths.parts, segments, total, seq_len=packing.seq_len,
-                                  seed=seed, shuffle=shuffle, names=mix.names)  # fmt: skip
+        chunks = segmented_chunks(
+            lengths.parts,
+            segments,
+            total,
+            seq_len=packing.seq_len,
+            seed=seed,
+            shuffle=shuffle,
+            names=mix.names,
+        )
         with open(tmp, "wb") as f:
             for chunk in chunks:
                 chunk.tofile(f)
@@ -218,14 +225,24 @@ def token_reweighted(
     if token >= total:  # the epoch is read: the next one starts with the new weights
         last = segments[-1]
         end = [o + s for o, s in zip(last.offsets, last.shares, strict=True)]
-        return {"anchor_epoch": epoch + 1, "anchor_offsets": end, "weights": vector,
-                "changes": []}  # fmt: skip
+        return {"anchor_epoch": epoch + 1, "anchor_offsets": end, "weights": vector, "changes": []}
     if token == 0:
-        return {"anchor_epoch": epoch, "anchor_offsets": list(start.offsets),
-                "weights": vector, "changes": []}  # fmt: skip
+        return {
+            "anchor_epoch": epoch,
+            "anchor_offsets": list(start.offsets),
+            "weights": vector,
+            "changes": [],
+        }
     kept = [s for s in segments if s.start < token]
-    at = offsets_at(lengths.parts, kept[-1], token, seq_len=packing.seq_len, seed=seed,
-                    shuffle=shuffle, names=mix.names)  # fmt: skip
+    at = offsets_at(
+        lengths.parts,
+        kept[-1],
+        token,
+        seq_len=packing.seq_len,
+        seed=seed,
+        shuffle=shuffle,
+        names=mix.names,
+    )
     changes = [[s.start, list(s.weights or vector), list(s.offsets)] for s in kept[1:]]
     return {
         "anchor_epoch": epoch,

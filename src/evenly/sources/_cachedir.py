@@ -55,10 +55,31 @@ STALE_PART_SECONDS = 3600.0
 #: file system types (as ``/proc/mounts`` names them) served over a network: memory maps
 #: of them are slow, their locks unreliable
 NETWORK_FS = frozenset(
-    {"nfs", "nfs4", "cifs", "smb3", "smbfs", "afs", "lustre", "gpfs", "glusterfs",
-     "fuse.glusterfs", "ceph", "fuse.ceph", "fuse.sshfs", "sshfs", "beegfs", "9p",
-     "fuse.s3fs", "fuse.gcsfuse", "fuse.goofys", "fuse.rclone", "fuse.juicefs", "wekafs"}
-)  # fmt: skip
+    {
+        "nfs",
+        "nfs4",
+        "cifs",
+        "smb3",
+        "smbfs",
+        "afs",
+        "lustre",
+        "gpfs",
+        "glusterfs",
+        "fuse.glusterfs",
+        "ceph",
+        "fuse.ceph",
+        "fuse.sshfs",
+        "sshfs",
+        "beegfs",
+        "9p",
+        "fuse.s3fs",
+        "fuse.gcsfuse",
+        "fuse.goofys",
+        "fuse.rclone",
+        "fuse.juicefs",
+        "wekafs",
+    }
+)
 
 
 #: where :func:`network_fs` reads the mounted file systems

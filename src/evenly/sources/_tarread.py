@@ -155,9 +155,14 @@ def read_batch(src: WebDatasetSource, idx: npt.NDArray[np.int64]) -> list[Any]:
 
 
 def _read_runs(
-    src: WebDatasetSource, idx: npt.NDArray[np.int64], first: list[int], run_k: list[int],
-    lengths: list[int], at_bytes: list[int], sorted_pos: list[int],
-) -> list[bytes]:  # fmt: skip
+    src: WebDatasetSource,
+    idx: npt.NDArray[np.int64],
+    first: list[int],
+    run_k: list[int],
+    lengths: list[int],
+    at_bytes: list[int],
+    sorted_pos: list[int],
+) -> list[bytes]:
     """The runs read one by one; a failing read raises naming its first sample."""
     pieces = []
     for a, k, n, at_byte in zip(first, run_k, lengths, at_bytes, strict=True):
@@ -169,10 +174,16 @@ def _read_runs(
 
 
 def _check_headers(
-    src: WebDatasetSource, buffer: bytes, header: npt.NDArray[np.int64],
-    idx: npt.NDArray[np.int64], keys: list[str], owner: npt.NDArray[np.int64],
-    ext: npt.NDArray[np.int64], size: npt.NDArray[np.int64], offset: npt.NDArray[np.int64],
-) -> None:  # fmt: skip
+    src: WebDatasetSource,
+    buffer: bytes,
+    header: npt.NDArray[np.int64],
+    idx: npt.NDArray[np.int64],
+    keys: list[str],
+    owner: npt.NDArray[np.int64],
+    ext: npt.NDArray[np.int64],
+    size: npt.NDArray[np.int64],
+    offset: npt.NDArray[np.int64],
+) -> None:
     """Raise, naming the sample, if a member's header is not the one the manifest
     recorded: the usual headers in bulk, the rest one by one."""
     t = src._members
@@ -215,11 +226,17 @@ def _check_headers(
 
 
 def _truncated(
-    src: WebDatasetSource, idx: npt.NDArray[np.int64], shards: npt.NDArray[np.int64],
-    run: tuple[int, int], sorted_pos: list[int], offset: npt.NDArray[np.int64],
-    size: npt.NDArray[np.int64], at: npt.NDArray[np.int64], counts: npt.NDArray[np.int64],
+    src: WebDatasetSource,
+    idx: npt.NDArray[np.int64],
+    shards: npt.NDArray[np.int64],
+    run: tuple[int, int],
+    sorted_pos: list[int],
+    offset: npt.NDArray[np.int64],
+    size: npt.NDArray[np.int64],
+    at: npt.NDArray[np.int64],
+    counts: npt.NDArray[np.int64],
     stop: int,
-) -> None:  # fmt: skip
+) -> None:
     """Raise for the first sample of a short read that the file does not hold whole."""
     for pos in sorted_pos[run[0] : run[1]]:
         z = int(at[pos] + counts[pos] - 1)

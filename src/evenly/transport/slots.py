@@ -105,8 +105,19 @@ class Packed:
         self.skeleton, self.metas = skeleton, metas
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        return (Packed, (self.owner, self.worker, self.key, self.arena, self.slot,
-                         self.ticket, self.skeleton, self.metas))  # fmt: skip
+        return (
+            Packed,
+            (
+                self.owner,
+                self.worker,
+                self.key,
+                self.arena,
+                self.slot,
+                self.ticket,
+                self.skeleton,
+                self.metas,
+            ),
+        )
 
     def pin_memory(self, device: Any = None) -> Any:
         """Called by torch's pin-memory thread: the batch, unpacked and pinned."""
@@ -224,8 +235,9 @@ class _Writer:
         self.busy[slot] = self.ticket
         arena = None if segment.confirmed else segment.arena
         skeleton = torch_way(skeleton)  # what stays in it goes torch's way
-        return Packed(self.owner, self.worker, segment.key, arena, slot, self.ticket,
-                      skeleton, metas)  # fmt: skip
+        return Packed(
+            self.owner, self.worker, segment.key, arena, slot, self.ticket, skeleton, metas
+        )
 
 
 class Transport:
@@ -256,8 +268,12 @@ class Transport:
         # the pipes travel only to workers being started (a copy made any other way,
         # e.g. a deepcopy of the loader, gets no slots: torch's hand-off)
         spawning = get_spawning_popen() is not None
-        return {"id": self.id, "slots": self.slots, "hold": self.hold,
-                "_free": self._free if spawning else None}  # fmt: skip
+        return {
+            "id": self.id,
+            "slots": self.slots,
+            "hold": self.hold,
+            "_free": self._free if spawning else None,
+        }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)

@@ -58,8 +58,9 @@ class MixPart:
         """What holds for the owner's later passes: the anchor, its weights and the
         anchor epoch's weight changes (with the hold they were apportioned with)."""
         hold = self.hold if self.changes else None
-        return MixPart(self.anchor_epoch, self.anchor_offsets, None, hold, self.weights,
-                       self.changes)  # fmt: skip
+        return MixPart(
+            self.anchor_epoch, self.anchor_offsets, None, hold, self.weights, self.changes
+        )
 
     def to_json(self) -> dict[str, Any]:
         return {

@@ -229,8 +229,9 @@ def token_epoch_chunks(
         (key,) = derive_keys(f"mix-tokens/{len(names[d])}:{names[d]}", seed, 0, 1)
         streams.append(TokenStream(lens, seq_len=seq_len, key=key, shuffle=shuffle))
     if merge_of(shares) == "deadline":
-        yield from deadline_chunks(streams, shares, offsets, seq_len=seq_len,
-                                   bases=bases.tolist(), chunk=chunk)  # fmt: skip
+        yield from deadline_chunks(
+            streams, shares, offsets, seq_len=seq_len, bases=bases.tolist(), chunk=chunk
+        )
         return
     pieces = sum(
         int(x) * st.pieces / st.total for x, st in zip(shares, streams, strict=True) if int(x)
@@ -317,8 +318,9 @@ def _segment_chunks(
     lengths: Sequence[Any], segment: TokenSegment, budget: int, **kwargs: Any
 ) -> Iterator[npt.NDArray[np.void]]:
     """The first ``budget`` tokens of a segment's items (the last item cut there)."""
-    for chunk in token_epoch_chunks(lengths, segment.shares, offsets=segment.offsets, epoch=0,
-                                    **kwargs):  # fmt: skip
+    for chunk in token_epoch_chunks(
+        lengths, segment.shares, offsets=segment.offsets, epoch=0, **kwargs
+    ):
         if budget <= 0:
             return
         cum = np.cumsum(chunk["len"], dtype=np.int64)

@@ -16,7 +16,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from evenly import EvenlyWarning, FeistelPermutation, StateError
+from evenly import EvenlyWarning, StateError
+from evenly.core import FeistelPermutation
 from evenly.loader.sampler import BatchSampler
 
 pytestmark = pytest.mark.filterwarnings("ignore::evenly.EvenlyWarning")

@@ -18,10 +18,9 @@ import numpy as np
 
 from ._factory import Factory, describe, resolve
 from ._findings import all_findings
-from ._launch import ranks_per_node
 from ._packfindings import merged_pieces
 from ._result import AuditResult
-from ._types import I64, AuditError, IdFn, Records, Settings, row_label
+from ._types import I64, AuditError, IdFn, Records, Settings, ranks_per_node, row_label
 
 I64_EMPTY = np.zeros(0, dtype=np.int64)
 

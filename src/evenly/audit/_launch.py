@@ -40,9 +40,9 @@ from multiprocessing import forkserver
 from typing import Any, TypeVar
 
 from ._procs import detach, exit_on_signals, stop
-from ._types import AuditError
+from ._types import AuditError, ranks_per_node
 
-__all__ = ["launch", "ranks_per_node", "seen_here", "start_fork_server", "working_on"]
+__all__ = ["launch", "seen_here", "start_fork_server", "working_on"]
 
 #: What the fork server imports once: a rank forked from it starts without ``import torch``.
 PRELOAD = ["torch", "evenly.audit._resume"]
@@ -78,36 +78,6 @@ HOST_PREFIX = "evenly-node-"
 _CLONE_NEWUTS = 0x04000000
 #: Why this rank kept the machine's host name (None: it has its node's own, or 1 node).
 _HOST_NOTE: list[str | None] = [None]
-
-
-def ranks_per_node(
-    world_size: int, nodes: int, names: tuple[str, str] = ("world_size", "nodes")
-) -> int:
-    """The ranks of each of ``nodes`` simulated nodes; ``ValueError`` naming the settings
-    (``names``: their keywords) when ``nodes`` is not a divisor of ``world_size``.
-
-    >>> ranks_per_node(4, 2)
-    2
-    >>> try:
-    ...     ranks_per_node(6, 4)
-    ... except ValueError as exc:
-    ...     print(str(exc).split(": ")[0])
-    world_size 6 (--world-size) is not a multiple of nodes 4 (--nodes)
-    """
-    if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
-        flag = "--" + names[1].replace("_", "-")
-        raise ValueError(f"{names[1]} ({flag}) must be an integer >= 1, got {nodes!r}")
-    if world_size % nodes:
-        fits = [str(n) for n in range(1, world_size + 1) if world_size % n == 0]
-        listed = ", ".join(fits[:-1]) + f" or {fits[-1]}" if len(fits) > 1 else fits[0]
-        flags = [f"--{n.replace('_', '-')}" for n in names]
-        raise ValueError(
-            f"{names[0]} {world_size} ({flags[0]}) is not a multiple of {names[1]} {nodes} "
-            f"({flags[1]}): each simulated node runs {names[0]} / {names[1]} ranks, as "
-            f"torchrun's --nproc-per-node; use {names[1]} {listed}, or a {names[0]} that "
-            f"is a multiple of {nodes}"
-        )
-    return world_size // nodes
 
 
 def rank_env(rank: int, world_size: int, port: int, nodes: int = 1) -> dict[str, str]:

@@ -29,6 +29,7 @@ __all__ = [
     "Status",
     "epochs_of",
     "passed",
+    "ranks_per_node",
     "row_id",
     "row_label",
 ]
@@ -328,3 +329,33 @@ class Records:
 def epochs_of(rec: Records) -> list[int]:
     """The epoch numbers of an audit."""
     return list(range(rec.epochs))
+
+
+def ranks_per_node(
+    world_size: int, nodes: int, names: tuple[str, str] = ("world_size", "nodes")
+) -> int:
+    """The ranks of each of ``nodes`` simulated nodes; ``ValueError`` naming the settings
+    (``names``: their keywords) when ``nodes`` is not a divisor of ``world_size``.
+
+    >>> ranks_per_node(4, 2)
+    2
+    >>> try:
+    ...     ranks_per_node(6, 4)
+    ... except ValueError as exc:
+    ...     print(str(exc).split(": ")[0])
+    world_size 6 (--world-size) is not a multiple of nodes 4 (--nodes)
+    """
+    if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
+        flag = "--" + names[1].replace("_", "-")
+        raise ValueError(f"{names[1]} ({flag}) must be an integer >= 1, got {nodes!r}")
+    if world_size % nodes:
+        fits = [str(n) for n in range(1, world_size + 1) if world_size % n == 0]
+        listed = ", ".join(fits[:-1]) + f" or {fits[-1]}" if len(fits) > 1 else fits[0]
+        flags = [f"--{n.replace('_', '-')}" for n in names]
+        raise ValueError(
+            f"{names[0]} {world_size} ({flags[0]}) is not a multiple of {names[1]} {nodes} "
+            f"({flags[1]}): each simulated node runs {names[0]} / {names[1]} ranks, as "
+            f"torchrun's --nproc-per-node; use {names[1]} {listed}, or a {names[0]} that "
+            f"is a multiple of {nodes}"
+        )
+    return world_size // nodes

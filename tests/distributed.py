@@ -8,11 +8,14 @@ picklable.  A failure in any rank is raised here with that rank's traceback.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -160,3 +163,35 @@ def torchrun(
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
     )
+
+
+def kill_job(out: Path, launchers: list[subprocess.Popen[bytes]]) -> None:
+    """torchrun runs the ranks in sessions of their own: kill the ranks (by the pids they
+    wrote to ``out/rank*.pid``) and the launchers' sessions."""
+    for pid_file in out.glob("rank*.pid"):
+        with contextlib.suppress(ProcessLookupError, ValueError):
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)
+    for proc in launchers:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def wait_for_job(out: Path, launchers: list[subprocess.Popen[bytes]], timeout: float) -> None:
+    """Wait for every launcher of a multi-node job to exit 0 within ``timeout`` seconds in
+    all; on a failure or a timeout, kill the whole job (:func:`kill_job`) and raise with
+    the launchers' output."""
+    outputs: list[str] = []
+    try:
+        deadline = time.monotonic() + timeout
+        for proc in launchers:
+            text, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            outputs.append(text.decode(errors="replace"))
+        codes = [proc.returncode for proc in launchers]
+        assert codes == [0] * len(launchers), f"launchers exited with {codes}:\n" + "\n".join(
+            outputs
+        )
+    except BaseException:
+        kill_job(out, launchers)
+        for proc in launchers:
+            proc.communicate(timeout=30)
+        raise

@@ -6,19 +6,15 @@ the pure plan's for world size 4."""
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import signal
 import subprocess
-import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.distributed import ROOT, free_port, torchrun
+from tests.distributed import ROOT, free_port, torchrun, wait_for_job
 from tests.plans import make_plan
 
 SCRIPT = ROOT / "tests" / "scripts" / "multinode_job.py"
@@ -52,32 +48,9 @@ def launch(tmp: Path, node: int, port: int) -> subprocess.Popen[bytes]:
     )
 
 
-def kill_everything(tmp: Path, launchers: list[subprocess.Popen[bytes]]) -> None:
-    """torchrun runs the ranks in sessions of their own: kill them and the launchers."""
-    for pid_file in tmp.glob("rank*.pid"):
-        with contextlib.suppress(ProcessLookupError, ValueError):
-            os.kill(int(pid_file.read_text()), signal.SIGKILL)
-    for proc in launchers:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-
-
 def run_job(tmp: Path) -> list[dict[str, Any]]:
     port = free_port()
-    launchers = [launch(tmp, node, port) for node in range(NODES)]
-    outputs: list[str] = []
-    try:
-        deadline = time.monotonic() + TIMEOUT
-        for proc in launchers:
-            out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            outputs.append(out.decode(errors="replace"))
-        codes = [proc.returncode for proc in launchers]
-        assert codes == [0] * NODES, f"launchers exited with {codes}:\n" + "\n".join(outputs)
-    except BaseException:
-        kill_everything(tmp, launchers)
-        for proc in launchers:
-            proc.communicate(timeout=30)
-        raise
+    wait_for_job(tmp, [launch(tmp, node, port) for node in range(NODES)], TIMEOUT)
     return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
 

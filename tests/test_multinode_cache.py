@@ -16,15 +16,12 @@ all with the shared ``cache_dir``, once per node with private ones.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -34,7 +31,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tests.distributed import ROOT, free_port
+from tests.distributed import ROOT, free_port, wait_for_job
 
 pytestmark = [
     pytest.mark.slow,
@@ -114,16 +111,6 @@ def agent(args: list[str], port: int, *, other_host: bool) -> subprocess.Popen[b
     )
 
 
-def kill_everything(out: Path, agents: list[subprocess.Popen[bytes]]) -> None:
-    """torchrun runs the ranks in sessions of their own: kill them and the agents."""
-    for pid_file in out.glob("rank*.pid"):
-        with contextlib.suppress(ProcessLookupError, ValueError):
-            os.kill(int(pid_file.read_text()), signal.SIGKILL)
-    for proc in agents:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-
-
 @pytest.fixture(scope="module")
 def job(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("nodes")
@@ -136,19 +123,7 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         args = ["--out", out, "--parquet", samples, "--tokens", tokens]
         args += ["--shared", root / "shared", "--private", root / f"private-{node}"]
         agents.append(agent([str(a) for a in args], port, other_host=node == 1))
-    outputs = []
-    try:
-        deadline = time.monotonic() + TIMEOUT
-        for proc in agents:
-            text, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            outputs.append(text.decode(errors="replace"))
-        codes = [proc.returncode for proc in agents]
-        assert codes == [0] * NODES, f"agents exited with {codes}:\n" + "\n".join(outputs)
-    except BaseException:
-        kill_everything(out, agents)
-        for proc in agents:
-            proc.communicate(timeout=30)
-        raise
+    wait_for_job(out, agents, TIMEOUT)
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
     writes = (out / "writes.log").read_text().splitlines()
     return {

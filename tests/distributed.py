@@ -154,7 +154,18 @@ def torchrun(
         str(script),
         *map(str, args),
     ]
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(ROOT)}
+    return start_job(cmd)
+
+
+def start_job(cmd: list[str]) -> subprocess.Popen[bytes]:
+    """Start one launcher (``cmd``) of a job in a session of its own, from the repository
+    root with the tests importable, its output (stdout and stderr) piped."""
+    paths = (os.environ.get("PYTHONPATH"), str(ROOT))
+    env = {
+        **os.environ,
+        "PYTHONWARNINGS": "ignore",
+        "PYTHONPATH": os.pathsep.join(p for p in paths if p),
+    }
     return subprocess.Popen(
         cmd,
         cwd=ROOT,

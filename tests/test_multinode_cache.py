@@ -31,7 +31,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tests.distributed import ROOT, free_port, wait_for_job
+from tests.distributed import ROOT, free_port, start_job, wait_for_job
 
 pytestmark = [
     pytest.mark.slow,
@@ -96,19 +96,7 @@ def agent(args: list[str], port: int, *, other_host: bool) -> subprocess.Popen[b
     if other_host:
         inner = 'hostname node-b && mount -t tmpfs tmpfs /dev/shm && exec "$@"'
         cmd = ["unshare", "-u", "-m", "sh", "-c", inner, "sh", *cmd]
-    env = {
-        **os.environ,
-        "PYTHONWARNINGS": "ignore",
-        "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(ROOT)) if p),
-    }
-    return subprocess.Popen(
-        cmd,
-        cwd=ROOT,
-        env=env,
-        start_new_session=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
+    return start_job(cmd)
 
 
 @pytest.fixture(scope="module")

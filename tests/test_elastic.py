@@ -9,7 +9,9 @@ back: torchrun restarts everyone with world size 4, again from the last checkpoi
 the job finishes. Counting only the steps each checkpoint kept (a step trained after
 the checkpoint that the next start loaded was lost with the node and is trained again),
 every sample is trained exactly once per epoch, with equal batch counts on every rank of
-every start."""
+every start. A packed loader and a Mix (whose weights change at the first start's step 1),
+stepped beside the first loader and checkpointed with it, keep every token once per
+packed epoch and each Mix epoch's exact counts and streams through the same changes."""
 
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from typing import Any
 import pytest
 
 from tests.distributed import ROOT, free_port
+from tests.scripts import elastic_train
 
 pytestmark = pytest.mark.slow
 
@@ -199,3 +202,57 @@ def test_every_rank_of_every_start_trains_the_same_number_of_steps(
     for token, _ in kept_chain(elastic_run):
         counts = {len(steps) for steps in elastic_run[token]["ranks"].values()}
         assert len(counts) == 1, (token, counts)
+
+
+def kept_steps(attempts: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every step record that the checkpoints kept, over all ranks of all starts."""
+    kept = []
+    for token, limit in kept_chain(attempts):
+        for steps in attempts[token]["ranks"].values():
+            kept += [s for s in steps if limit is None or s["step"] <= limit]
+    return kept
+
+
+def test_packed_rows_hold_every_token_exactly_once_per_epoch_across_the_changes(
+    elastic_run: dict[str, dict[str, Any]],
+) -> None:
+    """The packed loader, stepped beside the first one and checkpointed with it: every
+    token of every document once per packed epoch over the kept steps, through the
+    shrink to world size 2 and the growth back to 4."""
+    every = Counter(t for doc in elastic_train.documents() for t in doc["input_ids"])
+    by_epoch: dict[int, Counter[int]] = {}
+    for step in kept_steps(elastic_run):
+        by_epoch.setdefault(step["tokens_epoch"], Counter()).update(step["tokens"])
+    last = max(by_epoch)
+    for epoch in range(last):
+        assert by_epoch[epoch] == every, epoch
+    assert max(by_epoch[last].values()) == 1 and set(by_epoch[last]) <= set(every)
+    assert last >= 2, sorted(by_epoch)  # the run crossed packed epochs, changes included
+
+
+def test_a_mix_keeps_its_shares_and_streams_across_the_changes_and_a_weight_change(
+    elastic_run: dict[str, dict[str, Any]],
+) -> None:
+    """The Mix (32 samples per epoch of sources a: 64 and b: 32, weights 1:1, then 3:1
+    from global position 8 of epoch 0: step 1 of 4 ranks x 2) resumed onto 2 ranks and
+    back onto 4: each epoch has exactly the counts its weights give (epoch 0: within 1
+    of 4 of a in [0, 8), then 18 of the 24 left; later epochs 24 and 8), and each source's
+    stream goes on (no sample twice before every sample once)."""
+    a_range = range(1000, 1000 + elastic_train.MIX_A)
+    epochs: dict[int, Counter[str]] = {}
+    seen = {"a": Counter[int](), "b": Counter[int]()}
+    for step in kept_steps(elastic_run):
+        for x in step["mixed"]:
+            name = "a" if x in a_range else "b"
+            epochs.setdefault(step["mixed_epoch"], Counter())[name] += 1
+            seen[name][x] += 1
+    last = max(epochs)
+    assert 4 - 1 + 18 <= epochs[0]["a"] <= 4 + 1 + 18 and sum(epochs[0].values()) == 32
+    for epoch in range(1, last):
+        assert epochs[epoch] == Counter(a=24, b=8), epoch
+    sizes = {"a": elastic_train.MIX_A, "b": elastic_train.MIX_B}
+    for name, counts in seen.items():
+        per_sample = [counts.get(x, 0) for x in (a_range if name == "a" else range(2000, 2032))]
+        assert len(per_sample) == sizes[name]
+        assert max(per_sample) - min(per_sample) <= 1, name
+    assert last >= 2, sorted(epochs)  # the run crossed Mix epochs, changes included

@@ -24,8 +24,10 @@ import json
 import os
 import time
 import uuid
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -36,6 +38,36 @@ import evenly
 
 def features(i: int) -> torch.Tensor:
     return torch.full((4,), float(i))
+
+
+#: the packed loader's documents: document d holds tokens 100 * d + 1 .. 100 * d + len
+DOCUMENTS, SEQ_LEN = 40, 8
+#: the Mix: two sources, 32 samples per epoch, weights 1:1 then NEW_WEIGHTS from step 1
+MIX_A, MIX_B, MIX_EPOCH = 64, 32, 32
+NEW_WEIGHTS = {"a": 3, "b": 1}
+
+
+def documents() -> list[dict[str, list[int]]]:
+    return [{"input_ids": [100 * d + j + 1 for j in range(3 + d % 7)]} for d in range(DOCUMENTS)]
+
+
+class Stepper:
+    """One batch of ``loader`` per call, starting its next epoch when one ends (a loaded
+    state continues its interrupted epoch): the batch and the epoch it belongs to."""
+
+    def __init__(self, loader: evenly.DataLoader) -> None:
+        self.loader = loader
+        self._batches: Iterator[Any] | None = None
+
+    def next(self) -> tuple[Any, int]:
+        for _ in range(2):
+            if self._batches is None:
+                self._batches = iter(self.loader)
+            try:
+                return next(self._batches), self.loader.epoch
+            except StopIteration:
+                self._batches = None
+        raise AssertionError("an epoch with no batch")
 
 
 def main() -> None:
@@ -61,6 +93,21 @@ def main() -> None:
     optimiser = torch.optim.SGD(model.parameters(), lr=1e-4)
     ds = evenly.Dataset(list(range(args.samples)), shuffle=True, seed=3)
     loader = evenly.DataLoader(ds, batch_size=args.batch_size, num_workers=args.workers)
+    # two more loaders stepped with the first one, one batch each per step, checkpointed
+    # with it: packed token rows, and a Mix whose weights change at the first start's step 1
+    # (min_step= the per-rank batch: the Mix may resume onto fewer ranks)
+    packed = evenly.DataLoader(
+        evenly.Dataset(documents(), shuffle=True, seed=5, pack=evenly.Packing(SEQ_LEN, pad_id=0)),
+        batch_size=2,
+    )
+    mix = evenly.Mix(
+        {"a": list(range(1000, 1000 + MIX_A)), "b": list(range(2000, 2000 + MIX_B))},
+        weights={"a": 1, "b": 1},
+        samples_per_epoch=MIX_EPOCH,
+        min_step=2,
+    )
+    mixed = evenly.DataLoader(evenly.Dataset(mix, shuffle=True, seed=7), batch_size=2)
+    side = {"packed": Stepper(packed), "mixed": Stepper(mixed)}
 
     ckpt_path = args.out / "ckpt.pt"
     start = {"attempt": None, "step": 0}
@@ -69,6 +116,8 @@ def main() -> None:
         model.load_state_dict(ckpt["model"])
         optimiser.load_state_dict(ckpt["optimiser"])
         loader.load_state_dict(ckpt["loader"])
+        for name, stepper in side.items():
+            stepper.loader.load_state_dict(ckpt[name])
         start = {"attempt": ckpt["attempt"], "step": ckpt["step"]}
     log = (args.out / f"log-{attempt}-rank{rank}.jsonl").open("w")
     log.write(json.dumps({"world": world, "rank": rank, "start": start}) + "\n")
@@ -82,8 +131,16 @@ def main() -> None:
             optimiser.zero_grad()
             loss.backward()  # DDP's all-reduce: a rank that is gone stops everyone here
             optimiser.step()
+            rows, tokens_epoch = side["packed"].next()
+            mixed_ids, mix_epoch = side["mixed"].next()
             step += 1
-            log.write(json.dumps({"step": step, "epoch": loader.epoch, "ids": ids.tolist()}))
+            if start["attempt"] is None and step == 1:  # every rank, at the same batch
+                mixed.set_weights(NEW_WEIGHTS)
+            record = {"step": step, "epoch": loader.epoch, "ids": ids.tolist()}
+            tokens = rows["input_ids"][rows["input_ids"] != 0].tolist()
+            record.update(tokens=tokens, tokens_epoch=tokens_epoch)
+            record.update(mixed=mixed_ids.tolist(), mixed_epoch=mix_epoch)
+            log.write(json.dumps(record))
             log.write("\n")
             log.flush()
             if step % args.every == 0:
@@ -95,6 +152,7 @@ def main() -> None:
                             "model": model.state_dict(),
                             "optimiser": optimiser.state_dict(),
                             "loader": state,
+                            **{name: st.loader.state_dict() for name, st in side.items()},
                             "attempt": attempt,
                             "step": step,
                         },

@@ -28,13 +28,14 @@ PassState(epoch=4, position=0, batches=0)
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
 
 from evenly.core.state import PassState
 from evenly.errors import check_int
 
-__all__ = ["Pass", "PassTracker", "after_set_epoch"]
+__all__ = ["Pass", "PassOwner", "PassTracker", "after_set_epoch"]
 
 
 def after_set_epoch(pending: PassState | None, loaded: bool, epoch: int) -> PassState:
@@ -184,3 +185,77 @@ class PassTracker:
         if current is not None and not (current.endless and self.requested):
             return current.state()
         return self.next_start()
+
+
+class PassOwner(ABC):
+    """The contract of every object that runs passes over an epoch plan and is driven by
+    a training loop (``evenly.DataLoader``, ``evenly.BatchSampler``), as torchdata's
+    ``BaseNode``: ``set_epoch`` / ``epoch`` / ``state_dict`` / ``load_state_dict``, and
+    the batch counts written once here:
+
+    - ``len()``: this rank's batches in the epoch of the pass in progress (or the next
+      one); after ``load_state_dict`` it counts the batches received before the
+      checkpoint too (what Lightning's restored batch counter and ``StatefulDataLoader``
+      expect);
+    - ``remaining_batches``: what the pass still yields.
+
+    An owner says which pass is in progress, where the next one starts, its rank and its
+    plan; nothing else reaches into it.
+    """
+
+    @abstractmethod
+    def _running(self) -> Pass | None:
+        """The pass in progress, or ``None``."""
+
+    @abstractmethod
+    def _next_start(self) -> PassState:
+        """Where the next pass starts."""
+
+    @abstractmethod
+    def _pass_rank(self) -> int:
+        """This rank, resolved now."""
+
+    @property
+    @abstractmethod
+    def plan(self) -> Any:
+        """The plan of the pass in progress (or of the next one)."""
+
+    @property
+    @abstractmethod
+    def epoch(self) -> int:
+        """The epoch of the pass in progress, or of the next one."""
+
+    @abstractmethod
+    def set_epoch(self, epoch: int) -> None:
+        """Make the next pass epoch ``epoch`` (reproduced exactly)."""
+
+    @abstractmethod
+    def state_dict(self) -> dict[str, Any]:
+        """Where the owner stands, for a checkpoint."""
+
+    @abstractmethod
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Make the next pass continue ``state``."""
+
+    def _check_length(self) -> None:
+        """Raise ``TypeError`` where the passes have no length (endless ones)."""
+        return None
+
+    def __len__(self) -> int:
+        self._check_length()
+        current = self._running()
+        if current is not None and current.total is not None:
+            return current.prior + current.total
+        start = self._next_start()
+        return (start.batches if start.resumes else 0) + int(
+            self.plan.rank_batches(self._pass_rank())
+        )
+
+    @property
+    def remaining_batches(self) -> int:
+        """Batches this rank has still to receive in the pass in progress (or the next)."""
+        self._check_length()
+        current = self._running()
+        if current is not None:
+            return current.remaining
+        return int(self.plan.rank_batches(self._pass_rank()))

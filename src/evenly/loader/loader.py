@@ -17,7 +17,7 @@ import torch
 import torch.distributed
 import torch.utils.data
 
-from evenly.core.passes import Pass, PassTracker
+from evenly.core.passes import Pass, PassOwner, PassTracker
 from evenly.core.plan import EpochPlan
 from evenly.core.spec import PassSpec
 from evenly.core.state import PassState
@@ -84,7 +84,7 @@ def per_rank_batch(global_batch_size: int, batch_size: int | None, world_size: i
     return per_rank
 
 
-class DataLoader(torch.utils.data.DataLoader[Any]):
+class DataLoader(PassOwner, torch.utils.data.DataLoader[Any]):
     """A ``torch.utils.data.DataLoader`` for ``evenly.Dataset``.
 
     It owns its passes: whole batches are planned and dealt to workers (at most one
@@ -327,26 +327,20 @@ class DataLoader(torch.utils.data.DataLoader[Any]):
         self._follow_dataset()
         return self._planner.plan_for(self._spec(self._passes.next_start()))
 
-    def __len__(self) -> int:
-        if self.infinite:
-            raise TypeError(NO_LENGTH)
-        current = self._passes.current
-        if current is not None and current.total is not None:
-            return current.prior + current.total
-        self._follow_dataset()
-        start = self._passes.next_start()
-        rank = self.dataset.topology().rank
-        return (start.batches if start.resumes else 0) + self.plan.rank_batches(rank)
+    # ---- the pass owner's contract (len(), remaining_batches: core.passes) ----------
+    def _running(self) -> Pass | None:
+        return self._passes.current
 
-    @property
-    def remaining_batches(self) -> int:
-        """Batches this rank has still to receive in the pass in progress (or the next)."""
+    def _next_start(self) -> PassState:
+        self._follow_dataset()
+        return self._passes.next_start()
+
+    def _pass_rank(self) -> int:
+        return self.dataset.topology().rank
+
+    def _check_length(self) -> None:
         if self.infinite:
             raise TypeError(NO_LENGTH)
-        current = self._passes.current
-        if current is not None:
-            return current.remaining
-        return self.plan.rank_batches(self.dataset.topology().rank)
 
     @property
     def num_skipped(self) -> int:

@@ -21,7 +21,7 @@ import numpy as np
 from torch.utils.data import Sampler
 
 from evenly.core.order import make_order
-from evenly.core.passes import Pass, PassTracker
+from evenly.core.passes import Pass, PassOwner, PassTracker
 from evenly.core.plan import CHUNK, EpochPlan
 from evenly.core.state import PassState
 from evenly.core.topology import Topology
@@ -33,7 +33,7 @@ from evenly.runtime.detect import resolve_topology, warn_if_rank_local
 __all__ = ["BatchSampler"]
 
 
-class BatchSampler(Sampler[list[int]]):
+class BatchSampler(PassOwner, Sampler[list[int]]):
     """A batch sampler for map-style datasets with the guarantees of ``evenly.Dataset``.
 
     Each ``iter()`` starts the next epoch (no ``set_epoch`` needed) and yields this
@@ -169,27 +169,15 @@ class BatchSampler(Sampler[list[int]]):
         current = self._in_progress()
         return current.start.epoch if current is not None else self._passes.next_start().epoch
 
-    def __len__(self) -> int:
-        """This rank's batches in the epoch of the pass in progress (or the next one).
+    # ---- the pass owner's contract (len(), remaining_batches: core.passes) ----------
+    def _running(self) -> Pass | None:
+        return self._in_progress()
 
-        After ``load_state_dict`` it counts the batches received before the checkpoint
-        too (what Lightning's restored batch counter and ``StatefulDataLoader`` expect);
-        :attr:`remaining_batches` is what the pass still yields.
-        """
-        current = self._in_progress()
-        if current is not None and current.total is not None:
-            return current.prior + current.total
-        start = self._passes.next_start()
-        rank = self.topology().rank
-        return (start.batches if start.resumes else 0) + self.plan.rank_batches(rank)
+    def _next_start(self) -> PassState:
+        return self._passes.next_start()
 
-    @property
-    def remaining_batches(self) -> int:
-        """Batches this rank has still to draw in the pass in progress (or the next)."""
-        current = self._in_progress()
-        if current is not None:
-            return current.remaining
-        return self.plan.rank_batches(self.topology().rank)
+    def _pass_rank(self) -> int:
+        return self.topology().rank
 
     def set_epoch(self, epoch: int) -> None:
         """Make the next ``iter()`` epoch ``epoch``, from its start (reproduced exactly);

@@ -8,7 +8,11 @@ keep stepping (the step it died in is not committed, and its global batch is dea
 to the two). Later it is started
 again: it heals from a peer (model and the loader's committed position, through the
 Manager's state-dict hooks) and takes its share from the next step.  Over two epochs
-every sample is in exactly one committed step."""
+every sample is in exactly one committed step.
+
+The rest runs real torchft Managers in this process (a lighthouse of its own per test):
+an uncommitted step, a state saved and loaded by a fresh job, and the loops and Manager
+settings that would lose data, refused before the first batch."""
 
 from __future__ import annotations
 
@@ -20,6 +24,8 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable, Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -27,11 +33,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+import evenly
+from evenly.interop.torchft import FaultTolerantLoader
 from tests.distributed import ROOT
 
 pytest.importorskip("torchft")
 
-pytestmark = pytest.mark.slow
+# torchft 0.2.0 logs through the deprecated Logger.warn in its quorum thread
+pytestmark = pytest.mark.filterwarnings("ignore:The 'warn' method is deprecated")
 
 SCRIPT = ROOT / "tests" / "scripts" / "torchft_train.py"
 N, GLOBAL_BATCH, EPOCHS = 240, 6, 2  # 40 steps an epoch, 2 or 3 samples per group
@@ -149,6 +158,7 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     }
 
 
+@pytest.mark.slow
 def test_every_sample_of_each_epoch_is_in_exactly_one_committed_step(
     job: dict[str, Any],
 ) -> None:
@@ -168,6 +178,7 @@ def test_every_sample_of_each_epoch_is_in_exactly_one_committed_step(
         assert sum(len(r["ids"]) for r in slices) == GLOBAL_BATCH, step
 
 
+@pytest.mark.slow
 def test_the_step_a_group_died_in_is_dealt_again_to_the_survivors(job: dict[str, Any]) -> None:
     steps = [r for r in job["survivor"] if "step" in r]
     failed = [i for i, r in enumerate(steps) if not r["committed"]]
@@ -180,6 +191,7 @@ def test_the_step_a_group_died_in_is_dealt_again_to_the_survivors(job: dict[str,
     assert len(dealt) == GLOBAL_BATCH, dealt  # the failed slices and the re-dealt ones
 
 
+@pytest.mark.slow
 def test_the_quorum_shrank_and_grew_back_mid_epoch(job: dict[str, Any]) -> None:
     sizes = [r["groups"] for r in job["survivor"] if r.get("committed")]
     shrank = sizes.index(2, sizes.index(3))
@@ -192,7 +204,169 @@ def test_the_quorum_shrank_and_grew_back_mid_epoch(job: dict[str, Any]) -> None:
     assert any(r["committed"] and r["participating"] for r in restarted)  # ... and trained
 
 
+@pytest.mark.slow
 def test_every_group_ends_with_the_same_state(job: dict[str, Any]) -> None:
     ends = [r["state"] for r in job["all"] if r.get("done")]
     assert len(ends) == 3
     assert all((s["epoch"], s["position"]) == (EPOCHS, 0) for s in ends), ends
+
+
+# ---- real Managers in this process ------------------------------------------------------
+Managers = Callable[..., Any]
+
+
+@pytest.fixture
+def managers() -> Iterator[Managers]:
+    """``managers(name, job=0, **settings)``: a torchft Manager of a one-process replica
+    group, with its own store, under the lighthouse of job ``job`` (of this test's own)."""
+    from torch.distributed import TCPStore
+    from torchft import Manager, ProcessGroupGloo
+    from torchft.coordination import LighthouseServer
+
+    lighthouses: dict[int, Any] = {}
+    made: list[tuple[Any, Any]] = []
+
+    def make(name: str, *, job: int = 0, **settings: Any) -> Any:
+        if job not in lighthouses:
+            lighthouses[job] = LighthouseServer(
+                bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=100
+            )
+        lighthouse = lighthouses[job]
+        store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        user: dict[str, Any] = {}
+        manager = Manager(
+            pg=ProcessGroupGloo(timeout=timedelta(seconds=20)),
+            load_state_dict=user.update,
+            state_dict=lambda: dict(user),
+            min_replica_size=1,
+            rank=0,
+            world_size=1,
+            store_addr="127.0.0.1",
+            store_port=store.port,
+            lighthouse_addr=lighthouse.address(),
+            replica_id=name,
+            hostname="127.0.0.1",
+            timeout=timedelta(seconds=20),
+            **settings,
+        )
+        made.append((manager, store))
+        return manager
+
+    yield make
+    for manager, _ in made:
+        manager.shutdown(wait=False)
+    for lighthouse in lighthouses.values():
+        lighthouse.shutdown()
+
+
+def dataset(n: int = 20) -> evenly.Dataset[Any]:
+    return evenly.Dataset(list(range(n)), shuffle=True, seed=1, rank=0, world_size=1)
+
+
+def step(manager: Any, batches: Iterator[Any], *, fail: bool = False) -> tuple[list[int], bool]:
+    """One training step's data: the quorum, the batch, the commit (failed on request)."""
+    manager.start_quorum()
+    batch = next(batches)
+    if fail:
+        manager.report_error(RuntimeError("a failed all-reduce"))
+    return batch.tolist(), manager.should_commit()
+
+
+def test_an_uncommitted_step_deals_the_same_global_batch_again(managers: Managers) -> None:
+    manager = managers("a", init_sync=False)
+    batches = iter(FaultTolerantLoader(dataset(), manager, global_batch_size=4))
+    first, committed = step(manager, batches)
+    assert committed
+    second, committed = step(manager, batches, fail=True)
+    assert not committed
+    again, committed = step(manager, batches)
+    assert committed and again == second
+    third, _ = step(manager, batches)
+    whole = [int(i) for b in evenly.DataLoader(dataset(), batch_size=4) for i in b]
+    assert first + second + third == whole[:12]  # the epoch's order, each batch once
+
+
+def test_the_state_is_the_committed_position_and_a_fresh_job_resumes_it(
+    managers: Managers,
+) -> None:
+    manager = managers("a", init_sync=False)
+    loader = FaultTolerantLoader(dataset(), manager, global_batch_size=4)
+    batches = iter(loader)
+    seen = [step(manager, batches)[0] for _ in range(2)]
+    manager.start_quorum()
+    next(batches)  # dealt, not committed: not in the state
+    state = loader.state_dict()
+    assert (state["epoch"], state["position"]) == (0, 8)
+    # a restart of everything: another Manager, the saved state, one group of four
+    other = managers("b", job=1, init_sync=False)
+    fresh = FaultTolerantLoader(dataset(), other, global_batch_size=4)
+    fresh.load_state_dict(state)
+    rest = []
+    batches = iter(fresh)
+    while True:
+        fresh.manager.start_quorum()
+        batch = next(batches, None)
+        if batch is None:
+            break
+        rest.append(batch.tolist())
+        assert fresh.manager.should_commit()
+    whole = [int(i) for b in evenly.DataLoader(dataset(), batch_size=4) for i in b]
+    assert [i for b in seen + rest for i in b] == whole
+    assert fresh.epoch == 1 and fresh.state_dict()["position"] == 0
+    plain = evenly.DataLoader(dataset(), batch_size=2)  # evenly's own loader takes it too
+    plain.load_state_dict(state)
+    assert [i for b in plain for i in b.tolist()] == whole[8:]
+
+
+def test_a_batch_taken_before_the_steps_quorum_is_refused(managers: Managers) -> None:
+    manager = managers("a", init_sync=False)
+    loader = FaultTolerantLoader(dataset(), manager, global_batch_size=4)
+    with pytest.raises(RuntimeError, match=r"zero_grad\(\)"):
+        next(iter(loader))  # `for batch in loader:` takes the first batch before zero_grad()
+    batches = iter(loader)
+    step(manager, batches)
+    with pytest.raises(RuntimeError, match="after the step's quorum started"):
+        next(batches)  # the second step's batch, under the first step's quorum
+    # the check reads torchft's private Manager._quorum_future: each quorum a new future
+    futures = [manager._quorum_future]
+    manager.start_quorum()
+    futures.append(manager._quorum_future)
+    assert futures[1] is not None and futures[1] is not futures[0]
+
+
+def test_torchfts_default_step_zero_healing_is_refused_before_the_first_batch(
+    managers: Managers,
+) -> None:
+    # use_async_quorum=True, init_sync=True (torchft's defaults): at step 0 every group but
+    # one heals and its gradients are zeroed, yet it is counted in the step
+    first, second = managers("g0"), managers("g1")
+    loaders = [FaultTolerantLoader(dataset(), m, global_batch_size=4) for m in (first, second)]
+    first.start_quorum()
+    second.start_quorum()
+    outcomes = []
+    for loader in loaders:
+        try:
+            outcomes.append(next(iter(loader)).tolist())
+        except RuntimeError as e:
+            outcomes.append(str(e))
+    refused = [o for o in outcomes if isinstance(o, str)]
+    assert len(refused) == 1 and "init_sync=False" in refused[0], outcomes
+
+
+@pytest.mark.parametrize(
+    ("build", "match"),
+    [
+        (lambda: evenly.Dataset(list(range(8)), pad="none"), "pad='none'"),
+        (
+            lambda: evenly.Dataset(
+                evenly.Mix({"a": [1, 2], "b": [3, 4]}, weights={"a": 1, "b": 1})
+            ),
+            "evenly.Mix",
+        ),
+    ],
+)
+def test_what_cannot_be_dealt_per_step_is_refused(
+    managers: Managers, build: Callable[[], Any], match: str
+) -> None:
+    with pytest.raises(ValueError, match=match):
+        FaultTolerantLoader(build(), managers("a", init_sync=False), global_batch_size=4)

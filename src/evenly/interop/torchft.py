@@ -263,7 +263,13 @@ class FaultTolerantLoader:
         """The quorum of the step in progress; raise if none was started since the last
         batch (a batch taken before ``zero_grad()`` would be dealt to the last step's
         quorum, and a group that left since would take its slice with it)."""
-        quorum = getattr(self.manager, "_quorum_future", None)
+        if not hasattr(self.manager, "_quorum_future"):
+            raise TypeError(
+                f"evenly FaultTolerantLoader: this Manager ({type(self.manager).__name__}) has "
+                f"no _quorum_future, which evenly reads to tell a step's quorum from the last "
+                f"one (torchft 0.2's Manager has it; constraints.txt pins the tested version)"
+            )
+        quorum = self.manager._quorum_future
         if quorum is None or quorum is self._quorum:
             raise RuntimeError(
                 "evenly FaultTolerantLoader: take each step's batch after the step's quorum "

@@ -22,6 +22,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -32,6 +33,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 
 import evenly
 from evenly.interop.torchft import FaultTolerantLoader
@@ -370,3 +372,64 @@ def test_what_cannot_be_dealt_per_step_is_refused(
 ) -> None:
     with pytest.raises(ValueError, match=match):
         FaultTolerantLoader(build(), managers("a", init_sync=False), global_batch_size=4)
+
+
+def test_a_group_that_joins_under_a_blocking_quorum_takes_part_in_the_step_it_heals_in(
+    managers: Managers,
+) -> None:
+    # use_async_quorum=False: a joining group heals in start_quorum() (model and the
+    # loader's committed position from a peer) and takes its slice of that very step; 3
+    # groups do not divide global_batch_size=4: their steps take 3 samples
+    n = 24
+    records: dict[str, list[tuple[int, bool, bool, int, list[int]]]] = {g: [] for g in "abc"}
+    errors: list[BaseException] = []
+    made = {g: managers(g, use_async_quorum=False) for g in "abc"}  # (on this thread)
+
+    def train(g: str) -> None:
+        try:
+            marked = evenly.Dataset(
+                list(range(n)),
+                shuffle=True,
+                seed=2,
+                rank=0,
+                world_size=1,
+                pad="mask",
+                transform=lambda i: -1 if evenly.is_padding() else i,
+            )
+            manager = made[g]
+            loader = FaultTolerantLoader(marked, manager, global_batch_size=4)
+            batches = iter(loader)
+            while True:
+                manager.start_quorum()
+                batch = next(batches, None)
+                if batch is None:
+                    break
+                step = manager.current_step()
+                manager.allreduce(torch.ones(1)).wait()  # the gradients' all-reduce
+                committed = manager.should_commit()
+                groups = manager.num_participants()
+                records[g].append((step, committed, loader.participating, groups, batch.tolist()))
+                time.sleep(0.05)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = {g: threading.Thread(target=train, args=(g,), daemon=True) for g in "abc"}
+    threads["a"].start()
+    threads["b"].start()
+    end = time.monotonic() + 60
+    while len(records["a"]) < 2 and not errors and time.monotonic() < end:
+        time.sleep(0.02)
+    threads["c"].start()  # joins a run in progress
+    for thread in threads.values():
+        thread.join(timeout=max(1.0, end - time.monotonic()))
+    assert not errors, errors
+    trained = Counter(
+        i for rs in records.values() for _, committed, _, _, ids in rs if committed for i in ids
+    )
+    pads = trained.pop(-1, 0)
+    assert trained == Counter(range(n))
+    assert pads < 3  # the epoch's last step only, as under DDP
+    first = records["c"][0]
+    assert first[0] > 0 and first[1] and first[2] and first[3] == 3  # healed and took part
+    sizes = {r[3]: len(r[4]) for rs in records.values() for r in rs[:-1]}  # not the last
+    assert sizes == {2: 2, 3: 1}  # 4 samples a step over 2 groups, 3 over 3

@@ -96,7 +96,7 @@ class FaultTolerantLoader:
                 batch = next(batches, None)      # this group's slice of the global batch
                 if batch is None:                # every global batch of it committed
                     break
-                loss_fn(model(batch)).backward()
+                loss_fn(model(batch)).backward()  # gradients all-reduced across groups
                 optimizer.step()                 # committed or not: the loader follows
 
     Args:
@@ -107,8 +107,8 @@ class FaultTolerantLoader:
             (under the defaults torchft discards the first step's gradients of every
             group but one, and that step's data with them; refused, naming this).
         global_batch_size: samples per step over all data ranks of the quorum.  A
-            quorum whose data ranks do not divide it gets the largest multiple that
-            they do (logged); the epoch stays exact.
+            quorum whose number of data ranks does not divide it takes the largest
+            multiple of that number below it per step (logged); the epoch stays exact.
         collate_fn: turns a list of samples into a batch (``default_collate``).
     """
 

@@ -374,6 +374,13 @@ def test_what_cannot_be_dealt_per_step_is_refused(
         FaultTolerantLoader(build(), managers("a", init_sync=False), global_batch_size=4)
 
 
+def test_a_second_loader_on_one_manager_is_refused(managers: Managers) -> None:
+    manager = managers("a", init_sync=False)
+    FaultTolerantLoader(dataset(), manager, global_batch_size=4)
+    with pytest.raises(ValueError, match="one loader per Manager"):
+        FaultTolerantLoader(dataset(), manager, global_batch_size=4)
+
+
 def test_a_group_that_joins_under_a_blocking_quorum_takes_part_in_the_step_it_heals_in(
     managers: Managers,
 ) -> None:

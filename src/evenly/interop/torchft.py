@@ -153,7 +153,13 @@ class FaultTolerantLoader:
         #: whether this group's last batch counts (False: a spare batch, for a group that
         #: heals while the others step; torchft discards its gradients)
         self.participating = False
-        manager.register_state_dict_fn(STATE_KEY, self.load_state_dict, self.state_dict)
+        try:
+            manager.register_state_dict_fn(STATE_KEY, self.load_state_dict, self.state_dict)
+        except AssertionError:  # torchft asserts that a key is registered once
+            raise ValueError(
+                f"FaultTolerantLoader: this Manager already holds a state named "
+                f"{STATE_KEY!r} (another FaultTolerantLoader): one loader per Manager"
+            ) from None
 
     # ---- where the epoch stands --------------------------------------------------
     def _committed(self) -> tuple[int, int]:

@@ -152,6 +152,13 @@ class RangeReader:
             self._plan = np.concatenate([rest, idx]) if rest.size else idx.copy()
             self._cursor = 0
 
+    def restart(self) -> None:
+        """A new pass: forget the plan announced so far and what was read ahead for it."""
+        with self._lock:
+            self._plan = np.zeros(0, dtype=np.int64)
+            self._cursor = 0
+        self._pending.clear()
+
     def _advance(self, idx: I64) -> None:
         """Move the cursor past ``idx`` where the plan holds it (a batch the plan did not
         announce leaves it where it is)."""
@@ -176,6 +183,8 @@ class RangeReader:
     def read(self, idx: I64, remote: Callable[[int], bool]) -> dict[tuple[int, int], bytes]:
         """The spans of samples ``idx`` in shards where ``remote(k)``, keyed by ``(shard,
         lo)``; the next batches' spans are requested before this returns."""
+        if not idx.size:
+            return {}
         with self._lock:
             self._advance(idx)
             ahead = self._ahead(idx.size)

@@ -99,11 +99,14 @@ class WebDatasetSource(ShardedSource):
         by its ranks and each rank's ``readers``), else through the shard cache."""
         self._local = {}
         if shuffle != "global" or self.cache is None:
+            self._close_ranges()
             self._range_limit = None
             return
         limit = per_process(getattr(self.cache, "max_in_flight", None), readers)
         if limit != self._range_limit:
             self._close_ranges()
+        elif self._ranges is not None and self._ranges.pid == os.getpid():
+            self._ranges.restart()
         self._range_limit = limit
 
     def _reader(self) -> RangeReader | None:

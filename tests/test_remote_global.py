@@ -2,7 +2,7 @@
 real S3-compatible server (moto's server mode on 127.0.0.1, through fsspec/s3fs) read
 by byte range under ``shuffle="global"``: no shard is downloaded into the cache, the
 order is the one the same data gives locally with the same seed, every sample once over
-2 ranks x 2 DataLoader workers, bytes fetched within 1.2x the dataset, and an object
+2 gloo ranks x 2 DataLoader workers, bytes fetched within 1.2x the dataset, and an object
 replaced mid-epoch raises naming its URL (S3 ``If-Match``).  No mock of fsspec or S3."""
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import evenly
 import evenly.sources as es
 from evenly.sources import _ranges
 from tests import s3server
+from tests.distributed import run_ranks
 from tests.s3server import S3Endpoint
 from tests.sources_helpers import as_list, check_exactly_once, epoch_over_ranks
 
@@ -92,19 +93,28 @@ def test_a_global_shuffle_from_s3_reads_by_range_in_the_local_order(
     assert stats["fetch_seconds"] >= 0
 
 
-def test_a_global_shuffle_from_s3_is_exactly_once_over_2_ranks_and_2_workers(
+def _rank_epoch(
+    rank: int, world_size: int, url: str, options: dict[str, Any], cache_dir: str
+) -> list[list[int]]:
+    """One gloo rank's epoch of a global shuffle from S3, 2 DataLoader workers."""
+    src = es.from_webdataset(url, storage_options=options, cache_dir=cache_dir, cache_bytes=1 << 16)
+    ds = evenly.Dataset(src, shuffle="global", seed=3)
+    loader = evenly.DataLoader(ds, batch_size=8, num_workers=2, collate_fn=as_list, timeout=60)
+    return [[int(s["id"]) for s in batch] for batch in loader]
+
+
+def test_a_global_shuffle_from_s3_is_exactly_once_over_2_gloo_ranks_and_2_workers(
     s3: S3Endpoint, s3_prefix: str, tmp_path: Path
 ) -> None:
     local = write_local(tmp_path)
     url = upload(s3, s3_prefix, local)
     cache_dir = tmp_path / "c"
-    src = remote_source(s3, url, cache_dir)
-    kw: dict[str, Any] = dict(world_size=2, batch_size=8, num_workers=2, shuffle="global", seed=3)
-    (ranks,) = epoch_over_ranks(src, **kw)
-    check_exactly_once(ranks, list(range(N)), key=lambda s: int(s["id"]))
-    assert cached_shards(cache_dir) == []  # the workers read by range too
+    ranks = run_ranks(_rank_epoch, 2, url, s3.storage_options, str(cache_dir), timeout=300)
+    check_exactly_once(ranks, list(range(N)), key=int)
+    assert cached_shards(cache_dir) == []  # every worker of every rank read by range
+    kw: dict[str, Any] = dict(world_size=2, batch_size=8, num_workers=0, shuffle="global", seed=3)
     (local_ranks,) = epoch_over_ranks(es.from_webdataset(str(local)), **kw)
-    assert [ids(r) for r in ranks] == [ids(r) for r in local_ranks]  # batch for batch
+    assert ranks == [[[int(s["id"]) for s in b] for b in r] for r in local_ranks]
 
 
 def test_an_object_replaced_mid_epoch_raises_naming_it(

@@ -215,6 +215,9 @@ class SourceView:
     read_column_batches: Callable[[Sequence[Any]], list[dict[str, Any]]] | None = None
     #: the key of the source's content on this machine (``ContentKeyedSource``), or None
     content_key: Callable[[], str] | None = None
+    #: ``(shuffle mode, readers)`` before a pass is read where it is read, so the source
+    #: can choose how to fetch (remote tar under the global shuffle: by range), or None
+    prepare_pass: Callable[[str, int], None] | None = None
 
     @classmethod
     def of(cls, source: Any) -> SourceView:
@@ -251,4 +254,7 @@ class SourceView:
             if isinstance(source, GroupedColumnarSource)
             else None,
             content_key=key if callable(key := getattr(source, "content_key", None)) else None,
+            prepare_pass=ready
+            if callable(ready := getattr(source, "prepare_pass", None))
+            else None,
         )

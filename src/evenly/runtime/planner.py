@@ -383,6 +383,8 @@ class Planner:
         )
         if progress is not None:
             progress[0] = skip
+        if ctx.view.prepare_pass is not None:  # how the source fetches (remote: by range?)
+            ctx.view.prepare_pass(self.shuffle_mode, num_workers)
         if self.packer is not None:
             rows_of = lambda e: self.epoch_rows(e, spec.source)  # noqa: E731
             yield from packed_items(ctx, self.packer, rows_of, skip, collate)

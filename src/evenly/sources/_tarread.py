@@ -27,7 +27,7 @@ from ._base import RowError
 if TYPE_CHECKING:
     from ._webdataset import WebDatasetSource
 
-__all__ = ["GAP", "MAX_RUN", "header_matches", "read_batch", "split_name"]
+__all__ = ["GAP", "MAX_RUN", "header_matches", "read_batch", "sample_spans", "split_name"]
 
 #: spans of one shard at most this far apart are read with one ``pread``
 GAP = 4096
@@ -73,11 +73,13 @@ def header_matches(header: bytes, key: str, ext: str, size: int) -> bool:
     return len(raw) > 100 or not name.isascii()
 
 
-def _runs(lo: npt.NDArray[np.int64], reach: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+def _runs(
+    lo: npt.NDArray[np.int64], reach: npt.NDArray[np.int64], gap: int = GAP
+) -> npt.NDArray[np.int64]:
     """Where runs start among spans sorted by ``lo`` (``reach``: the running maximum of
-    their ends): where a span starts more than ``GAP`` past the run, or where the run
+    their ends): where a span starts more than ``gap`` past the run, or where the run
     would pass ``MAX_RUN`` bytes."""
-    starts = np.flatnonzero(np.concatenate([[True], lo[1:] > reach[:-1] + GAP]))
+    starts = np.flatnonzero(np.concatenate([[True], lo[1:] > reach[:-1] + gap]))
     ends = np.append(starts[1:], lo.size)
     long = np.flatnonzero(reach[ends - 1] - lo[starts] > MAX_RUN)
     if not long.size:
@@ -92,8 +94,31 @@ def _runs(lo: npt.NDArray[np.int64], reach: npt.NDArray[np.int64]) -> npt.NDArra
     return np.union1d(starts, np.asarray(cuts, dtype=np.int64))
 
 
-def read_batch(src: WebDatasetSource, idx: npt.NDArray[np.int64]) -> list[Any]:
-    """Samples ``idx`` of ``src`` (checked indices), in that order."""
+def sample_spans(
+    src: WebDatasetSource, idx: npt.NDArray[np.int64]
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    """``(shard, lo, hi)`` of samples ``idx`` (checked indices): the bytes from the first
+    member's header to the last member's end, as :func:`read_batch` reads them (``lo ==
+    hi == 0`` for a sample with no member)."""
+    t = src._members
+    first, stop = t.first[idx], t.first[idx + 1]
+    full = stop > first
+    top = max(t.offset.size - 1, 0)
+    a, z = np.minimum(first, top), np.minimum(stop - 1, top)
+    lo = np.where(full, t.offset[a] - 512, 0) if t.offset.size else np.zeros_like(idx)
+    hi = np.where(full, t.offset[z] + t.size[z], 0) if t.offset.size else np.zeros_like(idx)
+    return src.shard_of(idx), lo.astype(np.int64), hi.astype(np.int64)
+
+
+def read_batch(
+    src: WebDatasetSource,
+    idx: npt.NDArray[np.int64],
+    fetched: dict[tuple[int, int], bytes] | None = None,
+) -> list[Any]:
+    """Samples ``idx`` of ``src`` (checked indices), in that order.  ``fetched``: the
+    samples' spans fetched by range (keyed by ``(shard, lo)`` as :func:`sample_spans`
+    gives them); then each sample is its own run, and a span not in it is read from
+    the shard's local copy."""
     t = src._members
     first = t.first[idx]
     counts = t.first[idx + 1] - first
@@ -118,7 +143,7 @@ def read_batch(src: WebDatasetSource, idx: npt.NDArray[np.int64]) -> list[Any]:
     order = np.argsort(lo, kind="stable")
     lo = lo[order]
     reach = np.maximum.accumulate((base + offset[last] + size[last])[order])
-    starts = _runs(lo, reach)
+    starts = _runs(lo, reach, GAP if fetched is None else -1)
     ends = np.append(starts[1:], lo.size)
     # one buffer for the batch: run r at buffer[into[r]:], file bytes run_lo[r]..+run_len[r]
     run_lo = lo[starts] & ((1 << 42) - 1)
@@ -129,12 +154,17 @@ def read_batch(src: WebDatasetSource, idx: npt.NDArray[np.int64]) -> list[Any]:
     sorted_pos = full[order].tolist()
     run_k = shards[full[order][starts]].tolist()
     lengths, at_bytes = run_len.tolist(), run_lo.tolist()
-    try:
-        fds = {k: src._handle(k).fileno() for k in dict.fromkeys(run_k)}
-        # one C-level loop over the runs (a Python loop costs about what a pread does)
-        pieces = list(map(os.pread, map(fds.__getitem__, run_k), lengths, at_bytes))
-    except Exception:  # again run by run, to name the sample whose read failed
-        pieces = _read_runs(src, idx, starts.tolist(), run_k, lengths, at_bytes, sorted_pos)
+    if fetched is not None:
+        pieces = _fetched_runs(
+            src, idx, fetched, starts.tolist(), run_k, lengths, at_bytes, sorted_pos
+        )
+    else:
+        try:
+            fds = {k: src._handle(k).fileno() for k in dict.fromkeys(run_k)}
+            # one C-level loop over the runs (a Python loop costs about what a pread does)
+            pieces = list(map(os.pread, map(fds.__getitem__, run_k), lengths, at_bytes))
+        except Exception:  # again run by run, to name the sample whose read failed
+            pieces = _read_runs(src, idx, starts.tolist(), run_k, lengths, at_bytes, sorted_pos)
     if sum(map(len, pieces)) < int(into[-1] + run_len[-1]):  # a short read: a truncated tar
         for r, (piece, n) in enumerate(zip(pieces, lengths, strict=True)):
             if len(piece) < n:
@@ -170,6 +200,30 @@ def _read_runs(
             pieces.append(os.pread(src._handle(k).fileno(), n, at_byte))
         except Exception as exc:
             raise src._error(exc, int(idx[sorted_pos[a]])) from exc
+    return pieces
+
+
+def _fetched_runs(
+    src: WebDatasetSource,
+    idx: npt.NDArray[np.int64],
+    fetched: dict[tuple[int, int], bytes],
+    first: list[int],
+    run_k: list[int],
+    lengths: list[int],
+    at_bytes: list[int],
+    sorted_pos: list[int],
+) -> list[bytes]:
+    """The runs (one sample each) from ``fetched``, or read from the local copy of a
+    shard that was not fetched."""
+    pieces = []
+    for a, k, n, at_byte in zip(first, run_k, lengths, at_bytes, strict=True):
+        piece = fetched.get((k, at_byte))
+        if piece is None:
+            try:
+                piece = os.pread(src._handle(k).fileno(), n, at_byte)
+            except Exception as exc:
+                raise src._error(exc, int(idx[sorted_pos[a]])) from exc
+        pieces.append(piece[:n])
     return pieces
 
 

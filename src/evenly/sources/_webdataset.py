@@ -19,6 +19,7 @@ field's bytes lie, so a sample is a few seeks and reads.
 
 from __future__ import annotations
 
+import os
 import re
 import tarfile
 from collections.abc import Sequence
@@ -31,7 +32,8 @@ import numpy.typing as npt
 
 from ._base import Paths, ShardedSource
 from ._manifest import FileEntry, pack_array, unpack_array
-from ._tarread import read_batch, split_name
+from ._ranges import RangeReader, per_process
+from ._tarread import read_batch, sample_spans, split_name
 
 __all__ = ["WebDatasetSource", "from_webdataset", "split_name"]
 
@@ -51,6 +53,10 @@ class WebDatasetSource(ShardedSource):
     A read checks each member's tar header (just before its data) against the manifest:
     a file changed since then raises an error naming the sample, never serves another
     sample's bytes.  Build it with :func:`from_webdataset`.
+
+    Remote shards read in a global shuffle are read by byte range (see
+    :mod:`evenly.sources._ranges`): each sample's members, the next batches' ahead,
+    nothing downloaded whole; a shard already in the local cache is read from there.
     """
 
     format = "webdataset"
@@ -58,6 +64,12 @@ class WebDatasetSource(ShardedSource):
 
     def __init__(self, paths: Paths, *, check_fields: bool = True, **kwargs: Any) -> None:
         self.check_fields = check_fields
+        #: requests in flight in this process while a global shuffle reads by range
+        #: (None: the pass reads through the shard cache)
+        self._range_limit: int | None = None
+        self._ranges: RangeReader | None = None
+        #: shard -> read from its local cached copy (True) or by range (False), this pass
+        self._local: dict[int, bool] = {}
         super().__init__(paths, **kwargs)
 
     def _scan(self, k: int, url: str) -> tuple[int, dict[str, Any]]:
@@ -81,14 +93,100 @@ class WebDatasetSource(ShardedSource):
     def _open(self, k: int, path: str) -> Any:
         return open(path, "rb")
 
+    def prepare_pass(self, shuffle: str, readers: int) -> None:
+        """Called where a pass is read, before its first batch: under the global shuffle,
+        remote shards are read by range (the node's ``max_in_flight`` requests shared
+        by its ranks and each rank's ``readers``), else through the shard cache."""
+        self._local = {}
+        if shuffle != "global" or self.cache is None:
+            self._close_ranges()
+            self._range_limit = None
+            return
+        limit = per_process(getattr(self.cache, "max_in_flight", None), readers)
+        if limit != self._range_limit:
+            self._close_ranges()
+        elif self._ranges is not None and self._ranges.pid == os.getpid():
+            self._ranges.restart()
+        self._range_limit = limit
+
+    def _reader(self) -> RangeReader | None:
+        """This process's range reader while a pass reads by range."""
+        if self._range_limit is None or self.cache is None:
+            return None
+        reader = self._ranges
+        if reader is not None and reader.pid != os.getpid():  # forked: its own
+            reader = self._ranges = None
+        if reader is None:
+            cache = self.cache
+            reader = self._ranges = RangeReader(
+                self.urls,
+                self._fingerprints,
+                self._shards.storage_options,
+                lambda idx: sample_spans(self, idx),
+                cache.retrying,
+                self._range_limit,
+            )
+        return reader
+
+    def _is_remote(self, k: int) -> bool:
+        """Whether shard ``k`` is read by range in this pass: decided at its first read
+        (a shard in the local cache is read from there, its file kept open)."""
+        local = self._local.get(k)
+        if local is None:
+            cache = self.cache
+            local = cache is None or os.path.exists(
+                cache.path_for(self.urls[k], self._fingerprints[k])
+            )
+            if local:
+                self._handle(k)
+            self._local[k] = local
+        return not local
+
+    def prefetch(self, indices: Sequence[int]) -> None:
+        """The plan's next samples: reading by range, they are read ahead of their batch;
+        else their shards are downloaded (remote only), in first-use order."""
+        reader = self._reader()
+        if reader is None:
+            super().prefetch(indices)
+        else:
+            reader.hint(np.asarray(indices, dtype=np.int64))
+
+    def io_stats(self) -> dict[str, float]:
+        """As for every source, plus ``bytes_fetched``, ``fetch_requests`` and
+        ``fetch_seconds`` of the reads by range."""
+        out = super().io_stats()
+        if self._ranges is not None and self._ranges.pid == os.getpid():
+            for name, value in self._ranges.counters().items():
+                out[name] = out.get(name, 0) + value
+        return out
+
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
         """Read a batch: every member of every sample located in one go, read with
-        sorted, coalesced ``pread``s per shard in use, every member's tar header checked
-        against the manifest (see :mod:`evenly.sources._tarread`); samples in the order
-        asked."""
+        sorted, coalesced ``pread``s per shard in use (or by range, see
+        :meth:`prepare_pass`), every member's tar header checked against the manifest
+        (see :mod:`evenly.sources._tarread`); samples in the order asked."""
         idx = self._check_indices(indices)
-        self.prefetch(idx.tolist())
-        return read_batch(self, idx)
+        reader = self._reader()
+        if reader is None:
+            self.prefetch(idx.tolist())
+            return read_batch(self, idx)
+        return read_batch(self, idx, reader.read(idx, self._is_remote))
+
+    def _close_ranges(self) -> None:
+        reader, self._ranges = self._ranges, None
+        if reader is not None and reader.pid == os.getpid():
+            self._count(**reader.counters())  # the counters stay cumulative
+            reader.close()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state.update(_ranges=None, _local={})
+        return state
+
+    def close(self) -> None:
+        """Close the files this process holds open, and stop reading by range."""
+        self._close_ranges()
+        super().close()
 
 
 def _scan_tar(f: Any) -> tuple[int, dict[str, Any]]:

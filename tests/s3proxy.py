@@ -16,7 +16,8 @@ connection gets its own upstream connection, reused across requests (keep-alive)
   ``per_connection_bandwidth``: bytes/s per client connection.  Request bodies are not
   throttled (uploads are the tests' set-up).
 - ``stats()``: ``requests``, ``bytes`` (response body bytes sent), ``gets_by_key``
-  (``{"bucket/key": GETs of that object}``, listings excluded), ``max_concurrent``
+  (``{"bucket/key": GETs of that object received}``, faulted ones included, listings
+  excluded), ``max_concurrent``
   (requests in flight at once); ``reset_stats()`` zeroes them.
 - ``fault(kind, match=None, times=1, after=0, methods=("GET",), **kw)``: the next
   ``times`` requests (``None``: every one from then on) whose method is in ``methods``
@@ -260,6 +261,8 @@ class S3Proxy:
                     return
                 with self._lock:
                     self._requests += 1
+                    if req.method == "GET" and "/" in req.key.strip("/"):
+                        self._gets[req.key] = self._gets.get(req.key, 0) + 1
                     self._in_flight += 1
                     self._max_concurrent = max(self._max_concurrent, self._in_flight)
                 try:
@@ -348,9 +351,6 @@ class S3Proxy:
             else:
                 writer.close()
             return False
-        if req.method == "GET" and "/" in req.key.strip("/") and not no_body:
-            with self._lock:
-                self._gets[req.key] = self._gets.get(req.key, 0) + 1
         if no_body:
             await writer.drain()
         elif length is not None:

@@ -62,7 +62,7 @@ def dataset(s3: S3Endpoint, prefix: str, tmp_path: Path, fmt: str) -> str:
     """``SHARDS`` shards of ``PER_SHARD`` samples (ids 0..N-1, ~8 KiB each) on the server."""
     rows = [{"__key__": f"k{i:04d}", "id": i, "pad": "x" * 8000} for i in range(N)]
     local = tmp_path / f"local-{fmt}"
-    es.write(rows, local, format=fmt, rows_per_shard=PER_SHARD, progress=False)  # type: ignore[arg-type]
+    es.write(rows, local, format=fmt, rows_per_shard=PER_SHARD, progress=False)
     return s3.upload(str(local), f"{prefix}/{fmt}")
 
 

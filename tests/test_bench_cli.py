@@ -86,3 +86,13 @@ def test_the_advice_names_the_format_the_shuffle_and_the_seeding() -> None:
     seeded = Facts(source="list", shuffle="global", seeded=True)
     transforming = [row(0, 900.0, transform=0.5), row(2, 1000.0, transform=0.5)]
     assert [a.code for a in advise(transforming, seeded)] == ["no-workers", "seed-generators"]
+
+
+def test_a_link_bound_loader_is_advised_the_cache_and_concurrency_not_another_format() -> None:
+    """Waits for downloads are the fetch stage (not read or decode): when they dominate,
+    the advice names ``max_in_flight`` and ``cache_bytes``, not Arrow files."""
+    fetching = [row(0, 900.0, fetch=0.8, read=0.05, decode=0.05), row(2, 1000.0, fetch=0.8)]
+    parquet = Facts(source="ParquetSource", shuffle="block", seeded=False, sharded=True)
+    advice = advise(fetching, parquet)
+    assert [a.code for a in advice] == ["no-workers", "fetch-bound"]
+    assert "max_in_flight" in advice[1].text and "cache_bytes" in advice[1].text

@@ -17,6 +17,8 @@ __all__ = ["Advice", "Facts", "Row", "advise"]
 GAIN = 1.2
 #: the loop waited for data this share of the time or more: the loader is the bottleneck
 DATA_BOUND = 0.5
+#: waiting for downloads takes this share of the workers' time or more: the link limits
+FETCH_BOUND = 0.5
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,18 @@ def advise(rows: Sequence[Row], facts: Facts) -> list[Advice]:
         )
     stages = best.stages
     total = sum(stages.values()) or 1.0
+    fetching = stages.get("fetch", 0.0) / total
+    if best.waited_fraction >= DATA_BOUND and fetching >= FETCH_BOUND:
+        out.append(
+            Advice(
+                "fetch-bound",
+                f"waiting for downloads takes {fetching:.0%} of the workers' time: the link "
+                f"to the storage is the limit; keep more requests in flight (max_in_flight, "
+                f"node-wide) and give the shard cache room for at least two windows of the "
+                f"block shuffle (cache_bytes), so nothing is fetched twice; see "
+                f"docs/formats.md, Remote storage",
+            )
+        )
     reading = (stages.get("read", 0.0) + stages.get("decode", 0.0)) / total
     if best.waited_fraction >= DATA_BOUND and reading >= 0.5:
         if facts.source in ("ParquetSource", "JsonlSource"):

@@ -12,7 +12,7 @@ from dataclasses import dataclass, fields
 from time import perf_counter
 from typing import Any
 
-from evenly.runtime.clock import COUNTERS, STAGES, StageClock
+from evenly.runtime.clock import COUNTERS, MAXIMA, STAGES, StageClock
 
 __all__ = ["EpochStats", "LoaderStats", "PassRecorder", "StatsLog", "as_dict"]
 
@@ -24,12 +24,17 @@ class EpochStats:
 
     Stage seconds are summed over the workers (with 4 busy workers, up to 4 seconds of
     stage time per second): ``read`` is the source's ``__getitem__``/``__getitems__`` (or
-    ``read_columns``), less what the source reports as decoding; ``transform`` the
+    ``read_columns``), less what the source reports as fetching and decoding; ``fetch``
+    the time reads waited for remote shards to download; ``transform`` the
     dataset's transform under its per-sample seeds; ``collate`` the ``collate_fn``;
     ``handoff`` the copy into the worker's shared-memory slot and out of it in the main
     process.  Byte counts and cache hits are ``None`` unless the source reports them
     (an ``io_stats()`` method returning cumulative ``bytes_read``, ``bytes_decoded``,
-    ``decode_seconds``, ``cache_hits``, ``cache_misses``).
+    ``decode_seconds``, ``cache_hits``, ``cache_misses``); remote sources add what
+    their shard cache fetched: ``bytes_fetched``, ``fetch_requests`` (GETs, retries
+    included), ``fetch_retries`` (requests retried after a transient error: a reset, a
+    short body, a stall past the read timeout, 503 SlowDown, 429) and
+    ``max_in_flight_seen`` (the most downloads one process ran at once).
     """
 
     epoch: int
@@ -48,6 +53,12 @@ class EpochStats:
     bytes_decoded: int | None = None
     cache_hits: int | None = None
     cache_misses: int | None = None
+    #: time reads waited for remote shards (0 for local data)
+    fetch_seconds: float = 0.0
+    bytes_fetched: int | None = None
+    fetch_requests: int | None = None
+    fetch_retries: int | None = None
+    max_in_flight_seen: int | None = None
     #: the pass ran to its end
     finished: bool = False
 
@@ -70,7 +81,8 @@ class EpochStats:
 
     @property
     def stages(self) -> dict[str, float]:
-        """Seconds per worker stage, by name (read, decode, transform, collate, handoff)."""
+        """Seconds per worker stage, by name (read, fetch, decode, transform, collate,
+        handoff)."""
         return {stage: getattr(self, f"{stage}_seconds") for stage in STAGES}
 
     @property
@@ -92,7 +104,7 @@ class LoaderStats:
     >>> last.epoch, last.batches, last.samples, last.finished
     (0, 3, 10, True)
     >>> sorted(last.stages)
-    ['collate', 'decode', 'handoff', 'read', 'transform']
+    ['collate', 'decode', 'fetch', 'handoff', 'read', 'transform']
     """
 
     epochs: tuple[EpochStats, ...]
@@ -130,7 +142,8 @@ def _sums(times: list[tuple[float, ...]]) -> tuple[float, list[float], list[int 
     counters: list[int | None] = [None] * len(COUNTERS)
     for i, column in enumerate(columns[1 + len(STAGES) :]):
         reported = [v for v in column if v >= 0]
-        counters[i] = int(sum(reported)) if reported else None
+        if reported:
+            counters[i] = int(max(reported) if COUNTERS[i] in MAXIMA else sum(reported))
     return sum(columns[0]), [sum(c) for c in columns[1 : 1 + len(STAGES)]], counters
 
 
@@ -196,10 +209,13 @@ class PassRecorder:
     def _total(self, pending: list[tuple[float, ...]]) -> tuple[list[float], list[int | None], int]:
         """The stages, counters and samples with ``pending`` added."""
         samples, stages, counters = _sums(pending)
-        both = zip(self.counters, counters, strict=True)
+        both = zip(COUNTERS, self.counters, counters, strict=True)
         return (
             [a + b for a, b in zip(self.stages, stages, strict=True)],
-            [b if a is None else a if b is None else a + b for a, b in both],
+            [
+                b if a is None else a if b is None else max(a, b) if k in MAXIMA else a + b
+                for k, a, b in both
+            ],
             self.samples + int(samples),
         )
 
@@ -214,9 +230,9 @@ class PassRecorder:
         if self.live is not None:
             pending.append(self.live.peek())
         stages, counters, samples = self._total(pending)
-        read, decode, transform, collate, handoff = stages
+        read, fetch, decode, transform, collate, handoff = stages
         handoff += self.copied
-        bytes_read, bytes_decoded, hits, misses = counters
+        bytes_read, bytes_decoded, hits, misses, fetched, requests, retries, flight = counters
         return EpochStats(
             epoch=self.epoch,
             batches=self.batches,
@@ -232,6 +248,11 @@ class PassRecorder:
             bytes_decoded=bytes_decoded,
             cache_hits=hits,
             cache_misses=misses,
+            fetch_seconds=fetch,
+            bytes_fetched=fetched,
+            fetch_requests=requests,
+            fetch_retries=retries,
+            max_in_flight_seen=flight,
             finished=self.finished,
         )
 

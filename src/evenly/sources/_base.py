@@ -119,8 +119,17 @@ class ShardedSource:
     def io_stats(self) -> dict[str, float]:
         """This process's cumulative I/O counters, for ``loader.stats()``: those the
         format knows of ``bytes_read``, ``bytes_decoded``, ``decode_seconds``,
-        ``cache_hits``, ``cache_misses``."""
-        return dict(self._io)
+        ``cache_hits``, ``cache_misses``, and for remote shards the shard cache's fetch
+        figures (``bytes_fetched``, ``fetch_requests``, ``fetch_seconds``,
+        ``fetch_retries``, ``max_in_flight_seen``)."""
+        if self.cache is None:
+            return dict(self._io)
+        return {**self._io, **self.cache.counters()}
+
+    def _fetch_waited(self) -> float:
+        """Seconds this process has waited for remote shards so far (0 for local ones):
+        a format that times its decoding subtracts the waits inside it."""
+        return 0.0 if self.cache is None else self.cache.counters()["fetch_seconds"]
 
     # ---- the Source protocol -----------------------------------------------------
     def __len__(self) -> int:

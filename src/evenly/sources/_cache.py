@@ -19,6 +19,13 @@
   hit refreshes) until the cache holds at most ``max_bytes``; the shard just fetched is
   never evicted.  A reader that still has an evicted file open keeps reading it (POSIX).
 - ``prefetch(items)`` downloads shards in a background thread.
+- Credentials refused (HTTP 403: expired, or no right to read) are not retried: the
+  error names the URL and the likely cause.
+- ``counters()``: this process's fetch figures for ``loader.stats()`` (cumulative):
+  ``bytes_fetched``, ``fetch_requests`` (GETs sent, retries included), ``fetch_seconds``
+  (time a reader waited for a shard), ``fetch_retries`` (requests retried after a
+  transient error, on top of the client library's own retries) and
+  ``max_in_flight_seen`` (downloads running at once in this process, at most).
 
 Cache file names are a hash of (URL, fingerprint) plus a sanitised base name, so they
 never escape the cache dir and a changed remote file is fetched again.
@@ -48,7 +55,7 @@ from fsspec.core import url_to_fs
 from ._cachedir import part_abandoned, part_path, written_elsewhere
 from ._manifest import object_fingerprint, same_version
 
-__all__ = ["DEFAULT_CACHE_BYTES", "ShardCache", "is_transient"]
+__all__ = ["DEFAULT_CACHE_BYTES", "FETCH_COUNTERS", "ShardCache", "is_transient"]
 
 logger = logging.getLogger("evenly")
 
@@ -61,6 +68,14 @@ _MAX_BACKOFF_TOTAL = 60.0
 #: bytes per read of a checked download (a range request each)
 _CHUNK = 16 << 20
 T = TypeVar("T")
+#: what :meth:`ShardCache.counters` reports (cumulative, this process)
+FETCH_COUNTERS = (
+    "bytes_fetched",
+    "fetch_requests",
+    "fetch_seconds",
+    "fetch_retries",
+    "max_in_flight_seen",
+)
 
 # exception class names (anywhere in the chain) that mean "try again": botocore,
 # aiohttp, urllib3, http.client, fsspec; matched by name so none has to be installed
@@ -167,10 +182,13 @@ class ShardCache:
         self._pid = os.getpid()
         #: shards this process downloaded (a hit, or a wait on another process, is not one)
         self.downloads = 0
+        self._fetched: dict[str, float] = dict.fromkeys(FETCH_COUNTERS, 0)
+        self._in_flight = 0
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state.update(_pool=None, _pending={}, _mutex=None, _count_lock=None, downloads=0)
+        state.update(_fetched=dict.fromkeys(FETCH_COUNTERS, 0), _in_flight=0)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -185,6 +203,18 @@ class ShardCache:
             self._pool, self._pending, self._mutex = None, {}, None
             self._count_lock = threading.Lock()
             self._pid = os.getpid()
+            self._fetched, self._in_flight = dict.fromkeys(FETCH_COUNTERS, 0), 0
+
+    # ---- counters ------------------------------------------------------------------
+    def counters(self) -> dict[str, float]:
+        """This process's fetch figures so far (:data:`FETCH_COUNTERS`)."""
+        with self._count_lock:
+            return dict(self._fetched)
+
+    def _count(self, **values: float) -> None:
+        with self._count_lock:
+            for name, value in values.items():
+                self._fetched[name] += value
 
     # ---- paths -----------------------------------------------------------------
     def path_for(self, url: str, fingerprint: str = "") -> str:
@@ -215,7 +245,15 @@ class ShardCache:
             if os.path.exists(target):  # another process fetched it while we waited
                 _touch(target)
                 return target
-            self._download(url, target, size, fingerprint)
+            with self._count_lock:
+                self._in_flight += 1
+                seen = self._fetched["max_in_flight_seen"]
+                self._fetched["max_in_flight_seen"] = max(seen, self._in_flight)
+            try:
+                self._download(url, target, size, fingerprint)
+            finally:
+                with self._count_lock:
+                    self._in_flight -= 1
             with self._count_lock:
                 self.downloads += 1
         self.evict(keep=target)
@@ -229,7 +267,7 @@ class ShardCache:
             tmp = part_path(target)
             try:
                 fs, path = url_to_fs(url, **self.storage_options)
-                _get(fs, path, url, tmp, fingerprint, size)
+                _get(fs, path, url, tmp, fingerprint, size, self._count)
                 got = os.path.getsize(tmp)
                 if size is not None and got != size:
                     raise _size_error(url, got, size)
@@ -246,7 +284,9 @@ class ShardCache:
         """``call()``, tried again after a transient error (``retries`` more tries,
         ``backoff`` seconds doubling, with jitter, at most 60 s of sleeps); the last error
         raised as a ``ConnectionError`` saying what could not be done (``doing``: "download
-        <url>"; ``what``, for the log: "the download of <url>")."""
+        <url>"; ``what``, for the log: "the download of <url>").  Each retry is counted
+        (``fetch_retries``); access refused (HTTP 403) is raised at once as a
+        ``PermissionError`` naming what was refused and the likely cause."""
         started = time.monotonic()
         slept = 0.0
         attempt = 0
@@ -254,6 +294,13 @@ class ShardCache:
             try:
                 return call()
             except Exception as exc:
+                if _refused(exc):
+                    raise PermissionError(
+                        f"cannot {doing}: access denied ({exc}): the credentials have likely "
+                        f"expired (temporary credentials end after a while), or they do not "
+                        f"allow reading it; refresh them (storage_options, or the "
+                        f"environment) and resume from the last checkpoint"
+                    ) from exc
                 if not is_transient(exc):
                     raise
                 delay = self.backoff * 2**attempt * random.uniform(0.5, 1.0)
@@ -275,6 +322,7 @@ class ShardCache:
                 time.sleep(delay)
                 slept += delay
                 attempt += 1
+                self._count(fetch_retries=1)
 
     def prefetch(self, items: Iterable[tuple[str, str] | tuple[str, str, int | None]]) -> None:
         """Start background downloads of ``(url, fingerprint[, size])`` not cached yet."""
@@ -298,11 +346,15 @@ class ShardCache:
     def wait(self, url: str, fingerprint: str = "", size: int | None = None) -> str:
         """``fetch``, joining a background download of ``url`` if one is running."""
         self._after_fork()
-        future = self._pending.pop(url, None)
-        if future is not None:
-            with contextlib.suppress(Exception):  # fetch again below, raising in this thread
-                return future.result()
-        return self.fetch(url, fingerprint, size)
+        started = time.perf_counter()
+        try:
+            future = self._pending.pop(url, None)
+            if future is not None:
+                with contextlib.suppress(Exception):  # fetch again below, raising here
+                    return future.result()
+            return self.fetch(url, fingerprint, size)
+        finally:
+            self._count(fetch_seconds=time.perf_counter() - started)
 
     # ---- eviction --------------------------------------------------------------
     def usage(self) -> int:
@@ -377,15 +429,26 @@ def _size_error(url: str, got: int, size: int) -> ValueError:
     )
 
 
-def _get(fs: Any, path: str, url: str, tmp: str, fingerprint: str, size: int | None) -> None:
-    """Copy ``path`` to ``tmp``, from the version of the object that was listed.
+def _get(
+    fs: Any,
+    path: str,
+    url: str,
+    tmp: str,
+    fingerprint: str,
+    size: int | None,
+    count: Callable[..., None],
+) -> None:
+    """Copy ``path`` to ``tmp``, from the version of the object that was listed
+    (``count``: the cache's counter of requests and bytes).
 
     With a ``fingerprint`` (``size:version`` from the listing), the object is opened
     (its ``info``: the version this download reads) and compared with it before a byte is
     copied; s3fs then sends that ETag with every range read (``If-Match``), so a version
     written during the download fails the read instead of mixing into the copy."""
     if not fingerprint:  # nothing listed to compare with
+        count(fetch_requests=1)
         fs.get_file(path, tmp)
+        count(bytes_fetched=os.path.getsize(tmp))
         return
     try:
         with fs.open(path, "rb", block_size=_CHUNK, cache_type="none") as f:
@@ -397,8 +460,14 @@ def _get(fs: Any, path: str, url: str, tmp: str, fingerprint: str, size: int | N
             if not same_version(fingerprint, now):
                 raise _changed(url, fingerprint, now)
             with open(tmp, "wb") as out:
-                while chunk := f.read(_CHUNK):
+                while True:
+                    if f.tell() < (getattr(f, "size", None) or 1 << 62):  # a range request
+                        count(fetch_requests=1)
+                    chunk = f.read(_CHUNK)
+                    if not chunk:
+                        break
                     out.write(chunk)
+                    count(bytes_fetched=len(chunk))
     except OSError as exc:
         if _expired(exc):  # s3fs: the If-Match failed, a newer version was written
             raise _changed(url, fingerprint, "a newer version") from exc
@@ -412,6 +481,22 @@ def _changed(url: str, listed: str, now: str) -> ValueError:
         f"cached (a changed remote object is an error, never re-listed by itself): open "
         f"the source again to read the new object"
     )
+
+
+def _refused(exc: BaseException) -> bool:
+    """Whether ``exc`` is the storage refusing the credentials (HTTP 403, as s3fs and
+    botocore raise it), not a local file's permissions."""
+    if isinstance(exc, PermissionError) and exc.filename is None:
+        return True
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        response = getattr(e, "response", None)
+        if isinstance(response, dict):
+            return bool(response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 403)
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def _expired(exc: BaseException) -> bool:

@@ -37,7 +37,9 @@ from evenly.sources._cachedir import default_cache_dir
 from evenly.sources._progress import bar as progress_bar
 
 __all__ = [
+    "CONNECT_TIMEOUT",
     "MANIFEST_NAME",
+    "READ_TIMEOUT",
     "SCAN_THREADS",
     "FileEntry",
     "Shards",
@@ -51,6 +53,7 @@ __all__ = [
     "same_version",
     "save_manifest",
     "unpack_array",
+    "with_timeouts",
 ]
 
 MANIFEST_NAME = ".evenly-manifest.json"
@@ -59,6 +62,12 @@ _VERSION = 2
 SCAN_THREADS = 8
 #: a scan of this many shards or more shows a progress bar (on a terminal)
 SCAN_BAR_MIN = 32
+#: seconds without a byte from S3 before a read is given up (and retried): a stalled
+#: connection fails instead of hanging; ``storage_options={"config_kwargs":
+#: {"read_timeout": ...}}`` sets another (botocore's own default is 60 s)
+READ_TIMEOUT = 20.0
+#: seconds to open a connection to S3 (``config_kwargs={"connect_timeout": ...}``)
+CONNECT_TIMEOUT = 10.0
 
 
 @dataclass(frozen=True)
@@ -190,7 +199,6 @@ def resolve(
     an explicit list is taken as given.  Raises ``FileNotFoundError`` naming a missing
     path, a glob that matches nothing or a directory without such files.
     """
-    options = dict(storage_options or {})
     items = (
         [os.fspath(paths)]
         if isinstance(paths, str | os.PathLike)
@@ -198,6 +206,7 @@ def resolve(
     )
     if not items:
         raise ValueError(f"{what}: no paths given; pass a directory, a glob or a list of files")
+    options = with_timeouts(items[0], storage_options)
     fs, _ = url_to_fs(items[0], **options)
     infos: dict[str, dict[str, Any]] = {}
     for item in items:
@@ -244,6 +253,26 @@ def resolve(
         storage_options=options,
         sizes=tuple(int(infos[n].get("size") or 0) for n in names),
     )
+
+
+def with_timeouts(url: str, storage_options: dict[str, Any] | None) -> dict[str, Any]:
+    """``storage_options`` with evenly's read and connect timeouts for ``s3://`` URLs
+    (s3fs's ``config_kwargs``), where the user set none.
+
+    >>> with_timeouts("s3://bucket/data", {"anon": True})["config_kwargs"]
+    {'read_timeout': 20.0, 'connect_timeout': 10.0}
+    >>> with_timeouts("s3://b/d", {"config_kwargs": {"read_timeout": 5}})["config_kwargs"]
+    {'read_timeout': 5, 'connect_timeout': 10.0}
+    >>> with_timeouts("/data", None)
+    {}
+    """
+    options = dict(storage_options or {})
+    if url.partition("://")[0] not in ("s3", "s3a"):
+        return options
+    config = dict(options.get("config_kwargs") or {})
+    config.setdefault("read_timeout", READ_TIMEOUT)
+    config.setdefault("connect_timeout", CONNECT_TIMEOUT)
+    return {**options, "config_kwargs": config}
 
 
 def _stat_fingerprint(path: str, what: str) -> str:

@@ -195,9 +195,10 @@ class ParquetSource(ArrowBatchSource):
         fingerprint, that the local file is still the one opened)."""
         # one thread: the workers (and ranks) are the parallelism, and Arrow's pool
         # threads would each keep an arena of freed memory
-        started = time.perf_counter()
+        started, waited = time.perf_counter(), self._fetch_waited()
         table: pa.Table = handle.read_row_group(g, columns=self.columns, use_threads=False)
-        decoded = time.perf_counter() - started
+        # a deferred handle downloads the shard first: that wait is fetch, not decode
+        decoded = time.perf_counter() - started - (self._fetch_waited() - waited)
         self._count(
             cache_misses=1, bytes_decoded=int(table.get_total_buffer_size()), decode_seconds=decoded
         )

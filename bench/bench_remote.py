@@ -195,51 +195,43 @@ def storage_options(endpoint: str) -> dict[str, Any]:
     }
 
 
+def proxy_class() -> Any:
+    """``tests/s3proxy.py``'s ``S3Proxy`` (the repository's test helper), or None."""
+    sys.path.insert(0, ROOT)
+    try:
+        from tests.s3proxy import S3Proxy
+    except ImportError:
+        return None
+    finally:
+        sys.path.remove(ROOT)
+    return S3Proxy
+
+
 class Link:
     """The throttling proxy of one profile in front of the server, with its counters."""
 
     def __init__(self, upstream: str, profile: Profile) -> None:
-        sys.path.insert(0, ROOT)
-        try:
-            from tests.s3proxy import S3Proxy
-        except ImportError:
-            S3Proxy = None
-        finally:
-            sys.path.remove(ROOT)
         self.profile = profile
-        self._proxy: Any = None
-        if S3Proxy is None:
-            print(
-                "# WARNING: tests/s3proxy.py not found: running WITHOUT the proxy "
-                "(no delay, no bandwidth cap, bytes fetched unknown)",
-                file=sys.stderr,
-            )
-            self.url = upstream
-            return
-        self._proxy = S3Proxy(
+        self._proxy = proxy_class()(
             upstream,
             delay=profile.delay,
             bandwidth=profile.bandwidth,
             per_connection_bandwidth=profile.per_connection,
         )
         self._proxy.__enter__()
-        self.url = self._proxy.url
+        self.url: str = self._proxy.url
 
-    def counts(self) -> dict[str, int] | None:
+    def counts(self) -> dict[str, int]:
         """``requests``, ``bytes`` (response bodies sent) and ``max_concurrent`` since
-        the last reset, or None without the proxy."""
-        if self._proxy is None:
-            return None
+        the last reset."""
         s = self._proxy.stats()
         return {k: int(s[k]) for k in ("requests", "bytes", "max_concurrent")}
 
     def reset(self) -> None:
-        if self._proxy is not None:
-            self._proxy.reset_stats()
+        self._proxy.reset_stats()
 
     def close(self) -> None:
-        if self._proxy is not None:
-            self._proxy.__exit__(None, None, None)
+        self._proxy.__exit__(None, None, None)
 
 
 # ---- the data (parent) ---------------------------------------------------------------------
@@ -779,6 +771,11 @@ def main() -> None:
         child(a.child, a)
         return
     profiles = a.profile or [parse_profile("20ms,100MB/s"), parse_profile("80ms,30MB/s")]
+    if proxy_class() is None:
+        ap.error(
+            f"the throttling proxy {os.path.join(ROOT, 'tests', 's3proxy.py')} is missing or "
+            "does not import: without it there is no delay, no bandwidth cap and no byte count"
+        )
     wanted = [x for x in a.only.split(",") if x]
     unknown = [x for x in wanted if x not in BY_NAME]
     if unknown:
@@ -877,8 +874,6 @@ def run_one(
 
     def on_mark(tag: str) -> None:
         now = link.counts()
-        if now is None:
-            return
         counts[tag] = now["bytes"] - last["bytes"]
         counts[tag + "_requests"] = now["requests"] - last["requests"]
         counts["max_concurrent"] = now["max_concurrent"]

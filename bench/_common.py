@@ -26,7 +26,7 @@ import statistics
 import subprocess
 import sys
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +34,7 @@ import numpy as np
 
 __all__ = [
     "Row",
+    "child_mark",
     "child_report",
     "env_for",
     "fmt_ratio",
@@ -142,13 +143,69 @@ def _tree_pss(root: Any) -> tuple[int, int]:
     return anon, file
 
 
-def run_child(cmd: list[str], env: dict[str, str], timeout: float) -> dict[str, Any]:
+MARK = "#mark "
+
+
+def child_mark(name: str) -> None:
+    """In a child run with ``on_mark``: tell the parent that ``name`` was reached, and wait
+    until it has taken what it measures there (e.g. a proxy's byte counters)."""
+    sys.stdout.write(f"{MARK}{name}\n")
+    sys.stdout.flush()
+    sys.stdin.readline()
+
+
+def _communicate_marks(
+    proc: subprocess.Popen[str], timeout: float, on_mark: Callable[[str], None]
+) -> tuple[str, str]:
+    """``proc.communicate`` that answers the child's ``child_mark`` lines as they come."""
+    stdout, stdin, stderr = proc.stdout, proc.stdin, proc.stderr
+    if stdout is None or stdin is None or stderr is None:
+        raise ValueError("run the child with stdin, stdout and stderr piped")
+    err: list[str] = []
+    reader = threading.Thread(target=lambda: err.append(stderr.read()), daemon=True)
+    reader.start()
+    timer = threading.Timer(timeout, proc.kill)
+    timer.start()
+    out: list[str] = []
+    try:
+        for line in stdout:
+            if line.startswith(MARK):
+                on_mark(line[len(MARK) :].strip())
+                with contextlib.suppress(OSError):
+                    stdin.write("\n")
+                    stdin.flush()
+            else:
+                out.append(line)
+        proc.wait()
+    finally:
+        expired = not timer.is_alive()
+        timer.cancel()
+        reader.join()
+    if expired and proc.returncode != 0:
+        raise subprocess.TimeoutExpired(proc.args, timeout)
+    return "".join(out), "".join(err)
+
+
+def run_child(
+    cmd: list[str],
+    env: dict[str, str],
+    timeout: float,
+    on_mark: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
     """Run one contender; its JSON result plus the peaks of the tree's PSS (bytes):
     ``peak_pss`` (total), ``peak_anon`` (anonymous + shared memory), ``peak_file``
-    (file-backed); or ``{"error"}``."""
+    (file-backed); or ``{"error"}``.  With ``on_mark``, each ``child_mark(name)`` of the
+    child calls ``on_mark(name)`` in the parent while the child waits."""
     import psutil
 
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(
+        cmd,
+        stdin=subprocess.PIPE if on_mark else None,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     peak = peak_anon = peak_file = 0
     done = threading.Event()
 
@@ -170,7 +227,10 @@ def run_child(cmd: list[str], env: dict[str, str], timeout: float) -> dict[str, 
     watcher = threading.Thread(target=sample, daemon=True)
     watcher.start()
     try:
-        out, err = proc.communicate(timeout=timeout)
+        if on_mark is None:
+            out, err = proc.communicate(timeout=timeout)
+        else:
+            out, err = _communicate_marks(proc, timeout, on_mark)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.communicate()
@@ -180,7 +240,10 @@ def run_child(cmd: list[str], env: dict[str, str], timeout: float) -> dict[str, 
         watcher.join()
     if proc.returncode != 0:
         lines = [x for x in err.strip().splitlines() if x.strip()]
-        return {"error": lines[-1][:160] if lines else f"exit {proc.returncode}"}
+        # the exception's line, not a trailing line of a printed structure
+        raised = [x for x in lines if x.split(":")[0].strip().endswith(("Error", "Exception"))]
+        last = (raised or lines)[-1][:160] if lines else f"exit {proc.returncode}"
+        return {"error": last}
     result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
     result.update(peak_pss=peak, peak_anon=peak_anon, peak_file=peak_file)
     return result

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Install the peer libraries that bench/bench_formats.py and bench/bench_packing.py compare
-# evenly with, into the
+# Install the peer libraries that bench/bench_formats.py, bench/bench_packing.py and
+# bench/bench_remote.py compare evenly with, into the
 # active venv (default: ./.venv), never touching torch: every install is constrained by
 # constraints.txt.  litdata and mosaicml-streaming are installed --no-deps (their full
 # requirement lists pull in cloud SDKs and, for streaming, torchvision, which has no wheel
@@ -16,6 +16,13 @@ PIP=(python -m pip install --quiet -c constraints.txt)
 
 # HF datasets, webdataset, torchdata, psutil (the bench extra of pyproject.toml)
 "${PIP[@]}" "psutil>=5.9" "datasets>=2.18" "webdataset>=0.2.86" "torchdata>=0.10"
+
+# bench_remote.py: moto's S3 server, s3fs (evenly's s3:// path through fsspec), and obstore
+# (litdata's S3 path where it is installed; the bench runs litdata with and without it).
+# One resolver call with boto3: s3fs's aiobotocore pins botocore to a narrow range, and a
+# boto3 installed on its own (litdata's line below) would pull a newer botocore than
+# aiobotocore accepts; resolved together, pip picks the boto3 whose botocore fits.
+"${PIP[@]}" "moto[server]>=5" "s3fs>=2023.6" boto3 aiohttp obstore
 
 # litdata: its import-time requirements, then litdata itself without dependencies
 "${PIP[@]}" lightning-utilities filelock boto3 requests tifffile
@@ -40,7 +47,9 @@ import types
 # bench_formats.py imports mosaicml-streaming the same way: its streaming.vision
 # subpackage imports torchvision (not installed here, and not needed by the bench)
 sys.modules.setdefault("streaming.vision", types.ModuleType("streaming.vision"))
-for name in ("datasets", "webdataset", "litdata", "streaming", "grain", "psutil"):
+for name in (
+    "datasets", "webdataset", "litdata", "streaming", "grain", "psutil", "moto", "s3fs", "obstore"
+):
     try:
         mod = importlib.import_module(name)
         print(f"ok   {name} {getattr(mod, '__version__', '?')}")

@@ -42,7 +42,7 @@ from typing import Any, TypeVar
 from ._procs import detach, exit_on_signals, stop
 from ._types import AuditError, ranks_per_node
 
-__all__ = ["launch", "seen_here", "start_fork_server", "working_on"]
+__all__ = ["free_port", "launch", "rank_env", "seen_here", "start_fork_server", "working_on"]
 
 #: What the fork server imports once: a rank forked from it starts without ``import torch``.
 PRELOAD = ["torch", "evenly.audit._resume"]
@@ -193,7 +193,8 @@ def _rank_main(rank: int, world_size: int, nodes: int, port: int, job: bytes, ou
         out.put((rank, False, f"while auditing {_CURRENT[0]}:\n{traceback.format_exc()}"))
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -286,7 +287,7 @@ def launch(
     job = len(where).to_bytes(8, "little") + where + body
     ctx = _context()
     out = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [
         ctx.Process(target=_rank_main, args=(r, world_size, nodes, port, job, out))
         for r in range(world_size)

@@ -76,7 +76,9 @@ def build_records(
         read = np.asarray(result.reads, dtype=np.int64).reshape(-1)
         reads.append(read if len(read) == len(result.ids) else np.full(len(result.ids), -1))
         for col, arr in zip(
-            cols, (np.full(len(worker), result.rank), worker, epoch, batch, pos, draws), strict=True
+            cols,
+            (np.full(len(worker), result.rank), worker, epoch, batch, pos, draws),
+            strict=True,
         ):
             col.append(arr)
     all_ids: I64 | list[Any] = ids
@@ -236,7 +238,8 @@ def audit_many(
     start_fork_server()  # it imports torch while this process imports the rest
     # Deferred: running ranks needs torch.distributed and the tracing wrappers, which
     # ``import evenly`` (that imports this module for ``evenly.audit``) does not.
-    from ._collect import Job, collect
+    from ._collect import Job
+    from ._resume import collect
 
     if not resume:
         if progress is not None:

@@ -38,6 +38,7 @@ __all__ = [
     "full_batches",
     "merged_pieces",
     "pad_rows",
+    "pieces_coverage",
     "record_coverage",
     "tokens",
 ]
@@ -162,12 +163,20 @@ def _pack(rec: Records) -> tuple[I64, I64]:
 def record_coverage(rec: Records) -> list[Coverage]:
     """``coverage`` of an audit's records."""
     lengths, pieces = _pack(rec)
+    return pieces_coverage(lengths, rec.epochs, rec.epoch, rec.rank, pieces)
+
+
+def pieces_coverage(
+    lengths: I64, epochs: int, epoch: I64, rank: I64, pieces: I64
+) -> list[Coverage]:
+    """``coverage`` of packed ``pieces`` (row, document, start, tokens), with each row's
+    ``epoch`` and ``rank``."""
     row = pieces[:, 0]
     return coverage(
         lengths=lengths,
-        epochs=rec.epochs,
-        epoch=rec.epoch[row],
-        rank=rec.rank[row],
+        epochs=epochs,
+        epoch=epoch[row],
+        rank=rank[row],
         doc=pieces[:, 1],
         start=pieces[:, 2],
         length=pieces[:, 3],

@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ._tokencover import compare
-from ._types import I64, Finding, Records, Status
+from ._types import I64, Finding, Records, Status, batch_sizes
 
 __all__ = [
     "Coverage",
@@ -265,23 +265,18 @@ def full_batches(rec: Records) -> Finding:
     if over:
         statuses.append("FAIL")
         parts.append(f"{over} rows hold more than seq_len={rec.pack.seq_len} tokens")
-    if len(rec):
-        span = int(rec.batch.max()) + 1
-        key = (rec.epoch * rec.world_size + rec.rank) * span + rec.batch
-        batches, sizes = np.unique(key, return_counts=True)
-        epoch_rank = batches // span
-        short = sizes < rec.batch_size
-        for e in range(rec.epochs):
-            mine = short & (epoch_rank // rec.world_size == e)
-            per_rank = np.bincount(epoch_rank[mine] % rec.world_size, minlength=rec.world_size)
-            if not per_rank.any():
-                continue
-            ok = rec.pack.pad == "none" and per_rank.max() <= 1
-            statuses.append("WARN" if ok else "FAIL")
-            parts.append(
-                f"epoch {e}: batches with fewer than {rec.batch_size} rows per rank "
-                f"{per_rank.tolist()}" + (" (pad='none')" if ok else "")
-            )
+    ranks, epochs, sizes = batch_sizes(rec)
+    short = sizes < rec.batch_size
+    for e in range(rec.epochs):
+        per_rank = np.bincount(ranks[short & (epochs == e)], minlength=rec.world_size)
+        if not per_rank.any():
+            continue
+        ok = rec.pack.pad == "none" and per_rank.max() <= 1
+        statuses.append("WARN" if ok else "FAIL")
+        parts.append(
+            f"epoch {e}: batches with fewer than {rec.batch_size} rows per rank "
+            f"{per_rank.tolist()}" + (" (pad='none')" if ok else "")
+        )
     status: Status = "FAIL" if "FAIL" in statuses else ("WARN" if statuses else "PASS")
     ok_text = f"every batch {rec.batch_size} rows of at most {rec.pack.seq_len} tokens"
     return Finding(

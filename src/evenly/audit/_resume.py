@@ -214,10 +214,8 @@ def _run(
                 if not managed and epoch != loaded:
                     set_epoch(epoch_objects(dataset, kwargs, loader), epoch)
                 if plain:  # what the loader says the pass holds
-                    reported, reported_batches = (
-                        _reported(dataset, loader, iterable),
-                        _length(loader),
-                    )
+                    reported = _reported(dataset, loader, iterable)
+                    reported_batches = _length(loader)
                 done = first_batch.get(epoch, 0)
                 samples = 0
                 for item in loader:

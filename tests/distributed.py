@@ -1,9 +1,11 @@
-"""A real multi-process harness: ``run_ranks(fn, world_size)`` starts ``world_size``
-processes with torch.multiprocessing, initialises a gloo process group on 127.0.0.1 in
-each, runs ``fn(rank, world_size, *args)`` and returns the results in rank order.
+"""A real multi-process harness: ``run_ranks(fn, world_size)`` runs
+``fn(rank, world_size, *args)`` in ``world_size`` rank processes with a gloo process group
+on 127.0.0.1 (the audit's launcher, ``evenly.audit._launch.launch``: torchrun's
+variables, the platform's start method for DataLoader workers, every process stopped on
+every exit path) and returns the results in rank order.
 
-``fn`` must be a module-level function (it is pickled for spawn) and return something
-picklable.  A failure in any rank is raised here with that rank's traceback.
+``fn`` must be a module-level function (it is pickled) and return something picklable.
+A failure in any rank is raised here (``AssertionError``) with that rank's traceback.
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ import contextlib
 import multiprocessing
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,18 +22,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from evenly.audit._launch import rank_env
+from evenly.audit._launch import free_port, launch, working_on
+from evenly.audit._types import AuditError
+
+__all__ = ["free_port", "in_fresh_process", "kill_job", "run_ranks", "start_job", "torchrun"]
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _like_a_launched_process() -> None:
@@ -41,26 +38,13 @@ def _like_a_launched_process() -> None:
     multiprocessing.set_start_method("fork", force=True)
 
 
-def _entry(
-    rank: int,
-    world_size: int,
-    port: int,
-    fn: Callable[..., Any],
-    args: tuple[Any, ...],
-    queue: Any,
-    env: dict[str, str],
-) -> None:
-    _like_a_launched_process()
+def _call(
+    rank: int, payload: tuple[Callable[..., Any], int, tuple[Any, ...], dict[str, str]]
+) -> Any:
+    fn, world_size, args, env = payload
+    working_on(getattr(fn, "__qualname__", repr(fn)))
     os.environ.update(env)
-    os.environ.update(rank_env(rank, world_size, port))  # the audit's launcher's
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
-        try:
-            queue.put((rank, True, fn(rank, world_size, *args)))
-        finally:
-            dist.destroy_process_group()
-    except BaseException:
-        queue.put((rank, False, traceback.format_exc()))
+    return fn(rank, world_size, *args)
 
 
 def run_ranks(
@@ -70,35 +54,12 @@ def run_ranks(
     env: dict[str, str] | None = None,
     timeout: float = 120.0,
 ) -> list[Any]:
-    """Run ``fn`` in ``world_size`` real gloo ranks and return their results by rank."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [
-        ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue, env or {}))
-        for r in range(world_size)
-    ]
-    for p in procs:
-        p.start()
-    results: dict[int, Any] = {}
-    errors: list[str] = []
+    """Run ``fn`` in ``world_size`` real gloo ranks and return their results by rank
+    (``env``: variables set in each rank before ``fn`` runs)."""
     try:
-        for _ in range(world_size):
-            rank, ok, value = queue.get(timeout=timeout)
-            if ok:
-                results[rank] = value
-            else:
-                errors.append(f"rank {rank} failed:\n{value}")
-                break
-    finally:
-        for p in procs:
-            p.join(timeout=10 if not errors else 1)
-            if p.is_alive():
-                p.kill()
-                p.join()
-    if errors:
-        raise AssertionError("\n".join(errors))
-    return [results[r] for r in range(world_size)]
+        return launch(world_size, timeout, _call, (fn, world_size, args, dict(env or {})))
+    except AuditError as exc:
+        raise AssertionError(str(exc)) from exc
 
 
 def _fresh_entry(fn: Callable[..., Any], args: tuple[Any, ...], queue: Any) -> None:

@@ -108,6 +108,17 @@ class _Findings:
     def shape(self, rig: Rig, state: dict[str, Any], stop: int) -> None:
         self.shapes.setdefault(shape_of(rig.own_state(state)), stop)
 
+    def states(
+        self, rig: Rig, states: list[list[dict[str, Any]]], what: str, *, same: bool
+    ) -> None:
+        """The shape of every rank's state at every stop (``states``: rank -> the state
+        after t batches); with ``same``, every rank's state is rank 0's."""
+        for t, state in enumerate(states[0]):
+            for rank, taken in enumerate(states):
+                self.shape(rig, taken[t], t)
+                if same and rank:
+                    assert taken[t] == state, f"{what} {t}: rank {rank}'s state differs"
+
     def length(self, got: int | None, want: int, what: str) -> None:
         if got is not None and got != want:
             self.lengths.append(f"{what}: len(loader) {got}, {want} expected")
@@ -330,6 +341,21 @@ def _settle() -> None:
     gc.collect()
 
 
+def _loaded(
+    make: Make, after: Layout, state: dict[str, Any], want: tuple[int, int | None], where: str
+) -> list[Rig]:
+    """Fresh loaders under ``after`` with ``state`` (as a checkpoint file gives it back)
+    loaded, after checking the (epoch, position) it says it resumes from."""
+    fresh = [make(r, after) for r in range(after.world_size)]
+    for rig in fresh:
+        rig.load(round_trip(state))
+    position = fresh[0].position(state)
+    assert position is None or position == want, (
+        f"{where}: the state resumes (epoch, position) {position}, not {want}"
+    )
+    return fresh
+
+
 # ---- the harness --------------------------------------------------------------------------
 def check_resume(
     make: Make,
@@ -394,12 +420,7 @@ def check_resume(
     _settle()
     per_epoch = [len(ref[e][0]) for e in range(_EPOCHS)]
     report.batches_per_epoch = per_epoch
-    for t, state in enumerate(states[0]):
-        findings.shape(probe, state, t)
-        for rank in range(1, before.world_size):
-            findings.shape(probe, states[rank][t], t)
-            if rank_free:
-                assert states[rank][t] == state, f"stop {t}: rank {rank}'s state differs"
+    findings.states(probe, states, "stop", same=rank_free)
 
     # the epochs' position-wise orders
     if topology_free:
@@ -451,13 +472,7 @@ def check_resume(
         # stop are full), unless several workers batched their own shares: then the state
         # resumes worker by worker, with the epoch's plan
         start = done * before.batch_size * before.world_size if in_order else None
-        fresh = [make(r, after) for r in range(after.world_size)]
-        for rig in fresh:
-            rig.load(round_trip(state))
-        position = fresh[0].position(state)
-        assert position is None or position == (epoch, start), (
-            f"{where}: the state resumes (epoch, position) {position}, not {(epoch, start)}"
-        )
+        fresh = _loaded(make, after, state, (epoch, start), where)
         plan = evenly.core.EpochPlan(
             num_samples=num_samples,
             world_size=after.world_size,
@@ -577,10 +592,7 @@ def _check_stream(
         states.append(taken)
         del rig
     _settle()
-    for t, state in enumerate(states[0]):
-        findings.shape(probe, state, t)
-        for rank in range(1, before.world_size):
-            assert states[rank][t] == state, f"step {t}: rank {rank}'s state differs"
+    findings.states(probe, states, "step", same=True)
 
     stops = list(range(steps)) if every_batch else sorted({0, steps // 2, steps - 1})
     report.stops = stops
@@ -621,13 +633,7 @@ def _check_stream(
         start = t * before.step
         where = f"step {t} (stream position {start}) under {before} -> {after}"
         state = states[0][t]
-        fresh = [make(r, after) for r in range(after.world_size)]
-        for rig in fresh:
-            rig.load(round_trip(state))
-        position = fresh[0].position(state)
-        assert position is None or position == divmod(start, n), (
-            f"{where}: the state resumes (epoch, position) {position}, not {divmod(start, n)}"
-        )
+        fresh = _loaded(make, after, state, divmod(start, n), where)
         for rig in fresh:
             if rig.length() is not None:
                 findings.lengths.append(f"{where}: an infinite loader has len() {rig.length()}")

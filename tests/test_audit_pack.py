@@ -18,8 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from evenly.audit import Records, audit_many
-from evenly.audit._packfindings import coverage, full_batches, pad_rows, tokens
-from evenly.audit._tokencover import compare
+from evenly.audit._packfindings import compare, coverage, full_batches, pad_rows, tokens
 from evenly.audit._types import PackInfo
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -23,7 +23,7 @@ HEAVY = (
     "rich",
     "evenly.audit._collect",
     "evenly.audit._trace",
-    "evenly.audit._procs",
+    "evenly.audit._launch",
     "evenly.audit._report",
     "evenly.audit._table",
     "evenly.audit._cli",

@@ -44,6 +44,13 @@ def _encode(ids: I64 | list[Any]) -> tuple[I64, list[str] | None, list[Any]]:
     return codes, [str(v) for v in distinct], distinct
 
 
+def _joined_ids(results: list[RankResult]) -> I64 | list[Any]:
+    """The ids of several results one after the other (an array where all are ints)."""
+    if all(isinstance(r.ids, np.ndarray) for r in results):
+        return np.concatenate([np.asarray(r.ids, dtype=np.int64) for r in results] or [I64_EMPTY])
+    return [i for r in results for i in list(r.ids)]
+
+
 def _shards(codes: I64, distinct: list[Any], shard_fn: Callable[[Any], Any]) -> I64:
     """The shard of each row, as small integer codes, calling ``shard_fn`` once per id."""
     if distinct:
@@ -66,25 +73,19 @@ def build_records(
     shard_fn: Callable[[Any], Any] | None = None,
 ) -> Records:
     """Merge the ranks' results into one ``Records``."""
-    int_ids = all(isinstance(r.ids, np.ndarray) for r in ranks)
-    ids: list[Any] = []
     cols: list[list[Any]] = [[], [], [], [], [], []]
     reads: list[I64] = []
     for result in ranks:
         worker, epoch, batch, pos, draws = result.arrays()
-        ids.extend([] if int_ids else list(result.ids))
         read = np.asarray(result.reads, dtype=np.int64).reshape(-1)
         reads.append(read if len(read) == len(result.ids) else np.full(len(result.ids), -1))
         for col, arr in zip(
-            cols, (np.full(len(worker), result.rank), worker, epoch, batch, pos, draws), strict=True
+            cols,
+            (np.full(len(worker), result.rank), worker, epoch, batch, pos, draws),
+            strict=True,
         ):
             col.append(arr)
-    all_ids: I64 | list[Any] = ids
-    if int_ids:
-        all_ids = np.concatenate(
-            [np.asarray(r.ids, dtype=np.int64) for r in ranks] or [np.zeros(0, dtype=np.int64)]
-        )
-    codes, labels, distinct = _encode(all_ids)
+    codes, labels, distinct = _encode(_joined_ids(ranks))
     rank0 = ranks[0]
     mix = rank0.mix
     pack, pieces = rank0.pack, None
@@ -167,12 +168,7 @@ def _changes(
 
 def _codes(results: list[RankResult]) -> tuple[list[I64], Callable[[int], str]]:
     """Integer codes for the ids of several runs, in one code space, and their labels."""
-    ids: I64 | list[Any]
-    if all(isinstance(r.ids, np.ndarray) for r in results):
-        ids = np.concatenate([np.asarray(r.ids, dtype=np.int64) for r in results] or [I64_EMPTY])
-    else:
-        ids = [i for r in results for i in list(r.ids)]
-    codes, labels, _ = _encode(ids)
+    codes, labels, _ = _encode(_joined_ids(results))
     bounds = np.cumsum([0] + [len(r.ids) for r in results])
     split = [codes[a:b] for a, b in itertools.pairwise(bounds)]
     return split, (str if labels is None else labels.__getitem__)
@@ -236,7 +232,8 @@ def audit_many(
     start_fork_server()  # it imports torch while this process imports the rest
     # Deferred: running ranks needs torch.distributed and the tracing wrappers, which
     # ``import evenly`` (that imports this module for ``evenly.audit``) does not.
-    from ._collect import Job, collect
+    from ._collect import Job
+    from ._resume import collect
 
     if not resume:
         if progress is not None:

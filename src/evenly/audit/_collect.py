@@ -1,18 +1,16 @@
-"""Run a dataset factory in real rank processes and record every delivered sample.
+"""Build a factory's loader traced, and record every sample it delivers as columns.
 
-Each rank is a spawned process with ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_*``
-set and a gloo process group on 127.0.0.1, so code that asks ``torch.distributed`` sees
-the truth.  In each rank the factory's dataset runs through a real DataLoader with
-``num_workers`` worker processes for ``epochs`` epochs: an ``evenly.Dataset`` through
+In each rank (``_resume`` drives the passes) the factory's dataset runs through a real
+DataLoader with ``num_workers`` worker processes: an ``evenly.Dataset`` through
 ``evenly.DataLoader`` (which advances epochs by itself); anything else through
-``torch.utils.data.DataLoader``, calling ``set_epoch(epoch)`` before each epoch on the
-dataset, the sampler and the batch sampler when they have one, as a careful user would.
+``torch.utils.data.DataLoader`` (torchdata's ``StatefulDataLoader`` for a resume audit),
+with ``set_epoch(epoch)`` called before each epoch on the dataset, the sampler and the
+batch sampler when they have one (``epoch_objects``), as a careful user would.
 """
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
@@ -23,8 +21,6 @@ from evenly.dataset import Dataset as EvenlyDataset
 from evenly.loader.loader import DataLoader as EvenlyLoader
 
 from ._factory import Factory, describe, resolve
-from ._launch import launch, seen_here, tell, working_on
-from ._sourceinfo import mix_info, pack_info, reweigh
 from ._trace import (
     MetaBatch,
     SplitCollate,
@@ -34,7 +30,6 @@ from ._trace import (
     TracedStateful,
     default_id,
     draws_of,
-    metas_of,
     trace_evenly,
 )
 from ._types import (
@@ -49,10 +44,16 @@ from ._types import (
     Settings,
 )
 
-__all__ = ["AuditError", "Job", "RankResult", "Settings", "collect", "describe", "resolve"]
-
-#: Batches between two progress lines from rank 0.
-PROGRESS_EVERY = 250
+__all__ = [
+    "AuditError",
+    "Columns",
+    "Job",
+    "RankResult",
+    "Settings",
+    "build_loader",
+    "describe",
+    "resolve",
+]
 
 #: DataLoader arguments the audit sets itself; a factory may not override them.
 _RESERVED = frozenset({"dataset", "batch_size", "num_workers"})
@@ -318,69 +319,3 @@ def build_loader(job: Job, settings: Settings) -> tuple[Any, Any, dict[str, Any]
         dataset, kwargs, job.id_fn or default_id, settings, name, job.stateful
     )
     return dataset, loader, kwargs, iterable
-
-
-def run_job(job: Job, settings: Settings, rank: int) -> RankResult:
-    """Audit one factory in this (already initialised) rank process."""
-    result = RankResult(rank=rank, seen=seen_here())
-    log = _WarningLog()
-    columns = Columns()
-    with warnings.catch_warnings():
-        warnings.simplefilter("always")
-        warnings.showwarning = log
-        dataset, loader, kwargs, iterable = build_loader(job, settings)
-        result.expected, result.expected_source = _expected(dataset, iterable)
-        managed = isinstance(dataset, EvenlyDataset)
-        for epoch in range(settings.epochs):
-            if not managed:
-                set_epoch(epoch_objects(dataset, kwargs, loader), epoch)
-            if managed:  # the pass evenly.DataLoader plans (its batch size and drop_last)
-                reported = loader.plan.samples_per_rank
-            elif iterable:
-                reported = _length(_inner(dataset))
-            else:
-                reported = _length(getattr(loader.batch_sampler, "sampler", None))
-            reported_batches = _length(loader)
-            samples = batches = 0
-            for item in loader:
-                metas = metas_of(item)
-                columns.add(epoch, metas)
-                samples += metas.samples
-                batches += 1
-                reweigh(loader, settings, epoch, batches)
-                if batches % PROGRESS_EVERY == 0:
-                    tell(f"{describe(job.factory)}: epoch {epoch}, batch {batches}")
-            result.per_rank.append(
-                RankEpoch(rank, epoch, samples, batches, reported, reported_batches)
-            )
-    result.mix = mix_info(_inner(dataset), settings)
-    result.pack = pack_info(_inner(dataset), settings.epochs, settings)
-    columns.fill(result)
-    result.warnings = log.lines() + result.warnings
-    return result
-
-
-def _run_jobs(rank: int, payload: tuple[list[Job], Settings]) -> list[RankResult]:
-    jobs, settings = payload
-    out = []
-    for job in jobs:
-        working_on(describe(job.factory))
-        out.append(run_job(job, settings, rank))
-    return out
-
-
-def collect(
-    jobs: list[Job], settings: Settings, progress: Callable[[str], None] | None = None
-) -> list[list[RankResult]]:
-    """Run every job in ``settings.world_size`` fresh rank processes on ``settings.nodes``
-    simulated nodes (one group for all jobs); return, per job, the ``RankResult`` of each
-    rank in rank order."""
-    per_rank = launch(
-        settings.world_size,
-        settings.timeout,
-        _run_jobs,
-        (jobs, settings),
-        progress,
-        nodes=settings.nodes,
-    )
-    return [[per_rank[r][j] for r in range(settings.world_size)] for j in range(len(jobs))]

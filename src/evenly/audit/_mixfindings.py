@@ -43,6 +43,7 @@ __all__ = [
     "epoch_counts",
     "mix_counts",
     "per_epoch",
+    "source_counts",
     "stream_duplicates",
     "stream_missing",
 ]
@@ -69,10 +70,16 @@ def delivered(rec: Records) -> I64:
     """Samples delivered per epoch and source, shape ``(epochs, sources)`` (samples whose
     read index is unknown are not counted)."""
     mix, reads = _mix(rec)
-    out = np.zeros((rec.epochs, len(mix.names)), dtype=np.int64)
-    ok = _valid(mix, reads)
-    src = mix.source_of(reads[ok])
-    np.add.at(out, (rec.epoch[ok], src), 1)
+    return source_counts(mix, reads, rec.epoch, rec.epochs)
+
+
+def source_counts(mix: MixInfo, reads: I64, epoch: I64, epochs: int) -> I64:
+    """Samples per epoch and source, shape ``(epochs, sources)``, of the samples read from
+    ``reads`` (indices into the Mix) in ``epoch``; unknown reads and epochs from
+    ``epochs`` on are not counted."""
+    out = np.zeros((epochs, len(mix.names)), dtype=np.int64)
+    ok = _valid(mix, reads) & (epoch < epochs)
+    np.add.at(out, (epoch[ok], mix.source_of(reads[ok])), 1)
     return out
 
 

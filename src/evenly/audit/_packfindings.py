@@ -12,6 +12,18 @@ of every document exactly once per epoch", asked of the pieces each rank deliver
 - ``full_batches``: every batch holds ``batch_size`` rows of at most ``seq_len`` tokens
   (replaces ``partial_batches``); equal batch counts per rank stay ``rank_balance``'s.
 
+Over a Mix by tokens (``evenly.Mix(unit="tokens")``) a document is not delivered once
+per epoch: a source up-sampled by its weight delivers some documents twice, and an epoch
+may start or end inside a document.  What each epoch must deliver is then its plan's
+items (document, first token, token count): :func:`compare` counts, per document token,
+how many times the plan holds it minus how many times the ranks delivered it, with one
+sort over the range ends (never token by token).
+
+>>> expected = (np.array([0, 0, 1]), np.array([0, 0, 0]), np.array([4, 4, 2]))  # doc 0 twice
+>>> delivered = (np.array([0, 0, 1]), np.array([0, 0, 1]), np.array([4, 2, 1]))
+>>> compare(expected, delivered)
+(3, 0, 'document 0 tokens [2, 4) missing 1x, document 1 tokens [0, 1) missing 1x')
+
 >>> lengths = np.array([4, 3])
 >>> cols = dict(epoch=np.zeros(3, dtype=np.int64), rank=np.array([0, 1, 1]),
 ...             doc=np.array([0, 0, 1]), start=np.array([0, 2, 0]),
@@ -29,15 +41,16 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ._tokencover import compare
-from ._types import I64, Finding, Records, Status
+from ._types import I64, Finding, Records, Status, batch_sizes
 
 __all__ = [
     "Coverage",
+    "compare",
     "coverage",
     "full_batches",
     "merged_pieces",
     "pad_rows",
+    "pieces_coverage",
     "record_coverage",
     "tokens",
 ]
@@ -153,6 +166,42 @@ def coverage(
     return out
 
 
+Ranges = tuple[I64, I64, I64]
+
+
+def compare(expected: Ranges, delivered: Ranges) -> tuple[int, int, str]:
+    """``(missing, repeated, text)``: tokens the plan holds more often than the ranks
+    delivered them, tokens delivered more often than planned, and the first ranges."""
+    (ed, es, el), (dd, ds, dl) = expected, delivered
+    docs = np.concatenate([ed, ed, dd, dd]).astype(np.int64)
+    pos = np.concatenate([es, es + el, ds, ds + dl]).astype(np.int64)
+    ones = np.ones(len(ed), dtype=np.int64), np.ones(len(dd), dtype=np.int64)
+    delta = np.concatenate([ones[0], -ones[0], -ones[1], ones[1]])
+    order = np.lexsort((pos, docs))
+    docs, pos, level = docs[order], pos[order], np.cumsum(delta[order])
+    if docs.size < 2:
+        return 0, 0, ""
+    same = docs[1:] == docs[:-1]
+    width = np.where(same, pos[1:] - pos[:-1], 0)
+    value = level[:-1]
+    bad = (width > 0) & (value != 0)
+    missing = int((width * np.maximum(value, 0)).sum())
+    repeated = int((width * np.maximum(-value, 0)).sum())
+    shown = [
+        f"document {int(d)} tokens [{int(a)}, {int(a + w)}) "
+        f"{'missing' if v > 0 else 'repeated'} {abs(int(v))}x"
+        for d, a, w, v in zip(
+            docs[:-1][bad][:SHOWN],
+            pos[:-1][bad][:SHOWN],
+            width[bad][:SHOWN],
+            value[bad][:SHOWN],
+            strict=True,
+        )
+    ]
+    more = ", ..." if int(bad.sum()) > SHOWN else ""
+    return missing, repeated, ", ".join(shown) + more
+
+
 def _pack(rec: Records) -> tuple[I64, I64]:
     if rec.pack is None or rec.pieces is None:
         raise ValueError("these findings need the records of an audit of a packed dataset")
@@ -162,12 +211,20 @@ def _pack(rec: Records) -> tuple[I64, I64]:
 def record_coverage(rec: Records) -> list[Coverage]:
     """``coverage`` of an audit's records."""
     lengths, pieces = _pack(rec)
+    return pieces_coverage(lengths, rec.epochs, rec.epoch, rec.rank, pieces)
+
+
+def pieces_coverage(
+    lengths: I64, epochs: int, epoch: I64, rank: I64, pieces: I64
+) -> list[Coverage]:
+    """``coverage`` of packed ``pieces`` (row, document, start, tokens), with each row's
+    ``epoch`` and ``rank``."""
     row = pieces[:, 0]
     return coverage(
         lengths=lengths,
-        epochs=rec.epochs,
-        epoch=rec.epoch[row],
-        rank=rec.rank[row],
+        epochs=epochs,
+        epoch=epoch[row],
+        rank=rank[row],
         doc=pieces[:, 1],
         start=pieces[:, 2],
         length=pieces[:, 3],
@@ -175,7 +232,7 @@ def record_coverage(rec: Records) -> list[Coverage]:
 
 
 def _planned(rec: Records) -> list[Coverage]:
-    """A Mix by tokens: each epoch's pieces against its plan's (``_tokencover``)."""
+    """A Mix by tokens: each epoch's pieces against its plan's (``compare``)."""
     _, pieces = _pack(rec)
     assert rec.pack is not None and rec.pack.expected is not None
     epoch = rec.epoch[pieces[:, 0]]
@@ -256,23 +313,18 @@ def full_batches(rec: Records) -> Finding:
     if over:
         statuses.append("FAIL")
         parts.append(f"{over} rows hold more than seq_len={rec.pack.seq_len} tokens")
-    if len(rec):
-        span = int(rec.batch.max()) + 1
-        key = (rec.epoch * rec.world_size + rec.rank) * span + rec.batch
-        batches, sizes = np.unique(key, return_counts=True)
-        epoch_rank = batches // span
-        short = sizes < rec.batch_size
-        for e in range(rec.epochs):
-            mine = short & (epoch_rank // rec.world_size == e)
-            per_rank = np.bincount(epoch_rank[mine] % rec.world_size, minlength=rec.world_size)
-            if not per_rank.any():
-                continue
-            ok = rec.pack.pad == "none" and per_rank.max() <= 1
-            statuses.append("WARN" if ok else "FAIL")
-            parts.append(
-                f"epoch {e}: batches with fewer than {rec.batch_size} rows per rank "
-                f"{per_rank.tolist()}" + (" (pad='none')" if ok else "")
-            )
+    ranks, epochs, sizes = batch_sizes(rec)
+    short = sizes < rec.batch_size
+    for e in range(rec.epochs):
+        per_rank = np.bincount(ranks[short & (epochs == e)], minlength=rec.world_size)
+        if not per_rank.any():
+            continue
+        ok = rec.pack.pad == "none" and per_rank.max() <= 1
+        statuses.append("WARN" if ok else "FAIL")
+        parts.append(
+            f"epoch {e}: batches with fewer than {rec.batch_size} rows per rank "
+            f"{per_rank.tolist()}" + (" (pad='none')" if ok else "")
+        )
     status: Status = "FAIL" if "FAIL" in statuses else ("WARN" if statuses else "PASS")
     ok_text = f"every batch {rec.batch_size} rows of at most {rec.pack.seq_len} tokens"
     return Finding(

@@ -1,13 +1,16 @@
-"""The rank side of ``evenly audit --resume``: the uninterrupted reference, the runs that
-stop at a batch and save the loader's state, and the fresh runs that load it and finish.
+"""The rank side of ``evenly audit``: one run of the factory's loader through the epochs,
+as a training loop drives it, recording every sample it delivers.
 
-A run drives the loader as a training loop does.  ``evenly.DataLoader`` knows its epoch
-(``loader.epoch``): the loop runs passes until it reaches the audit's last epoch.  Any
-other loader (torchdata's ``StatefulDataLoader`` over a dataset with ``state_dict``, a
-``LoaderFactory``'s own loader) is told the epoch: ``set_epoch(e)`` before each pass, and
-after a load the loop starts at the stop's epoch (the next one for a state saved after
-the pass ended: an epoch-boundary checkpoint).  A state is pickled where it is saved and
-unpickled where it is loaded, as a checkpoint file would carry it.
+The plain audit runs every epoch uninterrupted, with the lengths the loader reported
+before each pass (``collect``).  ``--resume`` adds the runs that stop at a batch and save
+the loader's state, and the fresh runs that load it and finish (``reference_task``,
+``resume_task``); all are the same run (``_run``).  ``evenly.DataLoader`` knows its epoch
+(``loader.epoch``): after a load the loop runs passes until it reaches the audit's last
+epoch.  Any other loader (torch's or torchdata's ``StatefulDataLoader`` over a dataset,
+a ``LoaderFactory``'s own loader) is told the epoch: ``set_epoch(e)`` before each pass,
+and after a load the loop starts at the stop's epoch (the next one for a state saved
+after the pass ended: an epoch-boundary checkpoint).  A state is pickled where it is
+saved and unpickled where it is loaded, as a checkpoint file would carry it.
 """
 
 from __future__ import annotations
@@ -15,7 +18,8 @@ from __future__ import annotations
 import gc
 import pickle
 import warnings
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,22 +31,33 @@ from ._collect import (
     Columns,
     Job,
     RankResult,
+    _expected,
+    _inner,
     _is_iterable,
     _length,
     _WarningLog,
     build_loader,
     epoch_objects,
     is_stateful,
-    run_job,
     set_epoch,
 )
 from ._factory import describe
-from ._launch import seen_here, tell, working_on
-from ._sourceinfo import reweigh
+from ._launch import launch, seen_here, tell, working_on
+from ._sourceinfo import mix_info, pack_info, reweigh
 from ._trace import metas_of
-from ._types import LoaderFactory, Settings
+from ._types import LoaderFactory, RankEpoch, Settings
 
-__all__ = ["Resumed", "Stop", "choose_stops", "reference_task", "resume_task"]
+__all__ = [
+    "Resumed",
+    "Stop",
+    "choose_stops",
+    "collect",
+    "reference_task",
+    "resume_task",
+]
+
+#: Batches between two progress lines from rank 0 (uninterrupted runs).
+PROGRESS_EVERY = 250
 
 
 @dataclass(frozen=True)
@@ -110,7 +125,6 @@ class Resumed:
     state: bytes | None = None
     #: why the state could not be loaded (another topology?) or saved
     error: str | None = None
-    warnings: list[str] = field(default_factory=list)
     #: ``len(loader)`` after the load, if not what this rank had received in the
     #: interrupted epoch + the batches left (the standing rule)
     length_error: str | None = None
@@ -158,18 +172,23 @@ def _run(
     start: Stop | None = None,
     until: Stop | None = None,
 ) -> Resumed:
-    """Build the loader fresh, load ``state`` (saved at ``start``), run to ``until`` (or the
-    last epoch) and save there."""
+    """Build the loader fresh and run it: every epoch uninterrupted (no ``start``, no
+    ``until``: with the lengths reported before each pass, the expected count and what the
+    Mix or packing planned), or load ``state`` (saved at ``start``), run to ``until`` (or
+    the last epoch) and save there."""
     result = RankResult(rank=rank, seen=seen_here())
     columns = Columns()
     log = _WarningLog()
     out = Resumed(result)
     first_batch: dict[int, int] = {}
+    plain = start is None and until is None
     with warnings.catch_warnings():
         warnings.simplefilter("always")
         warnings.showwarning = log
-        dataset, loader, kwargs, _ = build_loader(job, settings)
+        dataset, loader, kwargs, iterable = build_loader(job, settings)
         managed = isinstance(dataset, EvenlyDataset)
+        if plain:
+            result.expected, result.expected_source = _expected(dataset, iterable)
         epoch = 0
         loaded: int | None = None  # the epoch set (and loaded) before the first pass
         length_after: int | None = None
@@ -188,27 +207,38 @@ def _run(
             length_after = _length(loader)
         try:
             for _ in range(settings.epochs + 2):  # a loader stuck in one epoch ends too
-                if managed:
+                if managed and not plain:
                     epoch = loader.epoch
                 if epoch >= settings.epochs:
                     break
                 if not managed and epoch != loaded:
                     set_epoch(epoch_objects(dataset, kwargs, loader), epoch)
+                if plain:  # what the loader says the pass holds
+                    reported = _reported(dataset, loader, iterable)
+                    reported_batches = _length(loader)
                 done = first_batch.get(epoch, 0)
+                samples = 0
                 for item in loader:
                     metas = metas_of(item)
                     columns.add(epoch, metas)
+                    samples += metas.samples
                     done += 1
                     reweigh(loader, settings, epoch, done)
                     here = (until.epoch, until.batch, until.end_of_pass) if until else None
                     if here == (epoch, done, False):
                         out.state = pickle.dumps(loader.state_dict())
                         raise _Saved
+                    if plain and done % PROGRESS_EVERY == 0:
+                        tell(f"{describe(job.factory)}: epoch {epoch}, batch {done}")
                 if until is not None and until.end_of_pass and until.epoch == epoch:
                     out.state = pickle.dumps(loader.state_dict())
                     raise _Saved
+                if plain:
+                    result.per_rank.append(
+                        RankEpoch(rank, epoch, samples, done, reported, reported_batches)
+                    )
                 loaded = None
-                if not managed:
+                if plain or not managed:
                     epoch += 1
         except _Saved:
             pass
@@ -220,11 +250,25 @@ def _run(
             return out
     if start is not None and state is not None and length_after is not None:
         out.length_error = _length_error(start, until, rank, length_after, columns.epochs)
+    if plain:
+        result.mix = mix_info(_inner(dataset), settings)
+        result.pack = pack_info(_inner(dataset), settings.epochs, settings)
     columns.fill(result, first_batch)
-    out.warnings = log.lines()
+    result.warnings = log.lines() + result.warnings
     del loader
     gc.collect()  # the stopped loader's workers go now, not during the next run
     return out
+
+
+def _reported(dataset: Any, loader: Any, iterable: bool) -> int | None:
+    """The samples the loader says this rank's next pass holds: the pass
+    ``evenly.DataLoader`` plans (its batch size and drop_last), ``len(dataset)``, or the
+    sampler's length."""
+    if isinstance(dataset, EvenlyDataset):
+        return loader.plan.samples_per_rank  # type: ignore[no-any-return]
+    if iterable:
+        return _length(_inner(dataset))
+    return _length(getattr(loader.batch_sampler, "sampler", None))
 
 
 def _length_error(
@@ -275,7 +319,7 @@ def reference_task(
     out: list[tuple[RankResult, str | None, list[Stop], list[Resumed]]] = []
     for job in jobs:
         working_on(describe(job.factory))
-        reference = run_job(job, settings, rank)
+        reference = _run(job, settings, rank).result
         counts = [r.batches for r in sorted(reference.per_rank, key=lambda r: r.epoch)]
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the reference reported them
@@ -308,3 +352,29 @@ def resume_task(rank: int, items: list[ResumeItem]) -> list[Resumed]:
         state = states[rank] if own else states[0]
         out.append(_run(job, settings, rank, state=state, start=stop, until=then))
     return out
+
+
+def _run_jobs(rank: int, payload: tuple[list[Job], Settings]) -> list[RankResult]:
+    jobs, settings = payload
+    out = []
+    for job in jobs:
+        working_on(describe(job.factory))
+        out.append(_run(job, settings, rank).result)
+    return out
+
+
+def collect(
+    jobs: list[Job], settings: Settings, progress: Callable[[str], None] | None = None
+) -> list[list[RankResult]]:
+    """Run every job uninterrupted in ``settings.world_size`` fresh rank processes on
+    ``settings.nodes`` simulated nodes (one group for all jobs); return, per job, the
+    ``RankResult`` of each rank in rank order."""
+    per_rank = launch(
+        settings.world_size,
+        settings.timeout,
+        _run_jobs,
+        (jobs, settings),
+        progress,
+        nodes=settings.nodes,
+    )
+    return [[per_rank[r][j] for r in range(settings.world_size)] for j in range(len(jobs))]

@@ -27,7 +27,8 @@ import numpy as np
 
 from ._collect import Job, RankResult
 from ._launch import launch
-from ._packfindings import coverage, merged_pieces
+from ._mixfindings import source_counts
+from ._packfindings import merged_pieces, pieces_coverage
 from ._resume import Resumed, ResumeItem, Stop, reference_task, resume_task
 from ._resumecheck import Run, check_stop, prefix_matches
 from ._types import I64, Finding, MixInfo, PackInfo, Settings, Status
@@ -261,16 +262,12 @@ def resumed_tokens(
     the passes after the load count one epoch later, see ``_next_epoch``)."""
     results = [r for seg in segments for r in seg]
     shift = [int(later and k > 0) for k, seg in enumerate(segments) for _ in seg]
-    pieces = merged_pieces(results)
-    row = pieces[:, 0]
-    found = coverage(
-        lengths=pack.lengths,
-        epochs=epochs,
-        epoch=np.concatenate([r.epoch + d for r, d in zip(results, shift, strict=True)])[row],
-        rank=np.concatenate([np.full(len(r.epoch), r.rank) for r in results])[row],
-        doc=pieces[:, 1],
-        start=pieces[:, 2],
-        length=pieces[:, 3],
+    found = pieces_coverage(
+        pack.lengths,
+        epochs,
+        np.concatenate([r.epoch + d for r, d in zip(results, shift, strict=True)]),
+        np.concatenate([np.full(len(r.epoch), r.rank) for r in results]),
+        merged_pieces(results),
     )
     return [f"epoch {c.epoch}: {c.text}" for c in found]
 
@@ -278,15 +275,12 @@ def resumed_tokens(
 def _per_source(mix: MixInfo, results: list[RankResult], shift: list[int], epochs: int) -> I64:
     """Samples per epoch and source of ``results`` (``shift``: epochs added to each
     result's, as ``_next_epoch`` does; samples of no known source are not counted)."""
-    out = np.zeros((epochs, len(mix.names)), dtype=np.int64)
-    for result, d in zip(results, shift, strict=True):
-        reads = np.asarray(result.reads, dtype=np.int64).reshape(-1)
-        epoch = np.asarray(result.epoch, dtype=np.int64) + d
-        if len(reads) != len(epoch):
-            continue
-        ok = (reads >= 0) & (reads < int(sum(mix.lengths))) & (epoch < epochs)
-        np.add.at(out, (epoch[ok], mix.source_of(reads[ok])), 1)
-    return out
+    kept = [(r, d) for r, d in zip(results, shift, strict=True) if len(r.reads) == len(r.epoch)]
+    if not kept:
+        return np.zeros((epochs, len(mix.names)), dtype=np.int64)
+    reads = np.concatenate([np.asarray(r.reads, dtype=np.int64).reshape(-1) for r, _ in kept])
+    epoch = np.concatenate([np.asarray(r.epoch, dtype=np.int64) + d for r, d in kept])
+    return source_counts(mix, reads, epoch, epochs)
 
 
 def resumed_shares(

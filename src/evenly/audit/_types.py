@@ -27,11 +27,13 @@ __all__ = [
     "Records",
     "Settings",
     "Status",
+    "batch_sizes",
     "epochs_of",
     "passed",
     "ranks_per_node",
     "row_id",
     "row_label",
+    "unique_rows",
 ]
 
 I64 = npt.NDArray[np.int64]
@@ -329,6 +331,41 @@ class Records:
 def epochs_of(rec: Records) -> list[int]:
     """The epoch numbers of an audit."""
     return list(range(rec.epochs))
+
+
+def unique_rows(*cols: I64) -> tuple[I64, I64, I64]:
+    """``np.unique(np.stack(cols, 1), axis=0, return_inverse=True, return_counts=True)``
+    on one packed int64 key (``axis=0`` sorts rows as objects: ~20x slower).
+
+    >>> rows, inverse, counts = unique_rows(np.array([1, 0, 1]), np.array([2, 5, 2]))
+    >>> rows.tolist(), inverse.tolist(), counts.tolist()
+    ([[0, 5], [1, 2]], [1, 0, 1], [1, 2])
+    """
+    n = len(cols[0])
+    if n == 0:
+        empty = np.zeros(0, dtype=np.int64)
+        return np.zeros((0, len(cols)), dtype=np.int64), empty, empty
+    lows = [int(c.min()) for c in cols]
+    spans = [int(c.max()) - lo + 1 for c, lo in zip(cols, lows, strict=True)]
+    key = np.zeros(n, dtype=np.int64)
+    for c, lo, span in zip(cols, lows, spans, strict=True):
+        key = key * span + (c.astype(np.int64) - lo)
+    uniq, inverse, counts = np.unique(key, return_inverse=True, return_counts=True)
+    rows = np.zeros((len(uniq), len(cols)), dtype=np.int64)
+    rest = uniq.copy()
+    for j in range(len(cols) - 1, -1, -1):
+        rows[:, j] = rest % spans[j] + lows[j]
+        rest //= spans[j]
+    return rows, inverse.reshape(-1).astype(np.int64), counts.astype(np.int64)
+
+
+def batch_sizes(rec: Records) -> tuple[I64, I64, I64]:
+    """(rank, epoch, size) of every batch with at least one sample."""
+    if len(rec) == 0:
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, empty, empty
+    uniq, _, sizes = unique_rows(rec.epoch, rec.rank, rec.batch)
+    return uniq[:, 1].astype(np.int64), uniq[:, 0].astype(np.int64), sizes.astype(np.int64)
 
 
 def ranks_per_node(

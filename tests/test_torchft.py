@@ -288,6 +288,38 @@ def test_an_uncommitted_step_deals_the_same_global_batch_again(managers: Manager
     assert first + second + third == whole[:12]  # the epoch's order, each batch once
 
 
+def test_packed_rows_hold_every_token_once_over_the_committed_steps(managers: Managers) -> None:
+    """Packing (its rows do not depend on the world): an uncommitted step's rows are
+    dealt again, and the committed steps of the epoch hold every token exactly once."""
+    docs = [{"input_ids": [100 * d + j + 1 for j in range(2 + d % 5)]} for d in range(24)]
+    packed = evenly.Dataset(
+        docs, shuffle=True, seed=3, rank=0, world_size=1, pack=evenly.Packing(6, pad_id=0)
+    )
+    manager = managers("a", init_sync=False)
+    loader = FaultTolerantLoader(packed, manager, global_batch_size=2)
+    batches = iter(loader)
+    committed: Counter[int] = Counter()
+    failed_rows = None
+    steps = 0
+    while True:
+        manager.start_quorum()
+        batch = next(batches, None)
+        if batch is None:
+            break
+        rows = batch["input_ids"].tolist()
+        if steps == 2:  # this step fails: its rows come again at the next step
+            manager.report_error(RuntimeError("a failed all-reduce"))
+            failed_rows = rows
+        elif failed_rows is not None:
+            assert rows == failed_rows
+            failed_rows = None
+        if manager.should_commit():
+            committed.update(t for row in rows for t in row if t != 0)
+        steps += 1
+    assert committed == Counter(t for doc in docs for t in doc["input_ids"])
+    assert loader.epoch == 1 and steps > 3
+
+
 def test_the_state_is_the_committed_position_and_a_fresh_job_resumes_it(
     managers: Managers,
 ) -> None:

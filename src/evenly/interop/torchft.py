@@ -126,11 +126,11 @@ class FaultTolerantLoader:
                 f"wrap it: FaultTolerantLoader(evenly.Dataset(your_data), manager, ...)"
             )
         planner = dataset._planner
-        if planner.view.planned is not None or planner.packer is not None:
+        if planner.view.planned is not None:
             raise ValueError(
-                "FaultTolerantLoader does not support an evenly.Mix or packing (pack=) yet: "
-                "their plans depend on the global step, which torchft changes at run time; "
-                "use a plain source"
+                "FaultTolerantLoader does not support an evenly.Mix yet: its apportionment "
+                "depends on the global step, which torchft changes at run time; use a "
+                "plain source (packing, pack=, is supported: its rows do not depend on it)"
             )
         if planner.pad == "none":
             raise ValueError(

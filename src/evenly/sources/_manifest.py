@@ -24,7 +24,8 @@ import json
 import os
 import posixpath
 import tempfile
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,6 +45,7 @@ __all__ = [
     "FileEntry",
     "Shards",
     "default_cache_dir",
+    "filesystem",
     "load_entries",
     "local_fingerprint",
     "object_fingerprint",
@@ -158,7 +160,7 @@ def relist(shards: Shards) -> list[str | None]:
     version, is asked for by itself (a HEAD).  The filesystem's listing cache is dropped
     first, so nothing listed before is reused.
     """
-    fs, _ = url_to_fs(shards.urls[0], **shards.storage_options)  # this process's instance
+    fs, _ = filesystem(shards.urls[0], shards.storage_options)  # this process's instance
     paths = [str(fs._strip_protocol(u)) for u in shards.urls]
     by_parent: dict[str, list[int]] = {}
     for k, path in enumerate(paths):
@@ -207,10 +209,10 @@ def resolve(
     if not items:
         raise ValueError(f"{what}: no paths given; pass a directory, a glob or a list of files")
     options = with_timeouts(items[0], storage_options)
-    fs, _ = url_to_fs(items[0], **options)
+    fs, _ = filesystem(items[0], options)
     infos: dict[str, dict[str, Any]] = {}
     for item in items:
-        item_fs, path = url_to_fs(item, **options)
+        item_fs, path = filesystem(item, options)
         if type(item_fs) is not type(fs):
             raise ValueError(
                 f"{what}: all paths must be on one filesystem, got {items[0]!r} and {item!r}"
@@ -253,6 +255,41 @@ def resolve(
         storage_options=options,
         sizes=tuple(int(infos[n].get("size") or 0) for n in names),
     )
+
+
+_FILESYSTEMS: dict[tuple[int, str], Any] = {}
+_FILESYSTEMS_LOCK = threading.Lock()
+
+
+def filesystem(url: str, storage_options: Mapping[str, Any]) -> tuple[Any, str]:
+    """``url_to_fs(url, **storage_options)``, with one filesystem instance per process
+    for each protocol and options: a new s3fs instance is a new client (about 0.3 s), and
+    with ``skip_instance_cache=True`` fsspec made one for every call (every shard's scan,
+    download and listing).  A forked process makes its own (an async filesystem's event
+    loop does not survive a fork); chained URLs (``a::b``) are not kept.
+
+    >>> fs, path = filesystem("file:///tmp/x.parquet", {})
+    >>> fs is filesystem("file:///tmp/y.parquet", {})[0], path
+    (True, '/tmp/x.parquet')
+    """
+    if "::" in url:
+        fs, path = url_to_fs(url, **storage_options)
+        return fs, str(path)
+    protocol = url.split("://", 1)[0] if "://" in url else "file"
+    try:
+        options = json.dumps(dict(storage_options), sort_keys=True, default=repr)
+    except (TypeError, ValueError):  # options that do not sort: no reuse
+        fs, path = url_to_fs(url, **storage_options)
+        return fs, str(path)
+    key = (os.getpid(), f"{protocol}\n{options}")
+    with _FILESYSTEMS_LOCK:
+        fs = _FILESYSTEMS.get(key)
+    if fs is None:
+        fs, path = url_to_fs(url, **storage_options)
+        with _FILESYSTEMS_LOCK:
+            fs = _FILESYSTEMS.setdefault(key, fs)
+        return fs, str(path)
+    return fs, str(fs._strip_protocol(url))
 
 
 def with_timeouts(url: str, storage_options: dict[str, Any] | None) -> dict[str, Any]:
@@ -318,7 +355,7 @@ def _beside(shards: Shards) -> list[str]:
 def _known(shards: Shards, kind: str, cache_path: str) -> dict[str, list[dict[str, Any]]]:
     known: dict[str, list[dict[str, Any]]] = {}
     for path in _beside(shards):
-        fs, p = url_to_fs(path, **shards.storage_options)
+        fs, p = filesystem(path, shards.storage_options)
         data = _read_json(p, fs)
         if data is None or data.get("format") != kind:
             continue

@@ -34,7 +34,6 @@ from typing import Any
 import numpy.typing as npt
 import pyarrow as pa
 import pyarrow.parquet as pq
-from fsspec.core import url_to_fs
 
 from evenly.errors import EvenlyWarning
 
@@ -42,7 +41,7 @@ from ._base import Paths
 from ._cachedir import CacheDirError, network_fs, unwritable, where_from
 from ._columns import ArrowBatchSource, schema_meta
 from ._gather import chunk_views
-from ._manifest import FileEntry, local_fingerprint
+from ._manifest import FileEntry, filesystem, local_fingerprint
 from ._rowcache import _TOUCH_EVERY, RowCache, decoded_cache_bytes
 from ._rowviews import RowAccess
 
@@ -92,7 +91,7 @@ class ParquetSource(ArrowBatchSource):
         self.decoded_cache = _node_cache(kwargs.get("cache_dir"), decoded_cache_bytes)
 
     def _scan(self, k: int, url: str) -> tuple[int, dict[str, Any]]:
-        fs, path = url_to_fs(url, **self._shards.storage_options)
+        fs, path = filesystem(url, self._shards.storage_options)
         with fs.open(path, "rb", size=self._shards.sizes[k]) as f:
             head = f.read(4)
             if head != b"PAR1":

@@ -65,6 +65,7 @@ class ShardedSource:
         storage_options: dict[str, Any] | None = None,
         cache_dir: str | None = None,
         cache_bytes: int | None = None,
+        max_in_flight: int | None = None,
         use_manifest: bool = True,
         keep_entries: bool = False,
     ) -> None:
@@ -72,7 +73,12 @@ class ShardedSource:
         self._shards: Shards = shards
         self.urls: tuple[str, ...] = shards.urls
         self.cache: ShardCache | None = (
-            ShardCache(cache_dir or default_cache_dir(), cache_bytes, shards.storage_options)
+            ShardCache(
+                cache_dir or default_cache_dir(),
+                cache_bytes,
+                shards.storage_options,
+                max_in_flight=max_in_flight,
+            )
             if shards.remote
             else None
         )
@@ -119,8 +125,13 @@ class ShardedSource:
     def io_stats(self) -> dict[str, float]:
         """This process's cumulative I/O counters, for ``loader.stats()``: those the
         format knows of ``bytes_read``, ``bytes_decoded``, ``decode_seconds``,
-        ``cache_hits``, ``cache_misses``."""
-        return dict(self._io)
+        ``cache_hits``, ``cache_misses``; for remote shards also the shard cache's
+        (``bytes_fetched``, ``fetch_requests``, ``fetch_seconds``, ``fetch_retries``,
+        ``max_in_flight_seen``: :meth:`ShardCache.stats`)."""
+        out = dict(self._io)
+        if self.cache is not None:
+            out.update(self.cache.stats())
+        return out
 
     # ---- the Source protocol -----------------------------------------------------
     def __len__(self) -> int:
@@ -187,7 +198,7 @@ class ShardedSource:
         order = np.argsort(shards, kind="stable")
         present, first = np.unique(shards[order], return_index=True)
         if self.cache is not None and present.size > 1:
-            self.cache.prefetch(self._remote(k) for k in present.tolist())
+            self.cache.prefetch((self._remote(k) for k in present.tolist()), now=True)
         bounds = [*first.tolist(), idx.size]
         for j, k in enumerate(present.tolist()):
             where = order[bounds[j] : bounds[j + 1]]

@@ -55,7 +55,7 @@ from filelock import FileLock, Timeout
 from fsspec.core import url_to_fs
 
 from ._cachedir import part_abandoned, part_path, written_elsewhere
-from ._fetch import Fetcher, max_in_flight_setting
+from ._fetch import Fetcher, max_in_flight_setting, pinned_elsewhere
 from ._manifest import object_fingerprint, same_version
 
 __all__ = ["DEFAULT_CACHE_BYTES", "FETCH_COUNTERS", "ShardCache", "is_transient"]
@@ -422,8 +422,10 @@ class ShardCache:
 
     def evict(self, keep: str | Collection[str] | None = None) -> list[str]:
         """Remove abandoned downloads, then least-recently-used shards until at most
-        ``max_bytes`` remain (downloads in progress count), never those in ``keep``."""
+        ``max_bytes`` remain (downloads in progress count), never those in ``keep`` or
+        pinned by a live process (its pin file: the shards it reads or will read next)."""
         kept = {keep} if isinstance(keep, str) else set(keep or ())
+        kept.update(os.path.join(self.cache_dir, n) for n in pinned_elsewhere(self.cache_dir))
         os.makedirs(self.cache_dir, exist_ok=True)
         with FileLock(os.path.join(self.cache_dir, ".evict.lock")):
             removed = self.remove_abandoned()

@@ -17,10 +17,13 @@ whose download threads together with every other process's on the node keep at m
   worker or rank downloading it) does not wait: it goes on to the next shard; only a
   reader that needs that shard now waits for the other process's download.
 - **Bounded by the cache**: the look-ahead starts a download only while this process's
-  pinned shards (downloads running, downloaded but not read yet, and the shards it read
-  last, up to half the cache) and that shard fit in ``max_bytes``; eviction never
-  removes a pinned shard, and the pinned shards are kept most recently used so other
-  processes' evictions take them last.
+  pinned shards (downloads running, its own or another process's, downloaded but not
+  read yet, and the shards it read last, up to half the cache) and that shard fit in
+  ``max_bytes`` (a shard another process downloads counts too, so the node's look-ahead
+  is no longer than one process's).  Each process lists its pinned shards in a pin file
+  (``<cache_dir>/shard-pins/<pid>-<host>``); eviction, by any process, skips the shards a live
+  process pinned, eviction never
+  so a shard a worker still needs is not evicted by another one before it is read.
 
 >>> node_processes({"LOCAL_WORLD_SIZE": "2"}, workers=4), threads_for(16, 8), threads_for(4, 8)
 (8, 2, 1)
@@ -38,6 +41,8 @@ from typing import Protocol
 
 from filelock import FileLock, Timeout
 
+from ._cachedir import STALE_PART_SECONDS, host_tag, part_path
+
 __all__ = [
     "DEFAULT_MAX_IN_FLIGHT",
     "ENV_MAX_IN_FLIGHT",
@@ -45,6 +50,7 @@ __all__ = [
     "Fetcher",
     "max_in_flight_setting",
     "node_processes",
+    "pinned_elsewhere",
     "threads_for",
 ]
 
@@ -95,6 +101,55 @@ def threads_for(max_in_flight: int, processes: int) -> int:
     return max(1, max_in_flight // max(1, processes))
 
 
+def _pins_dir(cache_dir: str) -> str:
+    """Beside the shard cache dir (which holds shards, downloads and locks only)."""
+    return os.path.join(os.path.dirname(cache_dir), "shard-pins")
+
+
+def write_pins(cache_dir: str, names: Collection[str]) -> None:
+    """Publish this process's pinned shard names (atomically replaced)."""
+    folder = _pins_dir(cache_dir)
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"{os.getpid()}-{host_tag()}")
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write("\n".join(sorted(names)))
+    os.replace(tmp, path)
+
+
+def pinned_elsewhere(cache_dir: str) -> set[str]:
+    """Shard names pinned by the live processes that use ``cache_dir`` (pin files of
+    dead processes of this host are removed; another host's count until stale)."""
+    folder = _pins_dir(cache_dir)
+    try:
+        names = os.listdir(folder)
+    except FileNotFoundError:
+        return set()
+    out: set[str] = set()
+    here = host_tag()
+    for name in names:
+        if name.endswith(".tmp"):
+            continue
+        path = os.path.join(folder, name)
+        pid, _, host = name.partition("-")
+        try:
+            if host == here and pid.isdigit():
+                try:
+                    os.kill(int(pid), 0)
+                except ProcessLookupError:
+                    os.unlink(path)
+                    continue
+                except PermissionError:
+                    pass
+            elif time.time() - os.stat(path).st_mtime > STALE_PART_SECONDS:
+                continue
+            with open(path) as f:
+                out.update(line for line in f.read().split("\n") if line)
+        except FileNotFoundError:
+            continue
+    return out
+
+
 def _workers_here() -> int:
     """The DataLoader workers of this process's loader (0 outside a worker)."""
     from torch.utils.data import get_worker_info
@@ -115,6 +170,7 @@ class Store(Protocol):
     """What the scheduler needs of the shard cache."""
 
     max_bytes: int
+    cache_dir: str
 
     def path_for(self, url: str, fingerprint: str = "") -> str: ...
 
@@ -194,6 +250,7 @@ class Fetcher:
         self._hints = 0
         self._touched = 0.0
         self._flight_lock = threading.Lock()
+        self._published: frozenset[str] | None = None
         self.in_flight = 0
         self.max_in_flight_seen = 0
 
@@ -202,7 +259,7 @@ class Fetcher:
         """Queue the downloads of shards not cached yet: the plan's look-ahead, in order
         of first use (``now``: needed by the batch being read, ahead of the look-ahead)."""
         with self._cond:
-            self._hints += 1
+            self._hints += not now
             front: list[Job] = []
             for url, fingerprint, size in items:
                 target = self.store.path_for(url, fingerprint)
@@ -224,6 +281,7 @@ class Fetcher:
             self._drop_stale()
             self._cond.notify_all()
         self._touch_pinned()
+        self._publish()
         self._start_threads()
 
     def wait(self, url: str, fingerprint: str, size: int | None) -> str:
@@ -238,6 +296,7 @@ class Fetcher:
                     with contextlib.suppress(FileNotFoundError):
                         os.utime(target)
                     self._read(target, size)
+                    self._publish()
                     return target
                 if started is None:
                     started = time.perf_counter()
@@ -394,12 +453,10 @@ class Fetcher:
             self._release(job)
             self.store.count(downloads=1)
             self._finished(job, "ok")
-            self.store.evict(keep=self.pinned())
+            self._evict()
             return None
         with self.request():
             ranged, size = self.store.open_ranged(job.url, job.fingerprint, job.size)
-        from ._cachedir import part_path
-
         job.ranged, job.size = ranged, size
         job.tmp = part_path(job.target)
         job.fd = os.open(job.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -441,7 +498,22 @@ class Fetcher:
         self._release(job)
         self.store.count(downloads=1)
         self._finished(job, "ok")
+        self._evict()
+
+    def _evict(self) -> None:
+        """Publish this process's pins, then evict (the cache keeps every live
+        process's pins)."""
+        self._publish()
         self.store.evict(keep=self.pinned())
+
+    def _publish(self) -> None:
+        """Write this process's pin file if its pinned shards changed."""
+        names = frozenset(os.path.basename(t) for t in self.pinned())
+        if names == self._published:
+            return
+        with contextlib.suppress(OSError):  # a read-only cache dir: pins are a hint
+            write_pins(self.store.cache_dir, names)
+            self._published = names
 
     def _fail(self, job: Job, exc: BaseException) -> None:
         with self._cond:
@@ -512,5 +584,6 @@ class Fetcher:
                 os.utime(target)
 
 
-#: job states whose shard this process pins: downloads running, or done and not read yet
-_AHEAD = frozenset({"starting", "running", "ok"})
+#: job states whose shard this process pins and counts in its look-ahead: downloads
+#: running (its own, or another process's), or done and not read yet
+_AHEAD = frozenset({"starting", "running", "ok", "elsewhere"})

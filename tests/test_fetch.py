@@ -8,6 +8,7 @@ skipped by the look-ahead."""
 from __future__ import annotations
 
 import http.client
+import multiprocessing
 import os
 import threading
 import time
@@ -23,7 +24,7 @@ from filelock import FileLock
 import evenly
 import evenly.sources as es
 from evenly.sources._cache import ShardCache
-from evenly.sources._fetch import PART_BYTES
+from evenly.sources._fetch import PART_BYTES, write_pins
 from tests import s3server
 from tests.distributed import run_ranks
 from tests.s3server import S3Endpoint
@@ -258,6 +259,38 @@ def test_max_in_flight_is_checked_and_read_from_the_environment(
     monkeypatch.setenv("EVENLY_MAX_IN_FLIGHT", "many")
     with pytest.raises(ValueError, match=r"EVENLY_MAX_IN_FLIGHT='many' is not an integer"):
         ShardCache(str(tmp_path))
+
+
+# ---- pins: no process evicts a shard another live process still needs ------------------
+def _pin_and_wait(cache_dir: str, name: str, ready: Any, release: Any) -> None:
+    write_pins(cache_dir, [name])
+    ready.set()
+    release.wait(60)
+
+
+def test_eviction_keeps_the_shards_a_live_process_pinned(tmp_path: Path) -> None:
+    cache = ShardCache(str(tmp_path), max_bytes=250)
+    os.makedirs(cache.cache_dir)
+    paths = [cache.path_for(f"s3://bucket/s{k}.bin") for k in range(3)]
+    for k, path in enumerate(paths):
+        Path(path).write_bytes(b"x" * 100)
+        os.utime(path, (1000 + k, 1000 + k))  # shard 0 least recently used
+    ctx = multiprocessing.get_context("fork")
+    ready, release = ctx.Event(), ctx.Event()
+    other = ctx.Process(
+        target=_pin_and_wait,
+        args=(cache.cache_dir, os.path.basename(paths[0]), ready, release),
+    )
+    other.start()
+    try:
+        assert ready.wait(60)
+        assert cache.evict() == [paths[1]]  # shard 0 is pinned by the other process
+    finally:
+        release.set()
+        other.join()
+    Path(paths[1]).write_bytes(b"x" * 100)
+    os.utime(paths[1], (1001, 1001))
+    assert cache.evict() == [paths[0]]  # its process is gone: its pins count no more
 
 
 # ---- cooperation: a shard another process downloads is skipped by the look-ahead ---------

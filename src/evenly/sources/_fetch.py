@@ -358,17 +358,17 @@ class Fetcher:
             self._cond.notify_all()  # room for the look-ahead, perhaps
 
     def _drop_stale(self) -> None:
-        """Forget jobs queued long ago and never started (a pass left early)."""
-        stale = [
-            j
-            for j in self._queue
-            if j.state == "queued" and not j.demand and j.hint <= self._hints - _STALE_HINTS
-        ]
-        for job in stale:
-            self._queue.remove(job)
-            self._jobs.pop(job.target, None)
-            job.state = "failed"
-            job.done.set()
+        """Forget look-ahead jobs hinted long ago and never read (a pass left early):
+        not started ones are dropped, downloaded ones no longer pinned."""
+        old = self._hints - _STALE_HINTS
+        for job in [j for j in self._jobs.values() if not j.demand and j.hint <= old]:
+            if job.state == "queued":
+                self._queue.remove(job)
+                job.state = "failed"
+                job.done.set()
+            elif job.state not in ("ok", "elsewhere"):
+                continue
+            del self._jobs[job.target]
 
     def _next(self) -> tuple[Job, tuple[int, int] | None] | None:
         """The next unit of work, or None: a part of a running download, or a shard to
@@ -452,8 +452,8 @@ class Fetcher:
                 self.store.download_whole(job.url, job.target, job.size, job.fingerprint)
             self._release(job)
             self.store.count(downloads=1)
+            self._evict()  # before a reader goes on: the job still pins its shard
             self._finished(job, "ok")
-            self._evict()
             return None
         with self.request():
             ranged, size = self.store.open_ranged(job.url, job.fingerprint, job.size)
@@ -497,8 +497,8 @@ class Fetcher:
         os.replace(job.tmp, job.target)
         self._release(job)
         self.store.count(downloads=1)
+        self._evict()  # before a reader goes on: the job still pins its shard
         self._finished(job, "ok")
-        self._evict()
 
     def _evict(self) -> None:
         """Publish this process's pins, then evict (the cache keeps every live

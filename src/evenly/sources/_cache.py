@@ -202,11 +202,7 @@ class ShardCache:
         """This process's download threads (made on first use).  A forked worker
         inherits the parent's scheduler but none of its threads: it starts afresh
         rather than wait on downloads no thread of it will ever run."""
-        if os.getpid() != self._pid:
-            self._fetcher, self._mutex, self._counters = None, threading.Lock(), {}
-            self._count_lock = threading.Lock()
-            self.downloads = 0
-            self._pid = os.getpid()
+        self._forked()
         fetcher = self._fetcher
         if fetcher is None:
             with self._mutex:
@@ -215,8 +211,18 @@ class ShardCache:
                 fetcher = self._fetcher
         return fetcher
 
+    def _forked(self) -> None:
+        """In a forked child: no scheduler, counters or locks of the parent's (a lock
+        its threads held at the fork would never be released)."""
+        if os.getpid() != self._pid:
+            self._fetcher, self._mutex, self._counters = None, threading.Lock(), {}
+            self._count_lock = threading.Lock()
+            self.downloads = 0
+            self._pid = os.getpid()
+
     def count(self, **values: float) -> None:
         """Add to this process's fetch counters (``downloads``: shards downloaded)."""
+        self._forked()
         with self._count_lock:
             for name, value in values.items():
                 if name == "downloads":
@@ -230,9 +236,10 @@ class ShardCache:
         seconds readers waited for a download (``fetch_seconds``), retries
         (``fetch_retries``) and the most requests it had in flight at once
         (``max_in_flight_seen``)."""
+        self._forked()
         with self._count_lock:
             out = {name: self._counters.get(name, 0) for name in FETCH_COUNTERS}
-        fetcher = self._fetcher if os.getpid() == self._pid else None
+        fetcher = self._fetcher
         out["max_in_flight_seen"] = fetcher.max_in_flight_seen if fetcher is not None else 0
         return out
 

@@ -190,7 +190,7 @@ def test_expired_credentials_are_not_retried(
     with pytest.raises(PermissionError, match=rf"cannot download {re.escape(url)}: access denied"):
         cache.fetch(url, "1000:x", 1000)
     assert proxy.stats()["requests"] == 1  # one HEAD, refused; never asked again
-    assert cache.counters()["fetch_retries"] == 0
+    assert cache.stats()["fetch_retries"] == 0
     lock = os.path.basename(cache.path_for(url, "1000:x")) + ".lock"
     assert os.listdir(cache.cache_dir) == [lock]  # nothing cached
 

@@ -144,22 +144,25 @@ def test_a_source_opened_before_a_change_never_caches_the_new_bytes(tmp_path: Pa
     assert entries(tmp_path / "c") == []
 
 
-def test_remote_shards_are_decoded_once_per_node_on_top_of_the_shard_cache(
+def test_remote_shards_are_kept_once_in_the_shard_cache_and_never_decoded_to_disk(
     s3: S3Endpoint, s3_prefix: str, tmp_path: Path
 ) -> None:
+    """One copy on disk for remote data: the shard as downloaded, within ``cache_bytes``;
+    no decoded-row cache entry is written for it (local Parquet keeps that cache)."""
     write_shards(tmp_path / "local", n=100)
     url = s3.upload(str(tmp_path / "local"), f"{s3_prefix}/pq")
     cache = str(tmp_path / "c")
     first = evenly.from_parquet(url, storage_options=s3.storage_options, cache_dir=cache)
     check_rows(first.__getitems__(list(range(100))))
     assert first.cache is not None and first.cache.downloads == 1  # one shard, 4 row groups
-    assert first.decoded_cache is not None and first.decoded_cache.decodes == 4
-    # another process on the node: every row group is decoded already, so no shard is
-    # downloaded (nor opened) at all
+    assert first.decoded_cache is None
+    assert not (tmp_path / "c" / "rows").exists() or entries(tmp_path / "c") == []
+    shard = (tmp_path / "local" / "shard-00000.parquet").stat().st_size
+    assert first.cache.usage() == shard  # the raw shard: all evenly wrote for the data
+    # another process on the node reads the shard already in the cache: no download
     again = evenly.from_parquet(url, storage_options=s3.storage_options, cache_dir=cache)
     check_rows(again.__getitems__(list(range(100))))
     assert again.cache is not None and again.cache.downloads == 0
-    assert again.decoded_cache is not None and again.decoded_cache.stats()["hits"] == 4
 
 
 # ---- killed writers, damaged entries ----------------------------------------------------

@@ -364,6 +364,7 @@ def from_arrow(
     storage_options: dict[str, Any] | None = None,
     cache_dir: str | None = None,
     cache_bytes: int | None = None,
+    max_in_flight: int | None = None,
     use_manifest: bool = True,
 ) -> ArrowSource:
     """A source over Arrow IPC files (``.arrow``, ``.feather``, ``.ipc``; file or stream
@@ -373,9 +374,10 @@ def from_arrow(
     Local files are memory-mapped: a global shuffle costs no more than a sequential read
     once the pages are cached, so ``shuffle=True`` is a global shuffle for local files.
     Remote files are downloaded whole into the bounded shard cache (``cache_dir``,
-    ``cache_bytes``) first.  A Dataset's indices mapping (from ``select``, ``filter``,
-    ``shuffle``, ``train_test_split``) is honoured: sample ``i`` is the dataset's row
-    ``i``, and rows it left out are never read.
+    ``cache_bytes``; at most ``max_in_flight`` requests in flight per node, default
+    ``$EVENLY_MAX_IN_FLIGHT``, else 16) first.  A Dataset's indices mapping (from
+    ``select``, ``filter``, ``shuffle``, ``train_test_split``) is honoured: sample ``i``
+    is the dataset's row ``i``, and rows it left out are never read.
 
     >>> import evenly
     >>> ds = evenly.Dataset(from_arrow("data/train"), shuffle=True)  # doctest: +SKIP
@@ -387,6 +389,7 @@ def from_arrow(
         "storage_options": storage_options,
         "cache_dir": cache_dir,
         "cache_bytes": cache_bytes,
+        "max_in_flight": max_in_flight,
         "use_manifest": use_manifest,
     }
     if hasattr(paths, "cache_files") and hasattr(paths, "_data"):

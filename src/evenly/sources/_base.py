@@ -65,6 +65,7 @@ class ShardedSource:
         storage_options: dict[str, Any] | None = None,
         cache_dir: str | None = None,
         cache_bytes: int | None = None,
+        max_in_flight: int | None = None,
         use_manifest: bool = True,
         keep_entries: bool = False,
     ) -> None:
@@ -72,7 +73,12 @@ class ShardedSource:
         self._shards: Shards = shards
         self.urls: tuple[str, ...] = shards.urls
         self.cache: ShardCache | None = (
-            ShardCache(cache_dir or default_cache_dir(), cache_bytes, shards.storage_options)
+            ShardCache(
+                cache_dir or default_cache_dir(),
+                cache_bytes,
+                shards.storage_options,
+                max_in_flight=max_in_flight,
+            )
             if shards.remote
             else None
         )
@@ -119,17 +125,18 @@ class ShardedSource:
     def io_stats(self) -> dict[str, float]:
         """This process's cumulative I/O counters, for ``loader.stats()``: those the
         format knows of ``bytes_read``, ``bytes_decoded``, ``decode_seconds``,
-        ``cache_hits``, ``cache_misses``, and for remote shards the shard cache's fetch
-        figures (``bytes_fetched``, ``fetch_requests``, ``fetch_seconds``,
-        ``fetch_retries``, ``max_in_flight_seen``)."""
-        if self.cache is None:
-            return dict(self._io)
-        return {**self._io, **self.cache.counters()}
+        ``cache_hits``, ``cache_misses``; for remote shards also the shard cache's
+        (``bytes_fetched``, ``fetch_requests``, ``fetch_seconds``, ``fetch_retries``,
+        ``max_in_flight_seen``: :meth:`ShardCache.stats`)."""
+        out = dict(self._io)
+        if self.cache is not None:
+            out.update(self.cache.stats())
+        return out
 
     def _fetch_waited(self) -> float:
         """Seconds this process has waited for remote shards so far (0 for local ones):
         a format that times its decoding subtracts the waits inside it."""
-        return 0.0 if self.cache is None else self.cache.counters()["fetch_seconds"]
+        return 0.0 if self.cache is None else self.cache.stats()["fetch_seconds"]
 
     # ---- the Source protocol -----------------------------------------------------
     def __len__(self) -> int:
@@ -196,7 +203,7 @@ class ShardedSource:
         order = np.argsort(shards, kind="stable")
         present, first = np.unique(shards[order], return_index=True)
         if self.cache is not None and present.size > 1:
-            self.cache.prefetch(self._remote(k) for k in present.tolist())
+            self.cache.prefetch((self._remote(k) for k in present.tolist()), now=True)
         bounds = [*first.tolist(), idx.size]
         for j, k in enumerate(present.tolist()):
             where = order[bounds[j] : bounds[j + 1]]

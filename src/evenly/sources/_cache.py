@@ -8,31 +8,36 @@
   that ETag with every range read (``If-Match``), so an object replaced before or during
   the download raises naming the URL; nothing of it is cached.
 - A lock file per shard (``filelock``: no ``fcntl`` at import, so it works on every
-  platform) makes two workers (or two ranks) on one machine wait for one download
-  instead of doing two.  The downloader holds it for the whole download, so a
-  ``.part-*`` file whose lock is free was left by a killed process: it is counted in the
-  cache usage, and removed by the next eviction.
+  platform) makes one download per machine: a reader that needs a shard another worker
+  (or rank) is downloading waits for it; a look-ahead download goes on to the next shard
+  instead.  The downloader holds it for the whole download, so a ``.part-*`` file whose
+  lock is free was left by a killed process: it is counted in the cache usage, and
+  removed by the next eviction.
+- Downloads run in each process's download threads (:mod:`evenly.sources._fetch`): at
+  most ``max_in_flight`` requests in flight per node, shards in order of need (a reader
+  waiting first, then the plan's look-ahead as far as the cache holds it), an object
+  larger than :data:`~evenly.sources._fetch.PART_BYTES` in parallel range requests
+  written at their offsets into the ``.part-`` file, renamed once every part arrived and
+  the size is the listed one.
 - Transient errors (connection refused or reset, timeouts, HTTP 5xx, 429 and S3
   throttling) are retried with exponential backoff (``retries`` more tries, ``backoff``
   seconds doubling, with jitter); the last error is raised naming the URL.
 - After each download, files are evicted least-recently-used first (by mtime, which a
-  hit refreshes) until the cache holds at most ``max_bytes``; the shard just fetched is
-  never evicted.  A reader that still has an evicted file open keeps reading it (POSIX).
-- ``prefetch(items)`` downloads shards in a background thread.
+  hit refreshes) until the cache holds at most ``max_bytes``; the shards the process
+  pinned (being downloaded, downloaded and not read yet, read last) are never evicted
+  by it.  A reader that still has an evicted file open keeps reading it (POSIX).
+- ``prefetch(items)`` queues the look-ahead; :meth:`ShardCache.stats` counts what was
+  fetched (``bytes_fetched``, ``fetch_requests``, ``fetch_seconds``, ``fetch_retries``,
+  ``max_in_flight_seen``).
 - Credentials refused (HTTP 403: expired, or no right to read) are not retried: the
   error names the URL and the likely cause.
-- ``counters()``: this process's fetch figures for ``loader.stats()`` (cumulative):
-  ``bytes_fetched``, ``fetch_requests`` (GETs sent, retries included), ``fetch_seconds``
-  (time a reader waited for a shard), ``fetch_retries`` (requests retried after a
-  transient error, on top of the client library's own retries) and
-  ``max_in_flight_seen`` (downloads running at once in this process, at most).
 
 Cache file names are a hash of (URL, fingerprint) plus a sanitised base name, so they
 never escape the cache dir and a changed remote file is fetched again.
 
 >>> cache = ShardCache("/tmp/evenly-cache-doctest", max_bytes=1 << 30)
->>> cache.max_bytes, cache.retries
-(1073741824, 4)
+>>> cache.max_bytes, cache.retries, cache.max_in_flight
+(1073741824, 4, 16)
 """
 
 from __future__ import annotations
@@ -45,15 +50,14 @@ import random
 import re
 import threading
 import time
-from collections.abc import Callable, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Collection, Iterable
 from typing import Any, TypeVar
 
 from filelock import FileLock, Timeout
-from fsspec.core import url_to_fs
 
 from ._cachedir import part_abandoned, part_path, written_elsewhere
-from ._manifest import object_fingerprint, same_version
+from ._fetch import Fetcher, max_in_flight_setting, pinned_elsewhere
+from ._manifest import filesystem, object_fingerprint, same_version
 
 __all__ = ["DEFAULT_CACHE_BYTES", "FETCH_COUNTERS", "ShardCache", "is_transient"]
 
@@ -68,7 +72,7 @@ _MAX_BACKOFF_TOTAL = 60.0
 #: bytes per read of a checked download (a range request each)
 _CHUNK = 16 << 20
 T = TypeVar("T")
-#: what :meth:`ShardCache.counters` reports (cumulative, this process)
+#: the counters :meth:`ShardCache.stats` reports (cumulative, this process)
 FETCH_COUNTERS = (
     "bytes_fetched",
     "fetch_requests",
@@ -139,14 +143,15 @@ def is_transient(exc: BaseException) -> bool:
 class ShardCache:
     """Local copies of remote shards under ``cache_dir``, at most ``max_bytes`` in all.
 
-    Picklable: the thread pool is made lazily in each process.
+    Picklable: the download threads are made lazily in each process.
 
     Args:
         cache_dir: where the copies live (created if needed).
         max_bytes: the size limit; the cache may exceed it only by the shards in use
             and downloads in progress.
         storage_options: passed to fsspec (endpoint, credentials...).
-        prefetch_threads: background download threads per process.
+        max_in_flight: requests in flight per node, shared by every process on it
+            (default ``$EVENLY_MAX_IN_FLIGHT``, else 16).
         retries: further tries after a transient download error (0: none).
         backoff: seconds before the first retry; doubled for each next one (with
             jitter), all sleeps together at most 60 s.
@@ -157,7 +162,7 @@ class ShardCache:
         cache_dir: str,
         max_bytes: int | None = None,
         storage_options: dict[str, Any] | None = None,
-        prefetch_threads: int = 2,
+        max_in_flight: int | None = None,
         retries: int = 4,
         backoff: float = 0.5,
     ) -> None:
@@ -172,49 +177,73 @@ class ShardCache:
         self.cache_dir = os.path.abspath(os.path.join(cache_dir, "shards"))
         self.max_bytes = int(max_bytes)
         self.storage_options = dict(storage_options or {})
-        self.prefetch_threads = prefetch_threads
+        self.max_in_flight = max_in_flight_setting(max_in_flight)
         self.retries = int(retries)
         self.backoff = float(backoff)
-        self._pool: ThreadPoolExecutor | None = None
-        self._pending: dict[str, Future[str]] = {}
-        self._mutex: threading.Lock | None = None
+        self._fetcher: Fetcher | None = None
+        self._mutex = threading.Lock()
         self._count_lock = threading.Lock()
         self._pid = os.getpid()
         #: shards this process downloaded (a hit, or a wait on another process, is not one)
         self.downloads = 0
-        self._fetched: dict[str, float] = dict.fromkeys(FETCH_COUNTERS, 0)
-        self._in_flight = 0
+        self._counters: dict[str, float] = {}
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state.update(_pool=None, _pending={}, _mutex=None, _count_lock=None, downloads=0)
-        state.update(_fetched=dict.fromkeys(FETCH_COUNTERS, 0), _in_flight=0)
+        state.update(_fetcher=None, _mutex=None, _count_lock=None, downloads=0, _counters={})
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        self._mutex = threading.Lock()
         self._count_lock = threading.Lock()
         self._pid = os.getpid()
 
-    def _after_fork(self) -> None:
-        """A forked worker inherits the parent's pool object but none of its threads:
-        start afresh rather than wait on futures no thread will ever run."""
+    def _after_fork(self) -> Fetcher:
+        """This process's download threads (made on first use).  A forked worker
+        inherits the parent's scheduler but none of its threads: it starts afresh
+        rather than wait on downloads no thread of it will ever run."""
+        self._forked()
+        fetcher = self._fetcher
+        if fetcher is None:
+            with self._mutex:
+                if self._fetcher is None:
+                    self._fetcher = Fetcher(self, self.max_in_flight)
+                fetcher = self._fetcher
+        return fetcher
+
+    def _forked(self) -> None:
+        """In a forked child: no scheduler, counters or locks of the parent's (a lock
+        its threads held at the fork would never be released)."""
         if os.getpid() != self._pid:
-            self._pool, self._pending, self._mutex = None, {}, None
+            self._fetcher, self._mutex, self._counters = None, threading.Lock(), {}
             self._count_lock = threading.Lock()
+            self.downloads = 0
             self._pid = os.getpid()
-            self._fetched, self._in_flight = dict.fromkeys(FETCH_COUNTERS, 0), 0
 
     # ---- counters ------------------------------------------------------------------
-    def counters(self) -> dict[str, float]:
-        """This process's fetch figures so far (:data:`FETCH_COUNTERS`)."""
-        with self._count_lock:
-            return dict(self._fetched)
-
-    def _count(self, **values: float) -> None:
+    def count(self, **values: float) -> None:
+        """Add to this process's fetch counters (``downloads``: shards downloaded)."""
+        self._forked()
         with self._count_lock:
             for name, value in values.items():
-                self._fetched[name] += value
+                if name == "downloads":
+                    self.downloads += int(value)
+                else:
+                    self._counters[name] = self._counters.get(name, 0) + value
+
+    def stats(self) -> dict[str, float]:
+        """This process's fetch counters: bytes received (``bytes_fetched``), requests
+        (``fetch_requests``: whole downloads and range reads, retries included),
+        seconds readers waited for a download (``fetch_seconds``), retries
+        (``fetch_retries``) and the most requests it had in flight at once
+        (``max_in_flight_seen``)."""
+        self._forked()
+        with self._count_lock:
+            out = {name: self._counters.get(name, 0) for name in FETCH_COUNTERS}
+        fetcher = self._fetcher
+        out["max_in_flight_seen"] = fetcher.max_in_flight_seen if fetcher is not None else 0
+        return out
 
     # ---- paths -----------------------------------------------------------------
     def path_for(self, url: str, fingerprint: str = "") -> str:
@@ -235,29 +264,46 @@ class ShardCache:
         ``size`` (the listed size, if known) is checked before the copy is renamed
         into place.
         """
-        self._after_fork()
-        target = self.path_for(url, fingerprint)
-        if os.path.exists(target):
-            _touch(target)
-            return target
-        os.makedirs(self.cache_dir, exist_ok=True)
-        with FileLock(target + ".lock"):
-            if os.path.exists(target):  # another process fetched it while we waited
-                _touch(target)
-                return target
-            with self._count_lock:
-                self._in_flight += 1
-                seen = self._fetched["max_in_flight_seen"]
-                self._fetched["max_in_flight_seen"] = max(seen, self._in_flight)
+        return self._after_fork().wait(url, fingerprint, size)
+
+    def download_whole(self, url: str, target: str, size: int | None, fingerprint: str) -> None:
+        """One checked download of ``url`` into ``target`` (the caller holds its lock)."""
+        self._download(url, target, size, fingerprint)  # counts its requests and bytes
+
+    def open_ranged(self, url: str, fingerprint: str, size: int | None) -> tuple[Any, int]:
+        """``url`` opened for range reads at the listed version (checked), and its size."""
+
+        def attempt() -> _Ranged:
             try:
-                self._download(url, target, size, fingerprint)
-            finally:
-                with self._count_lock:
-                    self._in_flight -= 1
-            with self._count_lock:
-                self.downloads += 1
-        self.evict(keep=target)
-        return target
+                fs, path = filesystem(url, self.storage_options)
+                return _Ranged(fs, path, url, fingerprint, size)
+            except FileNotFoundError:
+                raise FileNotFoundError(f"shard not found: {url}") from None
+
+        ranged = self.retrying(attempt, f"download {url}", f"the download of {url}")
+        return ranged, ranged.size
+
+    def read_part(self, url: str, ranged: Any, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of ``url`` through ``ranged`` (a range request, retried
+        after a transient error; a short body is one)."""
+        tries = 0
+
+        def attempt() -> bytes:
+            nonlocal tries
+            tries += 1
+            data: bytes = ranged.read(start, end)
+            if len(data) != end - start:
+                raise ConnectionError(
+                    f"short read of {url} bytes {start}-{end}: {len(data)} bytes came"
+                )
+            return data
+
+        try:
+            data = self.retrying(attempt, f"download {url}", f"the download of {url}")
+        finally:
+            self.count(fetch_requests=tries)  # retries are counted by retrying()
+        self.count(bytes_fetched=len(data))
+        return data
 
     def _download(self, url: str, target: str, size: int | None, fingerprint: str) -> None:
         """Download ``url`` to ``target`` through a ``.part-`` file, retrying transient
@@ -266,8 +312,8 @@ class ShardCache:
         def attempt() -> None:
             tmp = part_path(target)
             try:
-                fs, path = url_to_fs(url, **self.storage_options)
-                _get(fs, path, url, tmp, fingerprint, size, self._count)
+                fs, path = filesystem(url, self.storage_options)
+                _get(fs, path, url, tmp, fingerprint, size, self.count)
                 got = os.path.getsize(tmp)
                 if size is not None and got != size:
                     raise _size_error(url, got, size)
@@ -278,6 +324,7 @@ class ShardCache:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(tmp)
 
+        # _get counts each request and the bytes received; retrying() counts the retries
         self.retrying(attempt, f"download {url}", f"the download of {url}")
 
     def retrying(self, call: Callable[[], T], doing: str, what: str) -> T:
@@ -322,39 +369,24 @@ class ShardCache:
                 time.sleep(delay)
                 slept += delay
                 attempt += 1
-                self._count(fetch_retries=1)
+                self.count(fetch_retries=1)
 
-    def prefetch(self, items: Iterable[tuple[str, str] | tuple[str, str, int | None]]) -> None:
-        """Start background downloads of ``(url, fingerprint[, size])`` not cached yet."""
-        self._after_fork()
-        if self._mutex is None:
-            self._mutex = threading.Lock()
-        with self._mutex:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(
-                    max_workers=self.prefetch_threads, thread_name_prefix="evenly-prefetch"
-                )
-            for item in items:
-                url, fp = item[0], item[1]
-                size = item[2] if len(item) > 2 else None
-                if url in self._pending and not self._pending[url].done():
-                    continue
-                if os.path.exists(self.path_for(url, fp)):
-                    continue
-                self._pending[url] = self._pool.submit(self.fetch, url, fp, size)
+    def prefetch(
+        self,
+        items: Iterable[tuple[str, str] | tuple[str, str, int | None]],
+        now: bool = False,
+    ) -> None:
+        """Queue background downloads of ``(url, fingerprint[, size])`` not cached yet,
+        in this order (the plan's look-ahead; ``now``: needed by the batch being read,
+        ahead of it)."""
+        self._after_fork().hint(
+            ((it[0], it[1], it[2] if len(it) > 2 else None) for it in items), now=now
+        )
 
     def wait(self, url: str, fingerprint: str = "", size: int | None = None) -> str:
-        """``fetch``, joining a background download of ``url`` if one is running."""
-        self._after_fork()
-        started = time.perf_counter()
-        try:
-            future = self._pending.pop(url, None)
-            if future is not None:
-                with contextlib.suppress(Exception):  # fetch again below, raising here
-                    return future.result()
-            return self.fetch(url, fingerprint, size)
-        finally:
-            self._count(fetch_seconds=time.perf_counter() - started)
+        """The local path of ``url``, joining its background download if one is running
+        (else downloading it first in the queue); errors raise in this thread."""
+        return self.fetch(url, fingerprint, size)
 
     # ---- eviction --------------------------------------------------------------
     def usage(self) -> int:
@@ -399,9 +431,12 @@ class ShardCache:
                 lock.release()
         return removed
 
-    def evict(self, keep: str | None = None) -> list[str]:
+    def evict(self, keep: str | Collection[str] | None = None) -> list[str]:
         """Remove abandoned downloads, then least-recently-used shards until at most
-        ``max_bytes`` remain (downloads in progress count)."""
+        ``max_bytes`` remain (downloads in progress count), never those in ``keep`` or
+        pinned by a live process (its pin file: the shards it reads or will read next)."""
+        kept = {keep} if isinstance(keep, str) else set(keep or ())
+        kept.update(os.path.join(self.cache_dir, n) for n in pinned_elsewhere(self.cache_dir))
         os.makedirs(self.cache_dir, exist_ok=True)
         with FileLock(os.path.join(self.cache_dir, ".evict.lock")):
             removed = self.remove_abandoned()
@@ -412,13 +447,51 @@ class ShardCache:
             ):
                 if total <= self.max_bytes:
                     break
-                if path == keep:
+                if path in kept:
                     continue
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
                     removed.append(path)
                 total -= size
         return removed
+
+
+class _Ranged:
+    """An object opened for range reads at the version the listing gave: its ``info``
+    compared with the listed fingerprint, and (s3fs) its ETag sent with every range
+    request (``If-Match``), so a newer version fails the read instead of mixing in."""
+
+    def __init__(self, fs: Any, path: str, url: str, fingerprint: str, size: int | None) -> None:
+        self.fs, self.path, self.url, self.fingerprint = fs, path, url, fingerprint
+        self.file = fs.open(path, "rb", block_size=_CHUNK, cache_type="none")
+        try:
+            opened = getattr(self.file, "size", None)
+            if size is not None and opened is not None and int(opened) != size:
+                raise _size_error(url, int(opened), size)
+            if fingerprint:
+                details = getattr(self.file, "details", None)
+                now = object_fingerprint(details if isinstance(details, dict) else fs.info(path))
+                if not same_version(fingerprint, now):
+                    raise _changed(url, fingerprint, now)
+        except BaseException:
+            self.close()
+            raise
+        self.size = int(opened) if opened is not None else int(size or fs.size(path))
+
+    def read(self, start: int, end: int) -> bytes:
+        fetch = getattr(self.file, "_fetch_range", None)  # fsspec's range read of a file
+        try:
+            if fetch is not None:
+                return bytes(fetch(start, end))
+            return bytes(self.fs.cat_file(self.path, start=start, end=end))
+        except OSError as exc:
+            if _expired(exc):  # s3fs: the If-Match failed, a newer version was written
+                raise _changed(self.url, self.fingerprint, "a newer version") from exc
+            raise
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.file.close()
 
 
 def _size_error(url: str, got: int, size: int) -> ValueError:
@@ -507,8 +580,3 @@ def _expired(exc: BaseException) -> bool:
             return True
         e = e.__cause__
     return False
-
-
-def _touch(path: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.utime(path)

@@ -273,11 +273,12 @@ class ArrowBatchSource(ShardedSource):
         _, first = np.unique(shards, return_index=True)
         self._prefetch_shards(shards[np.sort(first)].tolist())
 
-    def _prefetch_shards(self, shards: list[int]) -> None:
-        """Start downloading these shards (remote only), in this order."""
+    def _prefetch_shards(self, shards: list[int], now: bool = False) -> None:
+        """Start downloading these shards (remote only), in this order (``now``: the
+        batch being read needs them, ahead of the look-ahead)."""
         if self.cache is None:
             return
-        self.cache.prefetch(self._remote(k) for k in shards)
+        self.cache.prefetch((self._remote(k) for k in shards), now=now)
 
     # ---- batched reads -----------------------------------------------------------------
     def take(self, indices: Sequence[int] | npt.NDArray[Any]) -> pa.Table:
@@ -290,7 +291,7 @@ class ArrowBatchSource(ShardedSource):
         order = np.argsort(chunk, kind="stable")
         present, first = np.unique(chunk[order], return_index=True)
         if present.size > 1:
-            self._prefetch_shards(np.unique(self._cshard[present]).tolist())
+            self._prefetch_shards(np.unique(self._cshard[present]).tolist(), now=True)
         bounds = [*first.tolist(), rows.size]
         pieces = []
         for j, c in enumerate(present.tolist()):
@@ -321,7 +322,7 @@ class ArrowBatchSource(ShardedSource):
         chunk = self._chunk_of.of(rows)
         present = np.unique(chunk)
         if present.size > 1 and self.cache is not None:
-            self._prefetch_shards(np.unique(self._cshard[present]).tolist())
+            self._prefetch_shards(np.unique(self._cshard[present]).tolist(), now=True)
         row_of: dict[int, Any] = {}  # chunk -> its accessors' row()
         ks, gs = self._cshard[present].tolist(), self._clocal[present].tolist()
         where = zip(present.tolist(), ks, gs, strict=True)

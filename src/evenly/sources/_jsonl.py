@@ -147,12 +147,15 @@ def from_jsonl(
     storage_options: dict[str, Any] | None = None,
     cache_dir: str | None = None,
     cache_bytes: int | None = None,
+    max_in_flight: int | None = None,
     use_manifest: bool = True,
 ) -> JsonlSource:
     """A source over JSON Lines shards: a list, a glob, a directory or an fsspec URL.
 
     A one-time scan records each line's byte offsets (cached in the manifest), so any
-    sample is one seek and one read.
+    sample is one seek and one read.  Remote shards are downloaded into a bounded local
+    cache (``cache_dir``, ``cache_bytes``), at most ``max_in_flight`` requests in flight
+    per node (default ``$EVENLY_MAX_IN_FLIGHT``, else 16).
 
     >>> import evenly
     >>> ds = evenly.Dataset(from_jsonl("s3://bucket/text/"), shuffle=True)  # doctest: +SKIP
@@ -162,5 +165,6 @@ def from_jsonl(
         storage_options=storage_options,
         cache_dir=cache_dir,
         cache_bytes=cache_bytes,
+        max_in_flight=max_in_flight,
         use_manifest=use_manifest,
     )

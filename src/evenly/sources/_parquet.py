@@ -1,9 +1,10 @@
 """``evenly.from_parquet``: random access over Parquet shards, row group by row group.
 
-A row group is decoded once per node into the decoded-row cache (Arrow IPC files in
-``<cache_dir>/rows``, see :mod:`evenly.sources._rowcache`) and memory-mapped by every
-worker of every rank; with that cache off (``decoded_cache_bytes=0``), decoded row groups
-stay Arrow tables in a per-process LRU budgeted by their real buffer size.  A batch is one
+A row group of a local shard is decoded once per node into the decoded-row cache (Arrow
+IPC files in ``<cache_dir>/rows``, see :mod:`evenly.sources._rowcache`) and memory-mapped
+by every worker of every rank; with that cache off (``decoded_cache_bytes=0``), and
+always for remote shards (kept once, as downloaded, in the shard cache), decoded row
+groups stay Arrow tables in a per-process LRU budgeted by their real buffer size.  A batch is one
 lookup for the whole batch and one ``take`` (or per-row accessor) per row group present.
 Every page read is checked against its CRC-32 when the file has page checksums
 (:class:`VerifiedParquetFile`; ``evenly.write`` writes them): a flipped bit is an error
@@ -87,8 +88,13 @@ class ParquetSource(ArrowBatchSource):
         self._touch_due: dict[tuple[int, int], float] = {}
         super().__init__(paths, **kwargs)
         #: the node-local decoded-row cache (None: off); ``.hits`` / ``.misses`` count
-        #: this process's lookups
-        self.decoded_cache = _node_cache(kwargs.get("cache_dir"), decoded_cache_bytes)
+        #: this process's lookups.  Never for remote shards: their one copy on disk is
+        #: the shard in the shard cache, which ``cache_bytes`` bounds
+        self.decoded_cache = (
+            None
+            if self.cache is not None
+            else _node_cache(kwargs.get("cache_dir"), decoded_cache_bytes)
+        )
 
     def _scan(self, k: int, url: str) -> tuple[int, dict[str, Any]]:
         fs, path = filesystem(url, self._shards.storage_options)
@@ -353,22 +359,26 @@ def from_parquet(
     storage_options: dict[str, Any] | None = None,
     cache_dir: str | None = None,
     cache_bytes: int | None = None,
+    max_in_flight: int | None = None,
     row_group_cache_bytes: int = DEFAULT_ROW_GROUP_CACHE,
     decoded_cache_bytes: int | None = None,
     use_manifest: bool = True,
 ) -> ParquetSource:
     """A source over Parquet shards: a list, a glob, a directory or an fsspec URL.
 
-    Random access reads only the row group holding a sample.  Each row group is decoded
-    once per node into the decoded-row cache (Arrow IPC files in ``<cache_dir>/rows``,
-    memory-mapped by every worker and rank on the node, at most ``decoded_cache_bytes``
-    in all: default ``$EVENLY_DECODED_CACHE_BYTES``, else 16 GiB; ``0`` turns it off,
-    and it is off with a warning when ``cache_dir`` is on a network file system).  With
-    it off, decoded row groups are kept as Arrow tables in a per-process LRU of
-    ``row_group_cache_bytes``.  ``shuffle=True``
-    means a global shuffle for local shards whatever their size (so the order never
-    depends on the cache setting) and a block shuffle for remote ones.  Remote shards are
-    downloaded into a bounded local cache (``cache_dir``, ``cache_bytes``) before reading.
+    Random access reads only the row group holding a sample.  Each row group of a local
+    shard is decoded once per node into the decoded-row cache (Arrow IPC files in
+    ``<cache_dir>/rows``, memory-mapped by every worker and rank on the node, at most
+    ``decoded_cache_bytes`` in all: default ``$EVENLY_DECODED_CACHE_BYTES``, else 16 GiB;
+    ``0`` turns it off, and it is off with a warning when ``cache_dir`` is on a network
+    file system).  With it off, decoded row groups are kept as Arrow tables in a
+    per-process LRU of ``row_group_cache_bytes``.  ``shuffle=True`` means a global
+    shuffle for local shards whatever their size (so the order never depends on the cache
+    setting) and a block shuffle for remote ones.  Remote shards are downloaded into a
+    bounded local cache (``cache_dir``, ``cache_bytes``) before reading, with at most
+    ``max_in_flight`` requests in flight per node (default ``$EVENLY_MAX_IN_FLIGHT``,
+    else 16); that copy is the only one on disk (no decoded-row cache for remote shards:
+    ``cache_bytes`` bounds all evenly writes).
 
     >>> import evenly
     >>> ds = evenly.Dataset(from_parquet("data/*.parquet"), shuffle=True)  # doctest: +SKIP
@@ -379,6 +389,7 @@ def from_parquet(
         storage_options=storage_options,
         cache_dir=cache_dir,
         cache_bytes=cache_bytes,
+        max_in_flight=max_in_flight,
         row_group_cache_bytes=row_group_cache_bytes,
         decoded_cache_bytes=decoded_cache_bytes,
         use_manifest=use_manifest,

@@ -322,13 +322,17 @@ def from_webdataset(
     storage_options: dict[str, Any] | None = None,
     cache_dir: str | None = None,
     cache_bytes: int | None = None,
+    max_in_flight: int | None = None,
     check_fields: bool = True,
     use_manifest: bool = True,
 ) -> WebDatasetSource:
     """A source over uncompressed WebDataset tar shards: a list, a glob, a directory or
     an fsspec URL.  Field values are the raw bytes (decode them in ``transform``).
 
-    ``check_fields`` raises if shards hold different sets of fields.
+    ``check_fields`` raises if shards hold different sets of fields.  Remote shards are
+    downloaded into a bounded local cache (``cache_dir``, ``cache_bytes``), at most
+    ``max_in_flight`` requests in flight per node (default ``$EVENLY_MAX_IN_FLIGHT``,
+    else 16).
 
     >>> import evenly
     >>> ds = evenly.Dataset(from_webdataset("s3://bucket/wds/"), shuffle=True)  # doctest: +SKIP
@@ -338,6 +342,7 @@ def from_webdataset(
         storage_options=storage_options,
         cache_dir=cache_dir,
         cache_bytes=cache_bytes,
+        max_in_flight=max_in_flight,
         check_fields=check_fields,
         use_manifest=use_manifest,
     )

@@ -1,0 +1,589 @@
+"""Plan-driven fetching of remote shards for the shard cache: a per-process scheduler
+whose download threads together with every other process's on the node keep at most
+``max_in_flight`` requests in flight.
+
+- **A node-wide bound**: each process runs ``max(1, max_in_flight // processes)``
+  download threads, processes on the node being ``$LOCAL_WORLD_SIZE`` (torchrun; else 1)
+  times the DataLoader workers of the process's loader (1 without workers).  A thread
+  makes one request at a time, so the node never has more than ``max_in_flight``
+  requests in flight (the floor, unlike a ceiling, never overshoots; with more
+  processes than ``max_in_flight`` each still gets one).  No process talks to another:
+  nothing to hang on or to clean up after a killed worker.
+- **Order of need**: shards a reader waits for come first, then the look-ahead the plan
+  hints (:meth:`Fetcher.hint`, in order of first use); a large shard is split into
+  parts (:data:`PART_BYTES`, one range request each) that the threads download side by
+  side, so the shard needed next gets every thread before the one after it.
+- **Cooperation**: a thread that finds a shard's lock held by another process (a
+  worker or rank downloading it) does not wait: it goes on to the next shard; only a
+  reader that needs that shard now waits for the other process's download.
+- **Bounded by the cache**: the look-ahead starts a download only while this process's
+  pinned shards (downloads running, its own or another process's, downloaded but not
+  read yet, and the shards it read last, up to half the cache) and that shard fit in
+  ``max_bytes`` (a shard another process downloads counts too, so the node's look-ahead
+  is no longer than one process's).  Each process lists its pinned shards in a pin file
+  (``<cache_dir>/shard-pins/<pid>-<host>``); eviction, by any process, skips the shards a live
+  process pinned, eviction never
+  so a shard a worker still needs is not evicted by another one before it is read.
+
+>>> node_processes({"LOCAL_WORLD_SIZE": "2"}, workers=4), threads_for(16, 8), threads_for(4, 8)
+(8, 2, 1)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Collection, Iterable, Iterator, Mapping
+from typing import Protocol
+
+from filelock import FileLock, Timeout
+
+from ._cachedir import STALE_PART_SECONDS, host_tag, part_path
+
+__all__ = [
+    "DEFAULT_MAX_IN_FLIGHT",
+    "ENV_MAX_IN_FLIGHT",
+    "PART_BYTES",
+    "Fetcher",
+    "max_in_flight_setting",
+    "node_processes",
+    "pinned_elsewhere",
+    "threads_for",
+]
+
+#: Requests in flight per node by default (``$EVENLY_MAX_IN_FLIGHT`` overrides it).
+DEFAULT_MAX_IN_FLIGHT = 16
+#: the environment variable that overrides the default bound
+ENV_MAX_IN_FLIGHT = "EVENLY_MAX_IN_FLIGHT"
+#: bytes per range request of a large object (smaller objects are one request)
+PART_BYTES = 8 << 20
+#: jobs hinted this many hints ago and never started are dropped (a pass left early)
+_STALE_HINTS = 3
+#: the shortest time between two recency refreshes of the pinned shards
+_TOUCH_EVERY = 1.0
+
+
+def max_in_flight_setting(value: int | None) -> int:
+    """The node-wide bound on requests in flight: ``value``, else
+    ``$EVENLY_MAX_IN_FLIGHT``, else :data:`DEFAULT_MAX_IN_FLIGHT`; at least 1."""
+    if value is None:
+        raw = os.environ.get(ENV_MAX_IN_FLIGHT)
+        try:
+            value = DEFAULT_MAX_IN_FLIGHT if raw is None else int(raw)
+        except ValueError:
+            raise ValueError(
+                f"${ENV_MAX_IN_FLIGHT}={raw!r} is not an integer: set it to the number of "
+                f"requests in flight per node (>= 1, default {DEFAULT_MAX_IN_FLIGHT})"
+            ) from None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(
+            f"max_in_flight must be an integer >= 1 (requests in flight per node, default "
+            f"{DEFAULT_MAX_IN_FLIGHT}), got {value!r}"
+        )
+    return value
+
+
+def node_processes(environ: Mapping[str, str], workers: int) -> int:
+    """Processes reading on this node: ``LOCAL_WORLD_SIZE`` (torchrun's; 1 if unset)
+    times ``max(1, workers)``."""
+    try:
+        local = int(environ.get("LOCAL_WORLD_SIZE", "1"))
+    except ValueError:
+        local = 1
+    return max(1, local) * max(1, workers)
+
+
+def threads_for(max_in_flight: int, processes: int) -> int:
+    """Download threads of one process: its share of the node's bound, at least 1."""
+    return max(1, max_in_flight // max(1, processes))
+
+
+def _pins_dir(cache_dir: str) -> str:
+    """Beside the shard cache dir (which holds shards, downloads and locks only)."""
+    return os.path.join(os.path.dirname(cache_dir), "shard-pins")
+
+
+def write_pins(cache_dir: str, names: Collection[str]) -> None:
+    """Publish this process's pinned shard names (atomically replaced)."""
+    folder = _pins_dir(cache_dir)
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"{os.getpid()}-{host_tag()}")
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write("\n".join(sorted(names)))
+    os.replace(tmp, path)
+
+
+def pinned_elsewhere(cache_dir: str) -> set[str]:
+    """Shard names pinned by the live processes that use ``cache_dir`` (pin files of
+    dead processes of this host are removed; another host's count until stale)."""
+    folder = _pins_dir(cache_dir)
+    try:
+        names = os.listdir(folder)
+    except FileNotFoundError:
+        return set()
+    out: set[str] = set()
+    here = host_tag()
+    for name in names:
+        if name.endswith(".tmp"):
+            continue
+        path = os.path.join(folder, name)
+        pid, _, host = name.partition("-")
+        try:
+            if host == here and pid.isdigit():
+                try:
+                    os.kill(int(pid), 0)
+                except ProcessLookupError:
+                    os.unlink(path)
+                    continue
+                except PermissionError:
+                    pass
+            elif time.time() - os.stat(path).st_mtime > STALE_PART_SECONDS:
+                continue
+            with open(path) as f:
+                out.update(line for line in f.read().split("\n") if line)
+        except FileNotFoundError:
+            continue
+    return out
+
+
+def _workers_here() -> int:
+    """The DataLoader workers of this process's loader (0 outside a worker)."""
+    from torch.utils.data import get_worker_info
+
+    info = get_worker_info()
+    return 0 if info is None else int(info.num_workers)
+
+
+class Ranged(Protocol):
+    """An object opened for range reads, at the version the listing gave."""
+
+    def read(self, start: int, end: int) -> bytes: ...
+
+    def close(self) -> None: ...
+
+
+class Store(Protocol):
+    """What the scheduler needs of the shard cache."""
+
+    max_bytes: int
+    cache_dir: str
+
+    def path_for(self, url: str, fingerprint: str = "") -> str: ...
+
+    def download_whole(self, url: str, target: str, size: int | None, fingerprint: str) -> None:
+        """One checked download of ``url`` into ``target`` (the caller holds its lock)."""
+
+    def open_ranged(self, url: str, fingerprint: str, size: int | None) -> tuple[Ranged, int]:
+        """The object opened for range reads (version checked), and its size."""
+
+    def read_part(self, url: str, ranged: Ranged, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of the object (retried, checked)."""
+
+    def evict(self, keep: str | Collection[str] | None = None) -> list[str]: ...
+
+    def count(self, **values: float) -> None: ...
+
+
+class Job:
+    """One shard to bring into the cache."""
+
+    __slots__ = (
+        "busy",
+        "demand",
+        "done",
+        "error",
+        "fd",
+        "fingerprint",
+        "hint",
+        "left",
+        "lock",
+        "parts",
+        "ranged",
+        "size",
+        "state",
+        "target",
+        "tmp",
+        "url",
+    )
+
+    def __init__(
+        self, url: str, fingerprint: str, size: int | None, target: str, hint: int
+    ) -> None:
+        self.url, self.fingerprint, self.size, self.target = url, fingerprint, size, target
+        #: queued, starting, running, ok (on disk), failed, elsewhere (another process has it)
+        self.state = "queued"
+        self.demand = False  #: a reader waits for it
+        self.hint = hint  #: the hint that queued it
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+        self.lock: FileLock | None = None
+        self.parts: deque[tuple[int, int]] = deque()
+        self.left = 0  #: parts not written yet
+        self.busy = 0  #: parts being fetched now
+        self.fd = -1
+        self.tmp = ""
+        self.ranged: Ranged | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.size if self.size is not None else PART_BYTES
+
+
+class Fetcher:
+    """The download threads of one process and the queue they serve (see the module
+    docstring).  Made lazily in each process by the shard cache; never pickled."""
+
+    def __init__(self, store: Store, max_in_flight: int, threads: int | None = None) -> None:
+        self.store = store
+        self.threads = threads or threads_for(
+            max_in_flight, node_processes(os.environ, _workers_here())
+        )
+        self._cond = threading.Condition()
+        self._queue: list[Job] = []  # demanded first, then in order of first use
+        self._jobs: dict[str, Job] = {}  # target -> job queued, running or not read yet
+        self._recent: OrderedDict[str, int] = OrderedDict()  # shards read lately, last newest
+        self._started: list[threading.Thread] = []
+        self._hints = 0
+        self._touched = 0.0
+        self._flight_lock = threading.Lock()
+        self._published: frozenset[str] | None = None
+        self.in_flight = 0
+        self.max_in_flight_seen = 0
+
+    # ---- what the cache calls ----------------------------------------------------------
+    def hint(self, items: Iterable[tuple[str, str, int | None]], now: bool = False) -> None:
+        """Queue the downloads of shards not cached yet: the plan's look-ahead, in order
+        of first use (``now``: needed by the batch being read, ahead of the look-ahead)."""
+        with self._cond:
+            self._hints += not now
+            front: list[Job] = []
+            for url, fingerprint, size in items:
+                target = self.store.path_for(url, fingerprint)
+                job = self._jobs.get(target)
+                if job is not None and job.state not in ("failed", "elsewhere"):
+                    if now and job.state == "queued" and not job.demand:
+                        self._queue.remove(job)
+                        job.demand = True
+                        front.append(job)
+                    continue
+                if os.path.exists(target):  # cached: never fetched again
+                    continue
+                job = Job(url, fingerprint, size, target, self._hints)
+                job.demand = now
+                self._jobs[target] = job
+                (front if now else self._queue).append(job)
+            if front:
+                self._queue[:0] = front
+            self._drop_stale()
+            self._cond.notify_all()
+        self._touch_pinned()
+        self._publish()
+        self._start_threads()
+
+    def wait(self, url: str, fingerprint: str, size: int | None) -> str:
+        """The local path of the shard, downloaded first if needed (ahead of the
+        look-ahead); raises the download's error in this thread (a look-ahead download
+        that failed is tried once more, for this reader)."""
+        target = self.store.path_for(url, fingerprint)
+        started: float | None = None
+        try:
+            while True:
+                if os.path.exists(target):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.utime(target)
+                    self._read(target, size)
+                    self._publish()
+                    return target
+                if started is None:
+                    started = time.perf_counter()
+                job, fresh = self._demand(url, fingerprint, size, target)
+                self._start_threads()
+                job.done.wait()
+                if job.state == "elsewhere":  # another process downloads it: wait for it
+                    with FileLock(target + ".lock"):
+                        pass
+                elif job.state == "failed" and fresh and job.error is not None:
+                    raise job.error
+        finally:
+            if started is not None:
+                self.store.count(fetch_seconds=time.perf_counter() - started)
+
+    def pinned(self) -> dict[str, int]:
+        """Targets this process must keep (bytes each): downloads running or not read
+        yet, and the shards it read last, up to half the cache."""
+        with self._cond:
+            out = {t: j.nbytes for t, j in self._jobs.items() if j.state in _AHEAD}
+            half, total = self.store.max_bytes // 2, 0
+            for target in reversed(self._recent):
+                size = self._recent[target]
+                if total and total + size > half:
+                    break
+                out.setdefault(target, size)
+                total += size
+            return out
+
+    # ---- the queue ---------------------------------------------------------------------
+    def _demand(
+        self, url: str, fingerprint: str, size: int | None, target: str
+    ) -> tuple[Job, bool]:
+        """The job a reader waits for, first in the queue; True if made for it."""
+        with self._cond:
+            job = self._jobs.get(target)
+            fresh = job is None or job.state in ("failed", "elsewhere", "ok")
+            if job is None or fresh:
+                job = Job(url, fingerprint, size, target, self._hints)
+                self._jobs[target] = job
+                self._queue.insert(0, job)
+            elif job.state == "queued":
+                self._queue.remove(job)
+                self._queue.insert(0, job)
+            job.demand = True
+            self._cond.notify_all()
+            return job, fresh
+
+    def _read(self, target: str, size: int | None) -> None:
+        """``target`` was read: it leaves the look-ahead for the recently read."""
+        with self._cond:
+            job = self._jobs.get(target)
+            if job is not None and job.state in ("ok", "failed", "elsewhere"):
+                del self._jobs[target]
+            self._recent.pop(target, None)
+            self._recent[target] = size if size is not None else PART_BYTES
+            while len(self._recent) > 1 and sum(self._recent.values()) > self.store.max_bytes:
+                self._recent.popitem(last=False)
+            self._cond.notify_all()  # room for the look-ahead, perhaps
+
+    def _drop_stale(self) -> None:
+        """Forget look-ahead jobs hinted long ago and never read (a pass left early):
+        not started ones are dropped, downloaded ones no longer pinned."""
+        old = self._hints - _STALE_HINTS
+        for job in [j for j in self._jobs.values() if not j.demand and j.hint <= old]:
+            if job.state == "queued":
+                self._queue.remove(job)
+                job.state = "failed"
+                job.done.set()
+            elif job.state not in ("ok", "elsewhere"):
+                continue
+            del self._jobs[job.target]
+
+    def _next(self) -> tuple[Job, tuple[int, int] | None] | None:
+        """The next unit of work, or None: a part of a running download, or a shard to
+        start (a look-ahead one only while it fits in the cache beside what is pinned)."""
+        left: int | None = None
+        for job in self._queue:
+            if job.state == "running" and job.parts:
+                job.busy += 1
+                return job, job.parts.popleft()
+            if job.state != "queued":
+                continue
+            if not job.demand:
+                if left is None:
+                    used = (
+                        sum(j.nbytes for j in self._jobs.values() if j.state in _AHEAD)
+                        + self._recent_pinned()
+                    )
+                    left = self.store.max_bytes - used
+                if job.nbytes > left:
+                    continue  # beyond what the cache holds: later, when reads free room
+                left -= job.nbytes
+            job.state = "starting"
+            return job, None
+        return None
+
+    def _recent_pinned(self) -> int:
+        half, total = self.store.max_bytes // 2, 0
+        for target in reversed(self._recent):
+            size = self._recent[target]
+            if total and total + size > half:
+                break
+            if target not in self._jobs:
+                total += size
+        return total
+
+    def _start_threads(self) -> None:
+        if len(self._started) >= self.threads:
+            return
+        with self._cond:
+            while len(self._started) < self.threads:
+                thread = threading.Thread(target=self._run, name="evenly-fetch", daemon=True)
+                thread.start()
+                self._started.append(thread)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                unit = self._next()
+                while unit is None:
+                    self._cond.wait()
+                    unit = self._next()
+            job, part = unit
+            try:
+                if part is None:
+                    self._begin(job)
+                else:
+                    self._part(job, part)
+            except BaseException as exc:  # raised again by the reader that waits
+                self._fail(job, exc)
+            with self._cond:
+                self._cond.notify_all()
+
+    # ---- one download --------------------------------------------------------------------
+    def _begin(self, job: Job) -> None:
+        """Take the shard's lock (or leave it to the process that holds it), then
+        download it whole, or open it and queue its parts."""
+        if os.path.exists(job.target):
+            return self._finished(job, "ok")
+        os.makedirs(os.path.dirname(job.target), exist_ok=True)
+        lock = FileLock(job.target + ".lock", thread_local=False)
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            return self._finished(job, "elsewhere")
+        if os.path.exists(job.target):  # another process fetched it just before
+            lock.release()
+            return self._finished(job, "ok")
+        job.lock = lock
+        if job.size is None or job.size <= PART_BYTES:
+            with self.request():
+                self.store.download_whole(job.url, job.target, job.size, job.fingerprint)
+            self._release(job)
+            self.store.count(downloads=1)
+            self._evict()  # before a reader goes on: the job still pins its shard
+            self._finished(job, "ok")
+            return None
+        with self.request():
+            ranged, size = self.store.open_ranged(job.url, job.fingerprint, job.size)
+        job.ranged, job.size = ranged, size
+        job.tmp = part_path(job.target)
+        job.fd = os.open(job.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        os.ftruncate(job.fd, size)
+        with self._cond:
+            job.parts = deque((s, min(s + PART_BYTES, size)) for s in range(0, size, PART_BYTES))
+            job.left = len(job.parts)
+            job.state = "running"
+        return None
+
+    def _part(self, job: Job, part: tuple[int, int]) -> None:
+        start, end = part
+        written = False
+        try:
+            if job.state == "running" and job.ranged is not None:
+                with self.request():
+                    data = self.store.read_part(job.url, job.ranged, start, end)
+                os.pwrite(job.fd, data, start)
+                written = True
+        finally:
+            with self._cond:
+                job.busy -= 1
+                job.left -= written
+                last = job.busy == 0 and (
+                    job.state == "failed" or (job.state == "running" and job.left == 0)
+                )
+        if not last:
+            return
+        if job.state == "failed":
+            self._cleanup(job)
+            return
+        self._close(job)
+        got = os.path.getsize(job.tmp)
+        if got != job.size:
+            raise ValueError(
+                f"the download of {job.url} has {got} bytes but the object has {job.size}"
+            )
+        os.replace(job.tmp, job.target)
+        self._release(job)
+        self.store.count(downloads=1)
+        self._evict()  # before a reader goes on: the job still pins its shard
+        self._finished(job, "ok")
+
+    def _evict(self) -> None:
+        """Publish this process's pins, then evict (the cache keeps every live
+        process's pins)."""
+        self._publish()
+        self.store.evict(keep=self.pinned())
+
+    def _publish(self) -> None:
+        """Write this process's pin file if its pinned shards changed."""
+        names = frozenset(os.path.basename(t) for t in self.pinned())
+        if names == self._published:
+            return
+        with contextlib.suppress(OSError):  # a read-only cache dir: pins are a hint
+            write_pins(self.store.cache_dir, names)
+            self._published = names
+
+    def _fail(self, job: Job, exc: BaseException) -> None:
+        with self._cond:
+            if job.state in ("ok", "failed"):
+                return
+            job.error = exc
+            job.state = "failed"
+            job.parts.clear()
+            idle = job.busy == 0
+        if idle:
+            self._cleanup(job)
+        self._finished(job, "failed")
+
+    def _cleanup(self, job: Job) -> None:
+        """A failed download: no part file left, the lock free."""
+        self._close(job)
+        if job.tmp:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(job.tmp)
+        self._release(job)
+
+    def _close(self, job: Job) -> None:
+        if job.fd >= 0:
+            os.close(job.fd)
+            job.fd = -1
+        if job.ranged is not None:
+            with contextlib.suppress(Exception):
+                job.ranged.close()
+            job.ranged = None
+
+    def _release(self, job: Job) -> None:
+        if job.lock is not None:
+            with contextlib.suppress(Exception):
+                job.lock.release()
+            job.lock = None
+
+    def _finished(self, job: Job, state: str) -> None:
+        with self._cond:
+            job.state = state
+            if job in self._queue:
+                self._queue.remove(job)
+            if state == "failed" and not job.demand:
+                self._jobs.pop(job.target, None)  # a look-ahead that failed: the reader retries
+            self._cond.notify_all()
+        job.done.set()
+
+    @contextlib.contextmanager
+    def request(self) -> Iterator[None]:
+        """Count a request in flight (``max_in_flight_seen``)."""
+        with self._flight_lock:
+            self.in_flight += 1
+            self.max_in_flight_seen = max(self.max_in_flight_seen, self.in_flight)
+        try:
+            yield
+        finally:
+            with self._flight_lock:
+                self.in_flight -= 1
+
+    def _touch_pinned(self) -> None:
+        """Keep the shards this process uses most recently used, so another process's
+        eviction takes them last (at most once a second)."""
+        now = time.monotonic()
+        if now - self._touched < _TOUCH_EVERY:
+            return
+        self._touched = now
+        for target in self.pinned():
+            with contextlib.suppress(FileNotFoundError):
+                os.utime(target)
+
+
+#: job states whose shard this process pins and counts in its look-ahead: downloads
+#: running (its own, or another process's), or done and not read yet
+_AHEAD = frozenset({"starting", "running", "ok", "elsewhere"})

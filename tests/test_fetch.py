@@ -1,0 +1,329 @@
+"""Plan-driven fetching of remote shards, against a real S3-compatible server (moto on
+127.0.0.1) seen through a counting proxy of the test's own (it forwards every request
+and counts, server-side, the requests in flight and the bytes served per object): the
+node-wide bound on requests in flight, one download per shard per node, a look-ahead
+bounded by the cache, parallel range parts, and shards another process downloads
+skipped by the look-ahead."""
+
+from __future__ import annotations
+
+import http.client
+import multiprocessing
+import os
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+from filelock import FileLock
+
+import evenly
+import evenly.sources as es
+from evenly.sources._cache import ShardCache
+from evenly.sources._fetch import PART_BYTES, write_pins
+from tests import s3server
+from tests.distributed import run_ranks
+from tests.s3server import S3Endpoint
+from tests.sources_helpers import as_list
+
+s3 = s3server.s3  # the fixtures: a real moto server and a fresh key prefix per test
+s3_prefix = s3server.s3_prefix
+
+
+class CountingProxy:
+    """An HTTP proxy on 127.0.0.1 in front of the S3 server: each request to an object
+    (no query string: not a listing) waits ``delay`` seconds while counted in flight,
+    and the body bytes served per object path are summed."""
+
+    def __init__(self, upstream: str, delay: float = 0.03) -> None:
+        target = urlsplit(upstream)
+        self.host, self.port = target.hostname or "127.0.0.1", target.port or 80
+        self.delay = delay
+        self.lock = threading.Lock()
+        self.in_flight = self.max_in_flight = 0
+        self.served: dict[str, int] = {}
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def _forward(self) -> None:
+                proxy.forward(self)
+
+            do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = _forward
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def forward(self, h: BaseHTTPRequestHandler) -> None:
+        counted = "?" not in h.path and h.command in ("GET", "HEAD")
+        if counted:
+            with self.lock:
+                self.in_flight += 1
+                self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            if counted:
+                time.sleep(self.delay)
+            length = int(h.headers.get("Content-Length") or 0)
+            body = h.rfile.read(length) if length else None
+            conn = http.client.HTTPConnection(self.host, self.port, timeout=60)
+            headers = {k: v for k, v in h.headers.items() if k.lower() != "host"}
+            headers["Host"] = f"{self.host}:{self.port}"
+            conn.request(h.command, h.path, body=body, headers=headers)
+            resp = conn.getresponse()
+            data = resp.read()
+            conn.close()
+        finally:
+            if counted:
+                with self.lock:
+                    self.in_flight -= 1
+        if counted and h.command == "GET" and resp.status < 300:
+            with self.lock:
+                self.served[h.path] = self.served.get(h.path, 0) + len(data)
+        h.send_response(resp.status)
+        for k, v in resp.getheaders():
+            if k.lower() not in ("content-length", "transfer-encoding", "connection"):
+                h.send_header(k, v)
+        length = resp.getheader("Content-Length") if h.command == "HEAD" else None
+        h.send_header("Content-Length", length or str(len(data)))
+        h.end_headers()
+        if h.command != "HEAD":
+            h.wfile.write(data)
+
+    def served_for(self, name: str) -> int:
+        """Body bytes served for objects whose path ends with ``name``."""
+        with self.lock:
+            return sum(n for p, n in self.served.items() if p.endswith(name))
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def proxy(s3: S3Endpoint) -> Iterator[CountingProxy]:
+    p = CountingProxy(s3.endpoint_url)
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+def via(s3: S3Endpoint, proxy: CountingProxy) -> dict[str, Any]:
+    return {**s3.storage_options, "client_kwargs": {"endpoint_url": proxy.url}}
+
+
+def upload_jsonl(s3: S3Endpoint, prefix: str, tmp_path: Path, n: int, per: int) -> tuple[str, int]:
+    """``n`` rows of ~1 KB in shards of ``per`` rows; the URL and the bytes of one shard."""
+    local = tmp_path / "local"
+    rows = [{"id": i, "txt": f"{i:06d}" * 170} for i in range(n)]
+    es.write(rows, local, format="jsonl", rows_per_shard=per, progress=False)
+    sizes = {p.stat().st_size for p in local.glob("shard-*.jsonl")}
+    return s3.upload(str(local), prefix), max(sizes)
+
+
+# ---- 2 ranks x 2 workers: the node's bound, one download per shard --------------------
+def _rank_epoch(rank: int, world: int, url: str, options: dict[str, Any], cache: str) -> Any:
+    src = es.from_jsonl(url, storage_options=options, cache_dir=cache)
+    ds = evenly.Dataset(src, shuffle=True, seed=1, block_shards=4)
+    loader = evenly.DataLoader(ds, batch_size=4, num_workers=2, collate_fn=as_list)
+    return [int(s["id"]) for batch in loader for s in batch]
+
+
+def test_two_ranks_of_two_workers_keep_the_node_bound_and_download_each_shard_once(
+    s3: S3Endpoint, s3_prefix: str, tmp_path: Path, proxy: CountingProxy
+) -> None:
+    """LOCAL_WORLD_SIZE=2 ranks x 2 workers share one cache and a bound of 4 requests in
+    flight: the server never sees more than 4 object requests at once, each shard's
+    bytes are served once (one download per node), and the epoch is exactly once."""
+    n, per, shards = 512, 16, 32
+    url, _ = upload_jsonl(s3, s3_prefix, tmp_path, n, per)
+    env = {"EVENLY_MAX_IN_FLIGHT": "4", "PYTHONWARNINGS": "ignore"}
+    results = run_ranks(
+        _rank_epoch, 2, url, via(s3, proxy), str(tmp_path / "c"), env=env, timeout=300
+    )
+    assert sorted(i for rank in results for i in rank) == list(range(n))  # exactly once
+    assert 1 <= proxy.max_in_flight <= 4, proxy.max_in_flight
+    local = tmp_path / "local"
+    for k in range(shards):
+        name = f"shard-{k:05d}.jsonl"
+        size = (local / name).stat().st_size
+        assert proxy.served_for(name) == size, f"{name}: {proxy.served_for(name)} != {size}"
+
+
+# ---- one process, 2 workers, a cache of 2 windows ---------------------------------------
+def _usage_watch(cache: ShardCache, stop: threading.Event, seen: list[int]) -> None:
+    while not stop.is_set():
+        seen.append(cache.usage())
+        time.sleep(0.005)
+
+
+def test_a_cache_of_two_windows_fetches_each_shard_once_and_stays_bounded(
+    s3: S3Endpoint, s3_prefix: str, tmp_path: Path, proxy: CountingProxy
+) -> None:
+    """The look-ahead never queues more than the cache holds beside what is in use: with
+    a cache of two block-shuffle windows, each shard is fetched once in the epoch (no
+    shard evicted before it is read), and the cache stays within its bound plus the
+    window in use."""
+    n, per, window = 1024, 32, 4
+    url, shard = upload_jsonl(s3, s3_prefix, tmp_path, n, per)
+    bound = 2 * window * shard
+    src = es.from_jsonl(
+        url, storage_options=via(s3, proxy), cache_dir=str(tmp_path / "c"), cache_bytes=bound
+    )
+    assert src.cache is not None
+    ds = evenly.Dataset(src, shuffle=True, seed=2, block_shards=window)
+    loader = evenly.DataLoader(ds, batch_size=8, num_workers=2, collate_fn=as_list)
+    stop, seen = threading.Event(), [0]
+    watcher = threading.Thread(target=_usage_watch, args=(src.cache, stop, seen))
+    watcher.start()
+    try:
+        ids = sorted(int(s["id"]) for batch in loader for s in batch)
+    finally:
+        stop.set()
+        watcher.join()
+    assert ids == list(range(n))
+    dataset = sum(p.stat().st_size for p in (tmp_path / "local").glob("shard-*.jsonl"))
+    fetched = proxy.served_for(".jsonl")
+    assert fetched <= 1.05 * dataset, f"fetched {fetched / dataset:.2f}x the dataset"
+    assert max(seen) <= bound + window * shard, (max(seen), bound)
+
+
+# ---- parts, counters, the node's bound in one process -------------------------------------
+def test_a_large_object_is_fetched_in_parallel_range_parts_that_reproduce_its_bytes(
+    s3: S3Endpoint, s3_prefix: str, tmp_path: Path, proxy: CountingProxy
+) -> None:
+    size = 2 * PART_BYTES + 12345  # three parts
+    payload = os.urandom(size)
+    key = f"{s3.bucket}/{s3_prefix}/big.bin"
+    s3.fs().pipe_file(key, payload)
+    info = s3.fs().info(key)
+    cache = ShardCache(str(tmp_path / "c"), 1 << 30, via(s3, proxy), max_in_flight=4)
+    path = cache.fetch(f"s3://{key}", f"{info['size']}:{info['ETag']}", size)
+    with open(path, "rb") as f:
+        assert f.read() == payload
+    stats = cache.stats()
+    assert stats["fetch_requests"] == 3 and stats["bytes_fetched"] == size, stats
+    assert stats["fetch_retries"] == 0 and stats["fetch_seconds"] > 0, stats
+    assert 2 <= stats["max_in_flight_seen"] <= 4, stats  # the parts ran side by side
+    assert proxy.served_for("big.bin") == size
+    assert [n for n in os.listdir(cache.cache_dir) if ".part-" in n] == []
+
+
+def test_one_process_never_has_more_requests_in_flight_than_the_bound(
+    s3: S3Endpoint,
+    s3_prefix: str,
+    tmp_path: Path,
+    proxy: CountingProxy,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A look-ahead of 6 shards and a reader that needs the last one first, under a bound
+    of 1 (``$EVENLY_MAX_IN_FLIGHT``): the server sees one object request at a time, the
+    reader's included."""
+    monkeypatch.setenv("EVENLY_MAX_IN_FLIGHT", "1")
+    fs = s3.fs()
+    urls = []
+    for k in range(6):
+        fs.pipe_file(f"{s3.bucket}/{s3_prefix}/s{k}.bin", bytes([k]) * 50_000)
+        urls.append(f"s3://{s3.bucket}/{s3_prefix}/s{k}.bin")
+    cache = ShardCache(str(tmp_path / "c"), 1 << 30, via(s3, proxy))
+    cache.prefetch((u, "", 50_000) for u in urls)
+    for u in reversed(urls):
+        with open(cache.fetch(u, "", 50_000), "rb") as f:
+            assert f.read() == bytes([urls.index(u)]) * 50_000
+    assert proxy.max_in_flight == 1 and proxy.served_for(".bin") == 6 * 50_000
+
+
+def test_max_in_flight_is_checked_and_read_from_the_environment(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    assert ShardCache(str(tmp_path)).max_in_flight == 16
+    monkeypatch.setenv("EVENLY_MAX_IN_FLIGHT", "6")
+    assert ShardCache(str(tmp_path)).max_in_flight == 6
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match=r"max_in_flight must be an integer >= 1"):
+            ShardCache(str(tmp_path), max_in_flight=bad)
+    monkeypatch.setenv("EVENLY_MAX_IN_FLIGHT", "many")
+    with pytest.raises(ValueError, match=r"EVENLY_MAX_IN_FLIGHT='many' is not an integer"):
+        ShardCache(str(tmp_path))
+
+
+# ---- pins: no process evicts a shard another live process still needs ------------------
+def _pin_and_wait(cache_dir: str, name: str, ready: Any, release: Any) -> None:
+    write_pins(cache_dir, [name])
+    ready.set()
+    release.wait(60)
+
+
+def test_eviction_keeps_the_shards_a_live_process_pinned(tmp_path: Path) -> None:
+    cache = ShardCache(str(tmp_path), max_bytes=250)
+    os.makedirs(cache.cache_dir)
+    paths = [cache.path_for(f"s3://bucket/s{k}.bin") for k in range(3)]
+    for k, path in enumerate(paths):
+        Path(path).write_bytes(b"x" * 100)
+        os.utime(path, (1000 + k, 1000 + k))  # shard 0 least recently used
+    ctx = multiprocessing.get_context("fork")
+    ready, release = ctx.Event(), ctx.Event()
+    other = ctx.Process(
+        target=_pin_and_wait,
+        args=(cache.cache_dir, os.path.basename(paths[0]), ready, release),
+    )
+    other.start()
+    try:
+        assert ready.wait(60)
+        assert cache.evict() == [paths[1]]  # shard 0 is pinned by the other process
+    finally:
+        release.set()
+        other.join()
+    Path(paths[1]).write_bytes(b"x" * 100)
+    os.utime(paths[1], (1001, 1001))
+    assert cache.evict() == [paths[0]]  # its process is gone: its pins count no more
+
+
+# ---- cooperation: a shard another process downloads is skipped by the look-ahead ---------
+def test_the_look_ahead_skips_a_shard_another_process_is_downloading(
+    s3: S3Endpoint, s3_prefix: str, tmp_path: Path
+) -> None:
+    """With one download thread, a look-ahead whose first shard is locked by another
+    process (its download) goes on to the next shards instead of waiting; the reader
+    that needs the locked shard waits for that process, and downloads nothing."""
+    fs = s3.fs()
+    urls = []
+    for k in range(3):
+        fs.pipe_file(f"{s3.bucket}/{s3_prefix}/s{k}.bin", bytes([k]) * 1000)
+        urls.append(f"s3://{s3.bucket}/{s3_prefix}/s{k}.bin")
+    cache = ShardCache(str(tmp_path / "c"), 1 << 20, s3.storage_options, max_in_flight=1)
+    os.makedirs(cache.cache_dir)
+    first = cache.path_for(urls[0])
+    other = FileLock(first + ".lock")  # "another process" downloading shard 0
+    other.acquire()
+    try:
+        cache.prefetch((u, "", 1000) for u in urls)
+        deadline = time.monotonic() + 60
+        later = [cache.path_for(u) for u in urls[1:]]
+        while not all(os.path.exists(p) for p in later) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert all(os.path.exists(p) for p in later), "the look-ahead waited on the lock"
+        assert not os.path.exists(first) and cache.downloads == 2
+        got: list[str] = []
+        reader = threading.Thread(target=lambda: got.append(cache.fetch(urls[0], "", 1000)))
+        reader.start()  # waits for the other process
+        with open(first, "wb") as f:  # the other process's download lands
+            f.write(bytes([0]) * 1000)
+    finally:
+        other.release()
+    reader.join(timeout=60)
+    assert got == [first] and cache.downloads == 2  # nothing downloaded twice

@@ -517,7 +517,12 @@ def _get(
     With a ``fingerprint`` (``size:version`` from the listing), the object is opened
     (its ``info``: the version this download reads) and compared with it before a byte is
     copied; s3fs then sends that ETag with every range read (``If-Match``), so a version
-    written during the download fails the read instead of mixing into the copy."""
+    written during the download fails the read instead of mixing into the copy.  The
+    filesystem instance is the process's own (kept across downloads): where no read
+    carries the version (not s3fs), its cached listing of ``path`` is dropped first, so
+    that the open asks the storage for the object as it is now."""
+    if "s3" not in _protocols(fs):
+        fs.invalidate_cache(path)
     if not fingerprint:  # nothing listed to compare with
         count(fetch_requests=1)
         fs.get_file(path, tmp)
@@ -580,3 +585,9 @@ def _expired(exc: BaseException) -> bool:
             return True
         e = e.__cause__
     return False
+
+
+def _protocols(fs: Any) -> tuple[str, ...]:
+    """The protocols of filesystem ``fs`` (``("s3", "s3a")`` for s3fs)."""
+    protocol = getattr(fs, "protocol", ())
+    return (protocol,) if isinstance(protocol, str) else tuple(protocol)

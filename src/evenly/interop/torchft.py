@@ -66,6 +66,7 @@ class _Dealt:
     after: int  # the committed position once this step commits
     end: int  # the epoch's end: at ``after >= end`` the epoch is complete
     world: int  # the data ranks it was dealt to
+    part: Any = None  # a Mix's part of the state at ``after`` (None: a plain source)
 
 
 @dataclass
@@ -126,12 +127,6 @@ class FaultTolerantLoader:
                 f"wrap it: FaultTolerantLoader(evenly.Dataset(your_data), manager, ...)"
             )
         planner = dataset._planner
-        if planner.view.planned is not None:
-            raise ValueError(
-                "FaultTolerantLoader does not support an evenly.Mix yet: its apportionment "
-                "depends on the global step, which torchft changes at run time; use a "
-                "plain source (packing, pack=, is supported: its rows do not depend on it)"
-            )
         if planner.pad == "none":
             raise ValueError(
                 "FaultTolerantLoader cannot use pad='none': every group takes part in every "
@@ -146,6 +141,11 @@ class FaultTolerantLoader:
         self._lock = threading.Lock()  # the Manager reads the state from its quorum thread
         self._epoch = 0
         self._position = 0  # committed positions of ``_epoch``
+        #: a Mix's part of the state at the committed position (how the epoch was dealt
+        #: so far, so that the rest is apportioned on), and what a loaded state fixed for
+        #: later epochs; None for any other source
+        self._part: Any = None
+        self._anchor: Any = None
         self._dealt: _Dealt | None = None
         self._quorum: object = None  # the quorum the last batch was dealt under
         self._reading: _Reading | None = None
@@ -162,19 +162,19 @@ class FaultTolerantLoader:
             ) from None
 
     # ---- where the epoch stands --------------------------------------------------
-    def _committed(self) -> tuple[int, int]:
-        """(epoch, position) as committed now: the step in progress counts once the
-        manager's step count has moved past the one it was dealt at."""
+    def _committed(self) -> tuple[int, int, Any]:
+        """(epoch, position, a Mix's part) as committed now: the step in progress counts
+        once the manager's step count has moved past the one it was dealt at."""
         dealt = self._dealt
         if dealt is not None and self.manager.current_step() > dealt.step:
             if dealt.after >= dealt.end:
-                return dealt.epoch + 1, 0
-            return dealt.epoch, dealt.after
-        return self._epoch, self._position
+                return dealt.epoch + 1, 0, self._anchor
+            return dealt.epoch, dealt.after, dealt.part
+        return self._epoch, self._position, self._part
 
     def _settle(self) -> None:
         with self._lock:
-            self._epoch, self._position = self._committed()
+            self._epoch, self._position, self._part = self._committed()
             self._dealt = None
 
     @property
@@ -189,9 +189,9 @@ class FaultTolerantLoader:
         every group once they committed the same steps; torchft sends it to a healing
         group.  ``evenly.DataLoader.load_state_dict`` takes it too."""
         with self._lock:
-            epoch, position = self._committed()
+            epoch, position, part = self._committed()
             step = self.manager.current_step()
-        state = self._planner.to_state(PassState(epoch, position))
+        state = self._planner.to_state(PassState(epoch, position, source=part))
         state["torchft"] = {"step": step, "global_batch_size": self.global_batch_size}
         return state
 
@@ -203,6 +203,7 @@ class FaultTolerantLoader:
         extra = state.get("torchft")
         with self._lock:
             self._epoch, self._position = loaded.epoch, loaded.position
+            self._part, self._anchor = loaded.source, self._planner.carried(loaded)
             self._reading = None
             dealt = self._dealt
             if dealt is not None:
@@ -210,12 +211,14 @@ class FaultTolerantLoader:
                 # global batch at the loaded position, and commits it with them
                 step = extra.get("step") if isinstance(extra, dict) else None
                 plan = self._plan(loaded.epoch, loaded.position, dealt.world, 0)
+                after = plan.consumed_after(1)
                 self._dealt = _Dealt(
                     dealt.step if step is None else int(step),
                     loaded.epoch,
-                    plan.consumed_after(1),
+                    after,
                     plan.end,
                     dealt.world,
+                    self._part_at(loaded.epoch, after, plan),
                 )
 
     # ---- steps -------------------------------------------------------------------
@@ -249,6 +252,16 @@ class FaultTolerantLoader:
             )
         return per_rank
 
+    def _part_at(self, epoch: int, position: int, plan: EpochPlan) -> Any:
+        """A Mix's part of the state at ``position``, reached by ``plan`` (how the epoch
+        was dealt up to there); None for any other source."""
+        if self._planner.view.planned is None or position >= plan.end:
+            return None
+        saved = self._planner.to_state(
+            PassState(epoch, position, source=self._part), order=plan.order
+        )
+        return self._planner.from_state(saved).source
+
     def _spec(self, epoch: int, position: int, world: int, rank: int) -> PassSpec:
         return PassSpec(
             epoch=epoch,
@@ -260,6 +273,7 @@ class FaultTolerantLoader:
             world_size=world,
             handoff=True,
             generation=self._planner.generation,
+            source=self._part,
         )
 
     def _plan(self, epoch: int, position: int, world: int, rank: int) -> EpochPlan:
@@ -311,15 +325,15 @@ class FaultTolerantLoader:
         plan = self._planner.plan_for(spec)
         if plan.num_batches == 0:  # drop_last: what is left does not fill a step
             with self._lock:
-                self._epoch, self._position = epoch + 1, 0
+                self._epoch, self._position, self._part = epoch + 1, 0, self._anchor
             return None
         if plan.has_partial_batch() or plan.num_padded:
             _log.info("evenly: epoch %d's last step: %s", epoch, plan.describe())
         batch = self._read(spec, plan)
+        after = plan.consumed_after(1)
+        part = self._part_at(epoch, after, plan)
         with self._lock:
-            self._dealt = _Dealt(
-                self.manager.current_step(), epoch, plan.consumed_after(1), plan.end, world
-            )
+            self._dealt = _Dealt(self.manager.current_step(), epoch, after, plan.end, world, part)
         self._quorum = quorum
         self.participating = group is not None
         return (batch,)

@@ -261,6 +261,17 @@ _FILESYSTEMS: dict[tuple[int, str], Any] = {}
 _FILESYSTEMS_LOCK = threading.Lock()
 
 
+def _forget_filesystems() -> None:
+    """In a forked child: a lock a parent's download thread held at the fork would never
+    be released, and the parent's instances (their event loop thread) are not there."""
+    global _FILESYSTEMS_LOCK
+    _FILESYSTEMS_LOCK = threading.Lock()
+    _FILESYSTEMS.clear()
+
+
+os.register_at_fork(after_in_child=_forget_filesystems)
+
+
 def filesystem(url: str, storage_options: Mapping[str, Any]) -> tuple[Any, str]:
     """``url_to_fs(url, **storage_options)``, with one filesystem instance per process
     for each protocol and options: a new s3fs instance is a new client (about 0.3 s), and

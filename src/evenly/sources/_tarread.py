@@ -155,8 +155,8 @@ def read_batch(
     run_k = shards[full[order][starts]].tolist()
     lengths, at_bytes = run_len.tolist(), run_lo.tolist()
     if fetched is not None:
-        pieces = _fetched_runs(
-            src, idx, fetched, starts.tolist(), run_k, lengths, at_bytes, sorted_pos
+        pieces = _read_runs(
+            src, idx, starts.tolist(), run_k, lengths, at_bytes, sorted_pos, fetched
         )
     else:
         try:
@@ -192,32 +192,14 @@ def _read_runs(
     lengths: list[int],
     at_bytes: list[int],
     sorted_pos: list[int],
+    fetched: dict[tuple[int, int], bytes] | None = None,
 ) -> list[bytes]:
-    """The runs read one by one; a failing read raises naming its first sample."""
+    """The runs one by one: from ``fetched`` (one sample each, by range) where it holds
+    them, else read from the shard's local file; a failing read raises naming its first
+    sample."""
     pieces = []
     for a, k, n, at_byte in zip(first, run_k, lengths, at_bytes, strict=True):
-        try:
-            pieces.append(os.pread(src._handle(k).fileno(), n, at_byte))
-        except Exception as exc:
-            raise src._error(exc, int(idx[sorted_pos[a]])) from exc
-    return pieces
-
-
-def _fetched_runs(
-    src: WebDatasetSource,
-    idx: npt.NDArray[np.int64],
-    fetched: dict[tuple[int, int], bytes],
-    first: list[int],
-    run_k: list[int],
-    lengths: list[int],
-    at_bytes: list[int],
-    sorted_pos: list[int],
-) -> list[bytes]:
-    """The runs (one sample each) from ``fetched``, or read from the local copy of a
-    shard that was not fetched."""
-    pieces = []
-    for a, k, n, at_byte in zip(first, run_k, lengths, at_bytes, strict=True):
-        piece = fetched.get((k, at_byte))
+        piece = None if fetched is None else fetched.get((k, at_byte))
         if piece is None:
             try:
                 piece = os.pread(src._handle(k).fileno(), n, at_byte)

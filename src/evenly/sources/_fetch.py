@@ -16,14 +16,14 @@ whose download threads together with every other process's on the node keep at m
 - **Cooperation**: a thread that finds a shard's lock held by another process (a
   worker or rank downloading it) does not wait: it goes on to the next shard; only a
   reader that needs that shard now waits for the other process's download.
-- **Bounded by the cache**: the look-ahead starts a download only while this process's
-  pinned shards (downloads running, its own or another process's, downloaded but not
-  read yet, and the shards it read last, up to half the cache) and that shard fit in
-  ``max_bytes`` (a shard another process downloads counts too, so the node's look-ahead
-  is no longer than one process's).  Each process lists its pinned shards in a pin file
-  (``<cache_dir>/shard-pins/<pid>-<host>``); eviction, by any process, skips the shards a live
-  process pinned, eviction never
-  so a shard a worker still needs is not evicted by another one before it is read.
+- **Bounded by the cache**: the look-ahead starts a download only while the node's
+  pinned shards and that shard fit in ``max_bytes``: this process's (downloads running,
+  its own or another process's, downloaded but not read yet, and the shards it read last,
+  up to half the cache) and those only other processes pin.  Each process lists its
+  pinned shards and their bytes in a pin file (``<cache_dir>/shard-pins/<pid>-<host>``),
+  so the workers and ranks sharing a cache together never queue more than it holds;
+  eviction, by any process, skips the shards a live process pinned, so a shard a worker
+  still needs is not evicted by another one before it is read.
 
 >>> node_processes({"LOCAL_WORLD_SIZE": "2"}, workers=4), threads_for(16, 8), threads_for(4, 8)
 (8, 2, 1)
@@ -64,6 +64,8 @@ PART_BYTES = 8 << 20
 _STALE_HINTS = 3
 #: the shortest time between two recency refreshes of the pinned shards
 _TOUCH_EVERY = 1.0
+#: the longest the bytes other processes pin are reused before their pin files are read
+_OTHERS_EVERY = 0.05
 
 
 def max_in_flight_setting(value: int | None) -> int:
@@ -106,29 +108,38 @@ def _pins_dir(cache_dir: str) -> str:
     return os.path.join(os.path.dirname(cache_dir), "shard-pins")
 
 
-def write_pins(cache_dir: str, names: Collection[str]) -> None:
-    """Publish this process's pinned shard names (atomically replaced)."""
+def write_pins(cache_dir: str, names: Collection[str] | Mapping[str, int]) -> None:
+    """Publish this process's pinned shard names (atomically replaced), each with its
+    bytes where known (``names`` a mapping: a line ``<name>\t<bytes>`` each)."""
     folder = _pins_dir(cache_dir)
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, f"{os.getpid()}-{host_tag()}")
     tmp = f"{path}.tmp"
+    sizes = names if isinstance(names, Mapping) else {}
     with open(tmp, "w") as f:
-        f.write("\n".join(sorted(names)))
+        f.write("\n".join(f"{n}\t{sizes[n]}" if n in sizes else n for n in sorted(names)))
     os.replace(tmp, path)
 
 
 def pinned_elsewhere(cache_dir: str) -> set[str]:
     """Shard names pinned by the live processes that use ``cache_dir`` (pin files of
     dead processes of this host are removed; another host's count until stale)."""
+    return set(pins(cache_dir))
+
+
+def pins(cache_dir: str, but_mine: bool = False) -> dict[str, int | None]:
+    """Shard names pinned by the live processes that use ``cache_dir``, with the bytes
+    their pin file gives (None: not given); ``but_mine``: not this process's own."""
     folder = _pins_dir(cache_dir)
     try:
         names = os.listdir(folder)
     except FileNotFoundError:
-        return set()
-    out: set[str] = set()
+        return {}
+    out: dict[str, int | None] = {}
     here = host_tag()
+    mine = f"{os.getpid()}-{here}"
     for name in names:
-        if name.endswith(".tmp"):
+        if name.endswith(".tmp") or (but_mine and name == mine):
             continue
         path = os.path.join(folder, name)
         pid, _, host = name.partition("-")
@@ -144,7 +155,10 @@ def pinned_elsewhere(cache_dir: str) -> set[str]:
             elif time.time() - os.stat(path).st_mtime > STALE_PART_SECONDS:
                 continue
             with open(path) as f:
-                out.update(line for line in f.read().split("\n") if line)
+                for line in f.read().split("\n"):
+                    shard, _, size = line.partition("\t")
+                    if shard:
+                        out[shard] = int(size) if size.isdigit() else None
         except FileNotFoundError:
             continue
     return out
@@ -250,7 +264,8 @@ class Fetcher:
         self._hints = 0
         self._touched = 0.0
         self._flight_lock = threading.Lock()
-        self._published: frozenset[str] | None = None
+        self._published: dict[str, int] | None = None
+        self._others, self._others_at = 0, -_OTHERS_EVERY  # see _pinned_by_others
         self.in_flight = 0
         self.max_in_flight_seen = 0
 
@@ -385,6 +400,7 @@ class Fetcher:
                     used = (
                         sum(j.nbytes for j in self._jobs.values() if j.state in _AHEAD)
                         + self._recent_pinned()
+                        + self._pinned_by_others()
                     )
                     left = self.store.max_bytes - used
                 if job.nbytes > left:
@@ -393,6 +409,26 @@ class Fetcher:
             job.state = "starting"
             return job, None
         return None
+
+    def _pinned_by_others(self) -> int:
+        """Bytes of the shards only other processes pin (their pin files: what they read
+        now, download, or downloaded ahead), so that together the workers and ranks
+        sharing a cache never queue more than it holds.  Read again at most every
+        :data:`_OTHERS_EVERY` seconds."""
+        now = time.monotonic()
+        if now - self._others_at < _OTHERS_EVERY:
+            return self._others
+        mine = {os.path.basename(t) for t in self.pinned()}
+        total = 0
+        for name, size in pins(self.store.cache_dir, but_mine=True).items():
+            if name in mine:
+                continue
+            if size is None:
+                with contextlib.suppress(OSError):
+                    size = os.stat(os.path.join(self.store.cache_dir, name)).st_size
+            total += size or 0
+        self._others, self._others_at = total, now
+        return total
 
     def _recent_pinned(self) -> int:
         half, total = self.store.max_bytes // 2, 0
@@ -508,7 +544,7 @@ class Fetcher:
 
     def _publish(self) -> None:
         """Write this process's pin file if its pinned shards changed."""
-        names = frozenset(os.path.basename(t) for t in self.pinned())
+        names = {os.path.basename(t): size for t, size in self.pinned().items()}
         if names == self._published:
             return
         with contextlib.suppress(OSError):  # a read-only cache dir: pins are a hint

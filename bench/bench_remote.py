@@ -34,7 +34,9 @@ cold epoch with a cache of ``--bounded-mib`` (default: two shuffle windows, 16 s
 bytes: 256 MiB at the default size) for the bytes-fetched row.  Two reference rows:
 ``raw-gets`` (every Parquet object fetched once through the same proxy with N requests
 in flight, nothing decoded, best N of ``--raw-n``: what this machine can move through
-the proxy) and ``link-limit`` (dataset bytes / bandwidth).
+the proxy), ``raw-ranges`` (``--raw-ranges`` samples in a random order, one range GET
+each, best N: the most samples per second a global shuffle by range can get from this
+server) and ``link-limit`` (dataset bytes / bandwidth).
 
     bash bench/setup_peers.sh                   # peers, obstore, moto[server], s3fs
     python bench/bench_remote.py                # the full run: both profiles, 2 rounds
@@ -76,6 +78,7 @@ CREDENTIALS = {
     "AWS_DEFAULT_REGION": "us-east-1",
 }
 LIT, RAW, LINK = "litdata", "raw-gets", "link-limit"
+RAW_RANGES = "raw-ranges"
 
 
 @dataclass(frozen=True)
@@ -102,6 +105,7 @@ CONTENDERS = [
     Contender("litdata-bounded", "litdata", "litdata", bounded=True, note="max_cache_size"),
     Contender("mosaic-streaming-bounded", "mds", "streaming", bounded=True, note="cache_limit"),
     Contender(RAW, "parquet", note="every object once, N in flight, no decode"),
+    Contender(RAW_RANGES, "tar", note="one range GET per sample, random order, N in flight"),
 ]
 BY_NAME = {c.name: c for c in CONTENDERS}
 EVENLY = [c.name for c in CONTENDERS if c.name.startswith("evenly-")]
@@ -423,6 +427,9 @@ def child(name: str, a: argparse.Namespace) -> None:
     if name.partition("@")[0] == RAW:
         raw_child(a)
         return
+    if name.partition("@")[0] == RAW_RANGES:
+        raw_ranges_child(a)
+        return
     cache = a.cache_dir
     out: dict[str, Any] = {}
     epochs = 1 if BY_NAME[name.partition("@")[0]].bounded else 2
@@ -508,6 +515,60 @@ def raw_child(a: argparse.Namespace) -> None:
     cold = {"samples": a.samples, "seconds": times[best], "missing": 0, "repeated": 0}
     print(
         json.dumps({"cold": {**cold, "cut": False}, "best_n": best, "times": times, "bytes": got})
+    )
+
+
+def sample_spans(tar_dir: str) -> list[tuple[str, int, int]]:
+    """``(object key, start, end)`` of every sample's members in the tar shards (a
+    sample's members are contiguous: one range covers them, as evenly's reader merges
+    them into one request)."""
+    import tarfile
+
+    spans: list[tuple[str, int, int]] = []
+    for name in sorted(n for n in os.listdir(tar_dir) if n.endswith(".tar")):
+        by_key: dict[str, tuple[int, int]] = {}
+        with tarfile.open(os.path.join(tar_dir, name)) as tf:
+            for m in tf:
+                if not m.isfile():
+                    continue
+                stem = m.name.split(".", 1)[0]
+                lo, hi = by_key.get(stem, (m.offset_data, m.offset_data + m.size))
+                by_key[stem] = (min(lo, m.offset_data), max(hi, m.offset_data + m.size))
+        spans += [(f"tar/{name}", lo, hi) for lo, hi in by_key.values()]
+    return spans
+
+
+def raw_ranges_child(a: argparse.Namespace) -> None:
+    """The server's ceiling for a global shuffle by range: ``--raw-ranges`` samples in a
+    random order, each fetched by one range GET through the proxy with N requests in
+    flight, bodies read and dropped; the best N (and every N's rate)."""
+    import boto3
+    from botocore.config import Config
+
+    local = os.path.join(a.data_dir, f"n{a.samples}-b{a.sample_bytes}-s{a.shards}", "tar")
+    spans = sample_spans(local)
+    order = np.random.default_rng(0).permutation(len(spans))[: a.raw_ranges].tolist()
+    times: dict[int, float] = {}
+    got = 0
+    for n in a.raw_n:
+        cfg = Config(max_pool_connections=n, retries={"max_attempts": 3})
+        s3 = boto3.client("s3", endpoint_url=a.endpoint, config=cfg)
+
+        def get(i: int, s3: Any = s3) -> int:
+            key, lo, hi = spans[i]
+            body = s3.get_object(Bucket=BUCKET, Key=key, Range=f"bytes={lo}-{hi - 1}")["Body"]
+            return len(body.read())
+
+        t0 = time.perf_counter()
+        with concurrent.futures.ThreadPoolExecutor(n) as pool:
+            got = sum(pool.map(get, order))
+        times[n] = time.perf_counter() - t0
+        child_mark(f"raw-{n}")
+    best = min(times, key=lambda k: times[k])
+    cold = {"samples": len(order), "seconds": times[best], "missing": 0, "repeated": 0}
+    rates = {n: len(order) / t for n, t in times.items()}
+    print(
+        json.dumps({"cold": {**cold, "cut": False}, "best_n": best, "rates": rates, "bytes": got})
     )
 
 
@@ -615,7 +676,7 @@ def report(
         flight = row.med(lambda r: (r.get("fetched") or {}).get("max_concurrent"))
         anon, file = row.worst("peak_anon"), row.worst("peak_file")
         extra = ""
-        if name == RAW:
+        if name in (RAW, RAW_RANGES):
             best = [r.get("best_n") for r in row.ok()]
             extra = f"best N {best}"
         print(
@@ -710,6 +771,14 @@ def goals(
     lines.append(
         (f"bytes fetched, {g} / its objects", "<=", 1.2, per_size(g, med(g, fetched("cold"))))
     )
+    lines.append(
+        (
+            f"cold epoch, {g} / raw range GETs (reported)",
+            ">=",
+            0.85,
+            _div(med(g, rate("cold")), med(RAW_RANGES, rate("cold"))),
+        )
+    )
     out = []
     print("\n## goals (ratios of this profile's medians; PSS: peak over the rounds)")
     for what, op, goal, value in lines:
@@ -746,6 +815,9 @@ def main() -> None:
         "--bounded-mib", type=int, help="bounded cache (default: 2 windows = 16 shards' bytes)"
     )
     ap.add_argument("--raw-n", default="4,8,16,32", help="requests in flight tried for raw-gets")
+    ap.add_argument(
+        "--raw-ranges", type=int, default=2000, help="samples fetched by range for raw-ranges"
+    )
     ap.add_argument("--epoch-limit", type=float, default=120, help="cut an epoch past this (s)")
     ap.add_argument("--timeout", type=float, default=1200, help="seconds per run")
     ap.add_argument("--max-minutes", type=float, default=150, help="stop adding rounds past this")
@@ -869,6 +941,8 @@ def run_one(
     cmd += ["--cache-dir", cache, "--samples", str(a.samples), "--workers", str(a.workers)]
     cmd += ["--batch-size", str(a.batch_size), "--bounded-mib", str(a.bounded_mib)]
     cmd += ["--epoch-limit", str(a.epoch_limit), "--raw-n", ",".join(map(str, a.raw_n))]
+    cmd += ["--data-dir", a.data_dir, "--sample-bytes", str(a.sample_bytes)]
+    cmd += ["--shards", str(a.shards), "--raw-ranges", str(a.raw_ranges)]
     counts: dict[str, Any] = {}
     last = {"requests": 0, "bytes": 0}
 

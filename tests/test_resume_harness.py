@@ -1,7 +1,8 @@
 """Every loader evenly supports resumes exactly from a state saved after any batch, under
-another world size, number of workers or batch size (tests/resume_harness.py): the
-interrupted epoch is delivered exactly once in its global order, the next epoch follows,
-``len()`` after a load counts the batches already received, and the state keeps its shape.
+another world size, number of workers or batch size (the checkpoint harness,
+``evenly.testing.check_resume``): the interrupted epoch is delivered exactly once in its
+global order, the next epoch follows, ``len()`` after a load counts the batches already
+received, and the state keeps its shape.
 
 Ranks are simulated in one process (explicit ``rank=``/``world_size=``); workers are real
 processes.  With ``num_workers=0`` every batch index of two epochs is a stop; with workers
@@ -15,7 +16,7 @@ from typing import Any
 import pytest
 
 import evenly
-from tests.resume_harness import (
+from evenly.testing import (
     Layout,
     LengthMismatch,
     Make,

@@ -20,7 +20,8 @@ knows only the uninterrupted run) and the checkpoint harness (``evenly.testing.
 check_resume``, which also knows evenly's plan): ``count_problems`` (missing, repeated
 beyond the padding), ``stranger_problems`` (samples of no epoch), ``batch_problems``
 (equal batches per rank, at most one partial, the last), ``undeal`` and
-``position_problems`` (each plan position holds the order's sample), ``stream_problems``
+``position_problems`` (each plan position holds the order's sample), ``balance_problems``
+(``batch_problems`` on each run after a load: the audit's), ``stream_problems``
 (an endless stream, position by position); ``shape_of`` and ``round_trip`` for states.
 
 >>> import numpy as np
@@ -48,6 +49,7 @@ from ._types import I64
 __all__ = [
     "Run",
     "StopCheck",
+    "balance_problems",
     "batch_problems",
     "check_stop",
     "count_problems",
@@ -248,6 +250,39 @@ def batch_problems(
         for rank, rank_sizes in enumerate(sizes):
             if any(s != batch_size for s in rank_sizes[:-1]):
                 out.append(f"{what}: rank {rank} batch sizes {list(rank_sizes)}")
+    return out
+
+
+def balance_problems(ref: Run, got: Run) -> list[str]:
+    """``batch_problems`` (batch counts) on each part of ``got`` after a load (seg >= 1),
+    per epoch: every rank of the resumed topology the same number of batches, in the
+    epochs where the uninterrupted run had that (else that is its own finding).
+
+    >>> ref = Run.of(ids=[0, 1, 2, 3], rank=[0, 1, 0, 1], epoch=[0] * 4, batch=[0, 0, 1, 1],
+    ...              pos=[0] * 4, seg=[0] * 4, world_size=2)
+    >>> got = Run.of(ids=[0, 1, 2, 3, 3], rank=[0, 1, 0, 1, 1], epoch=[0] * 5,
+    ...              batch=[0, 0, 1, 1, 2], pos=[0] * 5, seg=[0, 0, 1, 1, 1], world_size=2)
+    >>> balance_problems(ref, got)
+    ['epoch 0 after the load: batches per rank [1, 2] (DDP hang risk)']
+    """
+
+    def sizes(run: Run, rows: Any, world_size: int) -> list[list[int]]:
+        out = []
+        for r in range(world_size):
+            _, counts = np.unique(run.batch[rows & (run.rank == r)], return_counts=True)
+            out.append([int(c) for c in counts])
+        return out
+
+    out: list[str] = []
+    for seg in sorted({int(k) for k in np.unique(got.seg)} - {0}):
+        for e in sorted({int(x) for x in np.unique(got.epoch[got.seg == seg])}):
+            if batch_problems(sizes(ref, ref.epoch == e, ref.world_size), None, what=""):
+                continue  # the uninterrupted run's own finding (rank balance)
+            after = "the second load" if seg > 1 else "the load"
+            rows = (got.seg == seg) & (got.epoch == e)
+            out += batch_problems(
+                sizes(got, rows, got.world_size), None, what=f"epoch {e} after {after}"
+            )
     return out
 
 

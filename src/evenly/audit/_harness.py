@@ -362,7 +362,8 @@ def check_resume(
 
     Args:
         make: (rank, layout) -> that rank's :class:`Rig`, a fresh loader each call.
-        before, after: the topology the state is saved under, and the one it is loaded in.
+        before: the topology the state is saved under.
+        after: the topology it is loaded in.
         num_samples: samples per epoch (the source's length; a Mix's ``len``).
         every_batch: stop at every batch (for ``num_workers=0`` and small epochs); else at
             the first, middle and last batch of the first epoch, at the epoch boundary and

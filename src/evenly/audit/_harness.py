@@ -13,10 +13,9 @@ run in one process; DataLoader workers are real processes) and two :class:`Layou
     a few with ``every_batch=False``), it JSON round-trips rank 0's state after ``t``
     batches, builds FRESH loaders under ``after``, loads the state, finishes that epoch
     and runs the next one.
-(c) It asserts (raising AssertionError with every problem of the first failing check),
-    for every stop: the samples delivered before (the reference's first
-    batches) and after, over all ranks, are the epoch's multiset plus exactly the plan's
-    padding (reported by the loader where it reports it, fewer than ``world_size``
+(c) It asserts, for every stop (an AssertionError names every problem of the first
+    rule that fails): the samples delivered before (the reference's first batches) and
+    after, over all ranks, are the epoch's multiset plus exactly the plan's padding (reported by the loader where it reports it, fewer than ``world_size``
     repeats); the global order is the epoch's position-wise order (what one rank with
     ``world_size=1`` reads; for a source that plans its own order by the global step,
     the ``before`` run's, and only when ``after`` keeps its step); every rank gets the

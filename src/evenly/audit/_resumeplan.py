@@ -12,8 +12,9 @@
    on; fresh processes load that and finish.
 
 Every stop is then compared with the reference (``_resumecheck``): one finding per stop,
-FAIL on a defect (missing, repeated, reordered, wrong epoch), and a ``resume`` finding
-that says onto what the loader resumed, WARN where it could not.
+FAIL on a defect (missing, repeated, reordered, wrong epoch, ranks with unequal batches
+after a load), and a ``resume`` finding that says onto what the loader resumed, WARN
+where it could not.
 """
 
 from __future__ import annotations

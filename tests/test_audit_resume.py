@@ -185,6 +185,7 @@ def test_the_resume_audit_finds_each_defect_of_the_zoo() -> None:
         "skips_epoch": ("resume_epoch_boundary", "wrong epoch"),
         "stale_offset": ("resume_second_resume", "repeated"),
         "len_left": ("resume_middle", "len(loader) was 3 after loading the state, not the 3"),
+        "splits_last_batch": ("resume_early", "after the load: batches per rank [6, 7]"),
     }
     for defect, (stop, word) in expect.items():
         found = by[defect].finding(stop)

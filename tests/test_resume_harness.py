@@ -1,7 +1,8 @@
 """Every loader evenly supports resumes exactly from a state saved after any batch, under
-another world size, number of workers or batch size (tests/resume_harness.py): the
-interrupted epoch is delivered exactly once in its global order, the next epoch follows,
-``len()`` after a load counts the batches already received, and the state keeps its shape.
+another world size, number of workers or batch size (the checkpoint harness,
+``evenly.testing.check_resume``): the interrupted epoch is delivered exactly once in its
+global order, the next epoch follows, ``len()`` after a load counts the batches already
+received, and the state keeps its shape.
 
 Ranks are simulated in one process (explicit ``rank=``/``world_size=``); workers are real
 processes.  With ``num_workers=0`` every batch index of two epochs is a stop; with workers
@@ -10,15 +11,17 @@ a few are (the first, middle and last of the first epoch, the boundary, the last
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 import evenly
-from tests.resume_harness import (
+from evenly.testing import (
     Layout,
     LengthMismatch,
     Make,
+    Rig,
     check_resume,
     evenly_loader,
     sampler_loader,
@@ -151,6 +154,56 @@ def test_stateful_loader_resumes_after_a_full_last_batch_of_the_epoch() -> None:
     n = 40  # 2 ranks x batch 4: every batch full
     make = stateful_loader(lambda: list(range(n)), **SHUFFLED)
     check_resume(make, Layout(2, 0, 4), Layout(3, 0, 5), num_samples=n, samples=range(n))
+
+
+class _SwapsAfterALoad(Rig):
+    """A loader whose first batch after a load has its first sample replaced by its
+    second: every count right (batches, samples, ``len()``, padding), one sample lost
+    and one repeated."""
+
+    def __init__(self, inner: Rig) -> None:
+        super().__init__()
+        self.inner, self.loaded = inner, False
+        self.plan_batch, self.in_order = inner.plan_batch, inner.in_order
+
+    def _batches(self) -> Iterator[Any]:
+        for ids in self.inner:
+            if self.loaded and len(ids) > 1:
+                ids, self.loaded = [ids[1], *ids[1:]], False
+            yield ids
+
+    def state(self) -> dict[str, Any]:
+        return self.inner.state()
+
+    def load(self, state: dict[str, Any]) -> None:
+        self.inner.load(state)
+        self.loaded = True
+
+    def length(self) -> int | None:
+        return self.inner.length()
+
+    def remaining(self) -> int | None:
+        return self.inner.remaining()
+
+    def padding(self) -> int | None:
+        return self.inner.padding()
+
+
+def test_check_resume_names_the_sample_a_wrong_resume_lost_and_the_one_it_repeated() -> None:
+    """The harness holds a resume to the resume checker's rules: resumed onto one rank (no
+    padding), the epoch's samples each once; then each plan position holds the order's
+    sample."""
+    make = evenly_loader(numbers, **SHUFFLED)
+
+    def swapping(rank: int, layout: Layout) -> Rig:
+        return _SwapsAfterALoad(make(rank, layout))
+
+    where = r"stop 0 \(epoch 0, 0 batch\(es\) received\) under 2 rank\(s\) .* -> 1 rank\(s\) .*"
+    with pytest.raises(
+        AssertionError,
+        match=rf"^{where}: 1 missing \(e\.g\. \d+\); {where}: 1 repeated \(e\.g\. \d+\)$",
+    ):
+        check_resume(swapping, Layout(2, 0, 4), Layout(1, 0, 5), num_samples=N, every_batch=False)
 
 
 # ---- steps: evenly.DataLoader(infinite=True) ------------------------------------------

@@ -21,6 +21,9 @@ after the pass ended loads as the next epoch's start).  Each
 - ``unloadable``: its ``load_state_dict`` refuses every state (it cannot resume at all).
 - ``len_left``: right, but after a load ``len()`` counts only the batches left (the
   standing rule: the batches received in the epoch + those left).
+- ``splits_last_batch``: after a load, the last rank yields each epoch's last batch in
+  two halves (and its ``len()`` counts them): the same samples in the same order, but
+  one batch more than the other ranks, on which DDP hangs.
 
 ``Stream`` is an ``IterableDataset`` with ``state_dict``/``load_state_dict`` (the audit runs
 it under torchdata's ``StatefulDataLoader``, workers included); at the end of a pass it
@@ -47,6 +50,7 @@ DEFECTS = (
     "skips_epoch",
     "stale_offset",
     "len_left",
+    "splits_last_batch",
 )
 
 #: Samples per epoch (every rank gets the same number: no padding to judge).
@@ -77,7 +81,7 @@ class ZooLoader:
         self.collate_fn = collate_fn
         self.rank, self.world_size = _rank_world()
         self.epoch = self.pos = self.loaded_at = 0
-        self.finished = False
+        self.finished = self.loaded = False
         self.replay: list[list[int]] = []
 
     def _mine(self) -> list[int]:
@@ -86,10 +90,18 @@ class ZooLoader:
     def set_epoch(self, epoch: int) -> None:
         self.epoch, self.pos, self.finished = epoch, 0, False
 
+    def _splits(self) -> bool:
+        return (
+            self.defect == "splits_last_batch"
+            and self.loaded
+            and self.rank == self.world_size - 1
+            and self.batch_size > 1
+        )
+
     def __len__(self) -> int:
         if self.defect == "len_left":
             return -(-(len(self._mine()) - self.loaded_at) // self.batch_size)
-        return -(-len(self._mine()) // self.batch_size)
+        return -(-len(self._mine()) // self.batch_size) + int(self._splits())
 
     def __iter__(self) -> Iterator[Any]:
         mine = self._mine()
@@ -97,6 +109,8 @@ class ZooLoader:
             yield self.collate_fn(self.replay.pop(0))
         while self.pos < len(mine):
             batch = mine[self.pos : self.pos + self.batch_size]
+            if self._splits() and len(batch) == self.batch_size == len(mine) - self.pos:
+                batch = batch[: len(batch) // 2]  # the rest comes as one more batch
             self.pos += len(batch)
             yield self.collate_fn(batch)
         self.finished = True
@@ -129,6 +143,7 @@ class ZooLoader:
             self.epoch, self.pos = self.epoch + 1, 0
         self.replay = [list(b) for b in state.get("replay", [])]
         self.loaded_at = self.pos
+        self.loaded = True
 
 
 def _make(defect: str | None, size: int, **kwargs: Any) -> ZooLoader:

@@ -30,6 +30,19 @@ Across topologies, with hypothesis (keep examples few: each is a real audit)::
 With ``pytest_plugins = ["evenly.testing"]`` in a ``conftest.py``, the
 ``assert_loader`` fixture is ``assert_loader_correct``.
 
+``check_resume`` is the checkpoint harness, in one process (ranks simulated with
+explicit ``rank=``/``world_size=``, DataLoader workers real): it saves the state after
+every batch of an evenly loader (``evenly_loader``, ``torch_loader``, ``sampler_loader``,
+``stateful_loader``, or your own ``Rig``), loads it into fresh loaders under another
+``Layout`` and asserts, with the rules ``evenly audit --resume`` applies, that the rest
+of the epoch and the next one are exactly what evenly's plan deals::
+
+    from evenly.testing import Layout, check_resume, evenly_loader
+
+    def test_resumes_onto_one_rank():
+        make = evenly_loader(lambda: list(range(36)), shuffle=True, seed=4)
+        check_resume(make, Layout(2, 0, 4), Layout(1, 0, 6), num_samples=36)
+
 >>> Topology(world_size=2, num_workers=1, batch_size=4).kwargs()["resume_world_size"]
 2
 """
@@ -44,8 +57,62 @@ if TYPE_CHECKING:
     from hypothesis.strategies import SearchStrategy
 
     from evenly.audit import AuditResult
+    from evenly.audit._harness import (
+        Layout,
+        LengthMismatch,
+        Make,
+        Report,
+        Rig,
+        StateShapeChanged,
+        check_resume,
+        evenly_loader,
+        sampler_loader,
+        stateful_loader,
+        torch_loader,
+    )
 
-__all__ = ["Topology", "assert_loader", "assert_loader_correct", "topologies"]
+__all__ = [
+    "Layout",
+    "LengthMismatch",
+    "Make",
+    "Report",
+    "Rig",
+    "StateShapeChanged",
+    "Topology",
+    "assert_loader",
+    "assert_loader_correct",
+    "check_resume",
+    "evenly_loader",
+    "sampler_loader",
+    "stateful_loader",
+    "topologies",
+    "torch_loader",
+]
+
+#: The checkpoint harness's names, loaded on first use (it imports torch).
+_HARNESS = frozenset(
+    {
+        "Layout",
+        "LengthMismatch",
+        "Make",
+        "Report",
+        "Rig",
+        "StateShapeChanged",
+        "check_resume",
+        "evenly_loader",
+        "sampler_loader",
+        "stateful_loader",
+        "torch_loader",
+    }
+)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _HARNESS:
+        from evenly.audit import _harness
+
+        return getattr(_harness, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def assert_loader_correct(

@@ -15,7 +15,14 @@ steps) is not compared after a resume onto another world size (``topology_free=F
 there only what was delivered is judged.  When the run before the stop does not match the
 reference, the loader is not reproducible between runs and orders are not compared.
 
-``shape_of`` and ``round_trip`` are shared with the tests' resume harness.
+The rules a resumed run is held to are pure functions here, shared by the audit (which
+knows only the uninterrupted run) and the checkpoint harness (``evenly.testing.
+check_resume``, which also knows evenly's plan): ``count_problems`` (missing, repeated
+beyond the padding), ``stranger_problems`` (samples of no epoch), ``batch_problems``
+(equal batches per rank, at most one partial, the last), ``undeal`` and
+``position_problems`` (each plan position holds the order's sample), ``balance_problems``
+(``batch_problems`` on each run after a load: the audit's), ``stream_problems``
+(an endless stream, position by position); ``shape_of`` and ``round_trip`` for states.
 
 >>> import numpy as np
 >>> ref = Run.of(ids=[0, 1, 2, 3], rank=[0, 0, 0, 0], epoch=[0, 0, 0, 0],
@@ -29,22 +36,31 @@ reference, the loader is not reproducible between runs and orders are not compar
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+from evenly.core import EpochPlan
 
 from ._types import I64
 
 __all__ = [
     "Run",
     "StopCheck",
+    "balance_problems",
+    "batch_problems",
     "check_stop",
+    "count_problems",
     "first_occurrences",
+    "position_problems",
     "prefix_matches",
     "round_trip",
     "shape_of",
+    "stranger_problems",
+    "stream_problems",
+    "undeal",
 ]
 
 #: Ids shown per problem.
@@ -152,6 +168,194 @@ def _counts(ids: I64, values: I64) -> I64:
     return out
 
 
+def count_problems(
+    have: Sequence[int] | I64,
+    want: Sequence[int] | I64,
+    *,
+    pads: int | tuple[int, int] = 0,
+    label: Callable[[int], str] = str,
+    what: str,
+) -> list[str]:
+    """``have`` against ``want`` by counts: the samples of ``want`` never delivered, and
+    the deliveries beyond ``want``'s counts (repeats; samples not in ``want`` count too),
+    which must number exactly ``pads`` (the padding the plan adds) or, given a range
+    (lo, hi), within it (the padding a new topology may need).
+
+    >>> count_problems([0, 1, 1, 1], [0, 1, 2], what="epoch 0")
+    ['epoch 0: 1 missing (e.g. 2)', 'epoch 0: 2 repeated (e.g. 1, 1)']
+    >>> count_problems([0, 1, 2], [0, 1, 2], pads=1, what="epoch 0")
+    ['epoch 0: 0 repeated, the plan pads 1']
+    >>> count_problems([0, 1, 2, 0], [0, 1, 2], pads=(0, 2), what="epoch 0")
+    []
+    """
+    have_a = np.asarray(have, dtype=np.int64)
+    want_a = np.asarray(want, dtype=np.int64)
+    values = np.unique(np.concatenate([want_a, have_a]))
+    w, h = _counts(want_a, values), _counts(have_a, values)
+    out = []
+    missing = values[(h == 0) & (w > 0)]
+    if len(missing):
+        out.append(f"{what}: {len(missing)} missing ({_show(missing, label)})")
+    extra = np.maximum(h - w, 0)
+    count = int(extra.sum())
+    if isinstance(pads, tuple):
+        lo, hi = pads
+        why = f", beyond the {hi} a new padding may need"
+    else:
+        lo = hi = pads
+        why = f", the plan pads {pads}" if pads else ""
+    if not lo <= count <= hi:
+        shown = f" ({_show(np.repeat(values, extra), label)})" if count else ""
+        out.append(f"{what}: {count} repeated{shown}{why}")
+    return out
+
+
+def stranger_problems(
+    have: Sequence[int] | I64,
+    want: Sequence[int] | I64,
+    *,
+    label: Callable[[int], str] = str,
+    what: str,
+) -> list[str]:
+    """Samples delivered that are not in ``want`` at all (a pad is a repeat, never a
+    stranger).
+
+    >>> stranger_problems([0, 1, 7], [0, 1, 2], what="epoch 0")
+    ['epoch 0: 1 not in the epoch (e.g. 7)']
+    """
+    have_a = np.asarray(have, dtype=np.int64)
+    strangers = np.setdiff1d(have_a, np.asarray(want, dtype=np.int64))
+    if not len(strangers):
+        return []
+    return [f"{what}: {len(strangers)} not in the epoch ({_show(strangers, label)})"]
+
+
+def batch_problems(
+    sizes: Sequence[Sequence[int]], batch_size: int | None, *, what: str
+) -> list[str]:
+    """Batch sizes per rank (``sizes[rank]``): every rank the same number of batches (a
+    rank with more blocks DDP), and, given ``batch_size``, at most one partial batch per
+    rank, its last.
+
+    >>> batch_problems([[4, 4, 1], [4, 4]], 4, what="epoch 0")
+    ['epoch 0: batches per rank [3, 2] (DDP hang risk)']
+    >>> batch_problems([[4, 1, 4]], 4, what="epoch 0")
+    ['epoch 0: rank 0 batch sizes [4, 1, 4]']
+    """
+    counts = [len(r) for r in sizes]
+    out = []
+    if len(set(counts)) > 1:
+        out.append(f"{what}: batches per rank {counts} (DDP hang risk)")
+    if batch_size is not None:
+        for rank, rank_sizes in enumerate(sizes):
+            if any(s != batch_size for s in rank_sizes[:-1]):
+                out.append(f"{what}: rank {rank} batch sizes {list(rank_sizes)}")
+    return out
+
+
+def balance_problems(ref: Run, got: Run) -> list[str]:
+    """``batch_problems`` (batch counts) on each part of ``got`` after a load (seg >= 1),
+    per epoch: every rank of the resumed topology the same number of batches, in the
+    epochs where the uninterrupted run had that (else that is its own finding).
+
+    >>> ref = Run.of(ids=[0, 1, 2, 3], rank=[0, 1, 0, 1], epoch=[0] * 4, batch=[0, 0, 1, 1],
+    ...              pos=[0] * 4, seg=[0] * 4, world_size=2)
+    >>> got = Run.of(ids=[0, 1, 2, 3, 3], rank=[0, 1, 0, 1, 1], epoch=[0] * 5,
+    ...              batch=[0, 0, 1, 1, 2], pos=[0] * 5, seg=[0, 0, 1, 1, 1], world_size=2)
+    >>> balance_problems(ref, got)
+    ['epoch 0 after the load: batches per rank [1, 2] (DDP hang risk)']
+    """
+
+    def sizes(run: Run, rows: Any, world_size: int) -> list[list[int]]:
+        out = []
+        for r in range(world_size):
+            _, counts = np.unique(run.batch[rows & (run.rank == r)], return_counts=True)
+            out.append([int(c) for c in counts])
+        return out
+
+    out: list[str] = []
+    for seg in sorted({int(k) for k in np.unique(got.seg)} - {0}):
+        for e in sorted({int(x) for x in np.unique(got.epoch[got.seg == seg])}):
+            if batch_problems(sizes(ref, ref.epoch == e, ref.world_size), None, what=""):
+                continue  # the uninterrupted run's own finding (rank balance)
+            after = "the second load" if seg > 1 else "the load"
+            rows = (got.seg == seg) & (got.epoch == e)
+            out += batch_problems(
+                sizes(got, rows, got.world_size), None, what=f"epoch {e} after {after}"
+            )
+    return out
+
+
+def undeal(
+    per_rank: Sequence[Sequence[Sequence[int]]], plan: EpochPlan, *, complete: bool, what: str
+) -> tuple[dict[int, int], list[str]]:
+    """Plan position -> sample, from each rank's batches of ``plan``'s pass (``complete``:
+    the whole pass, else a prefix of it), and what does not fit the plan.
+
+    >>> plan = EpochPlan(num_samples=5, world_size=2, batch_size=2)
+    >>> undeal([[[9, 8], [5]], [[7, 6], [4]]], plan, complete=True, what="epoch 0")
+    ({0: 9, 1: 8, 4: 5, 2: 7, 3: 6, 5: 4}, [])
+    """
+    out: dict[int, int] = {}
+    problems = []
+    for rank, batches in enumerate(per_rank):
+        flat = [x for b in batches for x in b]
+        positions = plan.rank_positions(rank).tolist()
+        if len(flat) > len(positions) or (complete and len(flat) != len(positions)):
+            problems.append(
+                f"{what}: rank {rank} received {len(flat)} samples, its plan from position "
+                f"{plan.start} has {len(positions)}"
+            )
+        for p, x in zip(positions, flat, strict=False):
+            if p in out:
+                problems.append(f"{what}: position {p} dealt twice")
+            out[int(p)] = int(x)
+    return out, problems
+
+
+def position_problems(got: Mapping[int, int], order: Sequence[int], *, what: str) -> list[str]:
+    """Every delivered plan position holds ``order``'s sample (a pad: the sample at the
+    position it wraps to), and the positions delivered are all of the epoch's.
+
+    >>> position_problems({0: 5, 1: 6, 2: 5}, [5, 6], what="epoch 0")
+    []
+    >>> position_problems({0: 6, 1: 5}, [5, 6, 7], what="epoch 0")  # doctest: +ELLIPSIS
+    ['epoch 0: position -> (delivered, expected): {0: (6, 5), 1: (5, 6)}', 'epoch 0: ...']
+    """
+    n = len(order)
+
+    def expected(p: int) -> int:
+        return order[p if p < n else (p - n) % n]
+
+    wrong = {p: (x, expected(p)) for p, x in sorted(got.items()) if x != expected(p)}
+    out = []
+    if wrong:
+        out.append(f"{what}: position -> (delivered, expected): {dict(list(wrong.items())[:8])}")
+    if sorted(p for p in got if p < n) != list(range(n)):
+        out.append(f"{what}: positions delivered are not all of [0, {n})")
+    return out
+
+
+def stream_problems(
+    got: Mapping[int, int], stream: Sequence[int], upto: int, *, what: str
+) -> list[str]:
+    """An endless stream delivered position by position: every position below ``upto``
+    once, holding ``stream``'s sample.
+
+    >>> stream_problems({0: 1, 1: 2}, [1, 3], 2, what="step 0")
+    ['step 0: stream position -> (delivered, expected): {1: (2, 3)}']
+    """
+    wrong = {p: (x, stream[p]) for p, x in sorted(got.items()) if x != stream[p]}
+    out = []
+    if wrong:
+        out.append(
+            f"{what}: stream position -> (delivered, expected): {dict(list(wrong.items())[:8])}"
+        )
+    if sorted(got) != list(range(upto)):
+        out.append(f"{what}: stream positions delivered are not all of [0, {upto})")
+    return out
+
+
 def prefix_matches(ref: Run, got: Run) -> bool:
     """Whether each rank's rows before the stop (seg 0) are the reference's first rows.
 
@@ -219,20 +423,11 @@ def check_stop(
         if len(want) == 0:
             out.problems.append(f"epoch {e}: {len(have)} samples of an epoch the run never had")
             continue
-        values = np.unique(np.concatenate([want, have]))
-        w, h = _counts(want, values), _counts(have, values)
-        missing = values[(h == 0) & (w > 0)]
-        if len(missing):
-            out.problems.append(f"epoch {e}: {len(missing)} missing ({_show(missing, label)})")
-        extra = np.maximum(h - w, 0)
         allowed = 0 if same else got.world_size * batch_size - 1
-        if int(extra.sum()) > allowed:
-            repeated = np.repeat(values, extra)
-            out.problems.append(
-                f"epoch {e}: {int(extra.sum())} repeated ({_show(repeated, label)})"
-                + ("" if same else f", beyond the {allowed} a new padding may need")
-            )
-        if not compare_order or len(missing) or int(extra.sum()) > allowed:
+        pads = 0 if same else (0, allowed)
+        counted = count_problems(have, want, pads=pads, label=label, what=f"epoch {e}")
+        out.problems += counted
+        if not compare_order or counted:
             continue
         order, expected = first_occurrences(got.global_order(e)), ref_orders[e]
         if not agree(order, expected):

@@ -12,8 +12,9 @@
    on; fresh processes load that and finish.
 
 Every stop is then compared with the reference (``_resumecheck``): one finding per stop,
-FAIL on a defect (missing, repeated, reordered, wrong epoch), and a ``resume`` finding
-that says onto what the loader resumed, WARN where it could not.
+FAIL on a defect (missing, repeated, reordered, wrong epoch, ranks with unequal batches
+after a load), and a ``resume`` finding that says onto what the loader resumed, WARN
+where it could not.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from ._launch import launch
 from ._mixfindings import source_counts
 from ._packfindings import merged_pieces, pieces_coverage
 from ._resume import Resumed, ResumeItem, Stop, reference_task, resume_task
-from ._resumecheck import Run, check_stop, prefix_matches
+from ._resumecheck import Run, balance_problems, check_stop, prefix_matches
 from ._types import I64, Finding, MixInfo, PackInfo, Settings, Status
 
 __all__ = ["ResumeReport", "StopRun", "run_resume"]
@@ -329,6 +330,7 @@ def resume_findings(
     if report.cannot is not None:
         return [Finding("resume", "Resume", "WARN", 0, f"cannot resume: {report.cannot}")]
     ref = _run_of(refs, [encode(r) for r in refs], 0, settings.world_size)
+    whole = ref  # with a packed dataset's pad rows: batch counts include them
     pack = refs[0].pack if refs else None
     # a Mix by samples is apportioned on world_size x batch_size steps: its order after
     # a resume onto another world size is another one by design (docs/mixtures.md)
@@ -351,6 +353,9 @@ def resume_findings(
                 )
                 for k, rs in enumerate(s.segments)
             ]
+            # every rank the same number of batches after each load (the rule the
+            # uninterrupted run is held to: a rank with more blocks DDP)
+            balance = balance_problems(whole, Run.concat(segs, s.world_size))
             if pack is not None:
                 segs = [seg.select(seg.ids >= 0) for seg in segs]
             got = Run.concat(segs, s.world_size)
@@ -387,7 +392,7 @@ def resume_findings(
                 check.problems += resumed_shares(
                     mix, refs, s.segments, settings.epochs, step, later
                 )
-            check.problems += s.length_errors
+            check.problems += balance + s.length_errors
             if check.problems:
                 status = "FAIL"
             elif check.notes:

@@ -1,5 +1,7 @@
-"""One resume harness for every loader evenly supports: stop after every batch, resume a
-fresh loader under another topology, and check the rest of the run.
+"""The checkpoint harness (``evenly.testing.check_resume``): stop after every batch, resume
+a fresh loader under another topology, and check the rest of the run against evenly's
+plan with the resume checker's rules (``._resumecheck``, shared with ``evenly audit
+--resume``).
 
 :func:`check_resume` takes a factory of the loader under test (one :class:`Rig` per
 simulated rank: evenly datasets take explicit ``rank=``/``world_size=``, so several ranks
@@ -11,9 +13,9 @@ run in one process; DataLoader workers are real processes) and two :class:`Layou
     a few with ``every_batch=False``), it JSON round-trips rank 0's state after ``t``
     batches, builds FRESH loaders under ``after``, loads the state, finishes that epoch
     and runs the next one.
-(c) It asserts, for every stop: the samples delivered before (the reference's first
-    batches) and after, over all ranks, are the epoch's multiset plus exactly the plan's
-    padding (reported by the loader where it reports it, fewer than ``world_size``
+(c) It asserts, for every stop (an AssertionError names every problem of the first
+    rule that fails): the samples delivered before (the reference's first batches) and
+    after, over all ranks, are the epoch's multiset plus exactly the plan's padding (reported by the loader where it reports it, fewer than ``world_size``
     repeats); the global order is the epoch's position-wise order (what one rank with
     ``world_size=1`` reads; for a source that plans its own order by the global step,
     the ``before`` run's, and only when ``after`` keeps its step); every rank gets the
@@ -29,8 +31,8 @@ it resumed in (:func:`check_resume` sees ``Rig.infinite``).
 
 The factories at the end build rigs for evenly.DataLoader, a plain torch DataLoader over
 evenly.Dataset, evenly.BatchSampler under torch's DataLoader and torchdata's
-StatefulDataLoader.  Only public API is used: positions are dealt as the documented
-:class:`evenly.core.EpochPlan` deals them.
+StatefulDataLoader (``pip install torchdata``).  Only public API is used: positions are
+dealt as the documented :class:`evenly.core.EpochPlan` deals them.
 """
 
 from __future__ import annotations
@@ -46,8 +48,21 @@ from typing import Any
 import torch
 import torch.utils.data as tud
 
-import evenly
-from evenly.audit._resumecheck import round_trip, shape_of
+from evenly.core import EpochPlan
+from evenly.dataset import Dataset
+from evenly.loader.loader import DataLoader
+from evenly.loader.sampler import BatchSampler
+
+from ._resumecheck import (
+    batch_problems,
+    count_problems,
+    position_problems,
+    round_trip,
+    shape_of,
+    stranger_problems,
+    stream_problems,
+    undeal,
+)
 
 __all__ = [
     "Layout",
@@ -264,7 +279,13 @@ class Report:
     shape: Any = None
 
 
-# ---- positions ----------------------------------------------------------------------------
+# ---- the rules, as assertions ------------------------------------------------------------
+def _require(problems: list[str]) -> None:
+    """Raise AssertionError naming every problem, if any."""
+    if problems:
+        raise AssertionError("; ".join(problems))
+
+
 def _undeal(
     per_rank: Sequence[Sequence[list[int]]],
     num_samples: int,
@@ -272,53 +293,23 @@ def _undeal(
     plan_batch: int,
     start: int,
     complete: bool,
+    what: str,
 ) -> dict[int, int]:
-    """Virtual position -> sample, from each rank's batches of a pass from ``start``
+    """Plan position -> sample, from each rank's batches of a pass from ``start``
     (``complete``: the whole pass; else a prefix of it)."""
-    plan = evenly.core.EpochPlan(
+    plan = EpochPlan(
         num_samples=num_samples, world_size=world_size, batch_size=plan_batch, start=start
     )
-    out: dict[int, int] = {}
-    for rank, batches in enumerate(per_rank):
-        flat = [x for b in batches for x in b]
-        positions = plan.rank_positions(rank).tolist()
-        if complete:
-            assert len(flat) == len(positions), (
-                f"rank {rank} received {len(flat)} samples, its plan from position {start} "
-                f"has {len(positions)}"
-            )
-        assert len(flat) <= len(positions), (rank, len(flat), len(positions))
-        for p, x in zip(positions, flat, strict=False):
-            assert p not in out, f"position {p} dealt twice"
-            out[int(p)] = x
-    return out
-
-
-def _assert_order(got: dict[int, int], order: Sequence[int], what: str) -> None:
-    """Every delivered position holds the order's sample (a pad: the order's at the
-    position it wraps to)."""
-    n = len(order)
-    wrong = {
-        p: (x, order[p if p < n else (p - n) % n])
-        for p, x in sorted(got.items())
-        if x != order[p if p < n else (p - n) % n]
-    }
-    assert not wrong, f"{what}: position -> (delivered, expected): {dict(list(wrong.items())[:8])}"
-    real = sorted(p for p in got if p < n)
-    assert real == list(range(n)), f"{what}: positions delivered are not all of [0, {n})"
+    got, problems = undeal(per_rank, plan, complete=complete, what=what)
+    _require(problems)
+    return got
 
 
 def _assert_multiset(got: Sequence[int], epoch: Sequence[int], padding: int, what: str) -> None:
     """``got`` is the epoch's samples, each once, plus exactly ``padding`` repeats."""
-    have, want = Counter(got), Counter(epoch)
-    missing, extra = want - have, have - want
-    assert not missing, f"{what}: missing {sorted(missing.elements())}"
-    assert set(extra) <= set(want), (
-        f"{what}: samples not in the epoch {sorted(set(extra) - set(want))}"
-    )
-    assert sum(extra.values()) == padding, (
-        f"{what}: {sum(extra.values())} repeated sample(s) {sorted(extra.elements())}, "
-        f"the plan pads {padding}"
+    _require(
+        count_problems(got, epoch, pads=padding, what=what)
+        + stranger_problems(got, epoch, what=what)
     )
 
 
@@ -327,13 +318,7 @@ def _assert_full_batches(
 ) -> None:
     """Equal batch counts on every rank, and (given the batch size) at most one partial
     batch per rank, the last."""
-    counts = [len(r) for r in per_rank]
-    assert len(set(counts)) == 1, f"{what}: batches per rank {counts}"
-    if batch is None:
-        return
-    for rank, batches in enumerate(per_rank):
-        sizes = [len(b) for b in batches]
-        assert all(s == batch for s in sizes[:-1]), f"{what}: rank {rank} batch sizes {sizes}"
+    _require(batch_problems([[len(b) for b in r] for r in per_rank], batch, what=what))
 
 
 def _settle() -> None:
@@ -376,7 +361,8 @@ def check_resume(
 
     Args:
         make: (rank, layout) -> that rank's :class:`Rig`, a fresh loader each call.
-        before, after: the topology the state is saved under, and the one it is loaded in.
+        before: the topology the state is saved under.
+        after: the topology it is loaded in.
         num_samples: samples per epoch (the source's length; a Mix's ``len``).
         every_batch: stop at every batch (for ``num_workers=0`` and small epochs); else at
             the first, middle and last batch of the first epoch, at the epoch boundary and
@@ -431,21 +417,21 @@ def check_resume(
         assert in_order, "a topology-dependent order needs a loader that delivers in order"
         orders = []
         for e in range(_EPOCHS):
-            got = _undeal(ref[e], num_samples, before.world_size, plan_batch, 0, complete=True)
+            got = _undeal(ref[e], num_samples, before.world_size, plan_batch, 0, True, f"epoch {e}")
             orders.append([got[p] for p in range(num_samples)])
     for e, order in enumerate(orders):
         assert len(order) == num_samples, (e, len(order))
         if samples is not None:
             assert Counter(order) == Counter(samples), f"epoch {e} is not every sample once"
-        plan = evenly.core.EpochPlan(
+        plan = EpochPlan(
             num_samples=num_samples, world_size=before.world_size, batch_size=plan_batch
         )
         what = f"reference epoch {e} under {before}"
         _assert_multiset([x for r in ref[e] for b in r for x in b], order, plan.num_padded, what)
         _assert_full_batches(ref[e], before.batch_size if in_order else None, what)
         if in_order and topology_free:
-            got = _undeal(ref[e], num_samples, before.world_size, plan_batch, 0, True)
-            _assert_order(got, order, what)
+            got = _undeal(ref[e], num_samples, before.world_size, plan_batch, 0, True, what)
+            _require(position_problems(got, order, what=what))
     # a shuffled source: so that replaying an epoch cannot pass for the next one
     assert orders[0] != orders[1], "the epochs have the same order"
 
@@ -473,13 +459,13 @@ def check_resume(
         # resumes worker by worker, with the epoch's plan
         start = done * before.batch_size * before.world_size if in_order else None
         fresh = _loaded(make, after, state, (epoch, start), where)
-        plan = evenly.core.EpochPlan(
+        plan = EpochPlan(
             num_samples=num_samples,
             world_size=after.world_size,
             batch_size=after_plan_batch,
             start=start or 0,
         )
-        nxt = evenly.core.EpochPlan(
+        nxt = EpochPlan(
             num_samples=num_samples, world_size=after.world_size, batch_size=after_plan_batch
         )
         lengths = [rig.length() for rig in fresh]
@@ -544,10 +530,12 @@ def check_resume(
         _assert_full_batches(resumed, after.batch_size if after_in_order else None, where)
         if order_defined and start is not None:
             head = [r[:done] for r in ref[epoch]]
-            got = _undeal(head, num_samples, before.world_size, plan_batch, 0, complete=False)
+            got = _undeal(head, num_samples, before.world_size, plan_batch, 0, False, where)
             assert all(p < start for p in got), where
-            tail = _undeal(resumed, num_samples, after.world_size, after_plan_batch, start, True)
-            _assert_order({**got, **tail}, orders[epoch], where)
+            tail = _undeal(
+                resumed, num_samples, after.world_size, after_plan_batch, start, True, where
+            )
+            _require(position_problems({**got, **tail}, orders[epoch], what=where))
 
         # the following epoch, from its start
         what = f"{where}: the following epoch {epoch + 1}"
@@ -555,8 +543,8 @@ def check_resume(
         _assert_multiset(ids, orders[epoch + 1], nxt.num_padded, what)
         _assert_full_batches(following, after.batch_size if after_in_order else None, what)
         if order_defined:
-            got = _undeal(following, num_samples, after.world_size, after_plan_batch, 0, True)
-            _assert_order(got, orders[epoch + 1], what)
+            got = _undeal(following, num_samples, after.world_size, after_plan_batch, 0, True, what)
+            _require(position_problems(got, orders[epoch + 1], what=what))
 
     findings.raise_any()
     report.shape = next(iter(findings.shapes))
@@ -614,10 +602,7 @@ def _check_stream(
     assert stream[:n] != stream[n : 2 * n], "the epochs have the same order"
 
     def check(got: dict[int, int], upto: int, what: str) -> None:
-        wrong = {p: (x, stream[p]) for p, x in sorted(got.items()) if x != stream[p]}
-        shown = dict(list(wrong.items())[:8])
-        assert not wrong, f"{what}: stream position -> (delivered, expected): {shown}"
-        assert sorted(got) == list(range(upto)), f"{what}: stream positions delivered"
+        _require(stream_problems(got, stream, upto, what=what))
 
     ref_got = {
         s * before.step + r * before.batch_size + i: x
@@ -673,7 +658,7 @@ def _loader_kwargs(layout: Layout) -> dict[str, Any]:
 class EvenlyLoaderRig(Rig):
     """``evenly.DataLoader``: its own state, length and plan."""
 
-    def __init__(self, loader: evenly.DataLoader) -> None:
+    def __init__(self, loader: DataLoader) -> None:
         super().__init__()
         self.loader = loader
         self.plan_batch = int(loader.batch_size or 1)
@@ -711,7 +696,7 @@ class TorchLoaderRig(Rig):
     #: the dataset cannot know the torch loader's batches: its state records none
     records_batches = False
 
-    def __init__(self, dataset: evenly.Dataset[Any], loader: tud.DataLoader[Any]) -> None:
+    def __init__(self, dataset: Dataset[Any], loader: tud.DataLoader[Any]) -> None:
         super().__init__()
         self.dataset, self.loader = dataset, loader
         self.in_order = loader.num_workers == 0
@@ -736,7 +721,7 @@ class SamplerRig(Rig):
     """``evenly.BatchSampler`` under torch's DataLoader over a map-style dataset, told what
     the loop received (``state_dict(batches_received=...)``)."""
 
-    def __init__(self, sampler: evenly.BatchSampler, loader: tud.DataLoader[Any]) -> None:
+    def __init__(self, sampler: BatchSampler, loader: tud.DataLoader[Any]) -> None:
         super().__init__()
         self.sampler, self.loader = sampler, loader
         self.plan_batch = sampler.batch_size
@@ -820,10 +805,10 @@ def evenly_loader(
     ``worker_type``)."""
 
     def make(rank: int, layout: Layout) -> Rig:
-        ds: evenly.Dataset[Any] = evenly.Dataset(
+        ds: Dataset[Any] = Dataset(
             source(), rank=rank, world_size=layout.world_size, **dataset_kwargs
         )
-        loader = evenly.DataLoader(
+        loader = DataLoader(
             ds,
             batch_size=layout.batch_size,
             infinite=infinite,
@@ -839,7 +824,7 @@ def torch_loader(source: Callable[[], Any], **dataset_kwargs: Any) -> Make:
     """A plain ``torch.utils.data.DataLoader`` over ``evenly.Dataset(source(), ...)``."""
 
     def make(rank: int, layout: Layout) -> Rig:
-        ds: evenly.Dataset[Any] = evenly.Dataset(
+        ds: Dataset[Any] = Dataset(
             source(), rank=rank, world_size=layout.world_size, **dataset_kwargs
         )
         loader = tud.DataLoader(ds, batch_size=layout.batch_size, **_loader_kwargs(layout))
@@ -853,7 +838,7 @@ def sampler_loader(num_samples: int, **sampler_kwargs: Any) -> Make:
     ``0 .. num_samples - 1``."""
 
     def make(rank: int, layout: Layout) -> Rig:
-        sampler = evenly.BatchSampler(
+        sampler = BatchSampler(
             num_samples,
             layout.batch_size,
             rank=rank,
@@ -875,7 +860,7 @@ def stateful_loader(source: Callable[[], Any], **dataset_kwargs: Any) -> Make:
     def make(rank: int, layout: Layout) -> Rig:
         from torchdata.stateful_dataloader import StatefulDataLoader  # type: ignore[import-untyped]
 
-        ds: evenly.Dataset[Any] = evenly.Dataset(
+        ds: Dataset[Any] = Dataset(
             source(), rank=rank, world_size=layout.world_size, **dataset_kwargs
         )
         loader = StatefulDataLoader(ds, batch_size=layout.batch_size, **_loader_kwargs(layout))

@@ -59,6 +59,24 @@ def test_exactly_once_remote(s3: S3Endpoint, s3_prefix: str, tmp_path: Path, fmt
     check_exactly_once(ranks, list(range(N)), key=key)
 
 
+@pytest.mark.parametrize("fmt", ["parquet", "jsonl"])
+def test_an_unwritable_cache_dir_for_remote_shards_is_named_when_the_source_opens(
+    s3: S3Endpoint, s3_prefix: str, tmp_path: Path, fmt: str
+) -> None:
+    """A remote source needs its shard cache: a ``cache_dir`` that cannot be created is
+    an error naming the blocking file and the setting when the source opens (it was a
+    bare ``NotADirectoryError`` from a download thread at the first batch)."""
+    url = upload(s3, s3_prefix, tmp_path, fmt)
+    (tmp_path / "afile").write_text("not a directory")
+    with pytest.raises(OSError, match="cache_dir") as raised:
+        READERS[fmt](
+            url, storage_options=s3.storage_options, cache_dir=str(tmp_path / "afile" / "c")
+        )
+    message = str(raised.value)
+    assert f"{tmp_path / 'afile'} is a file, not a directory" in message, message
+    assert "pass cache_dir= a writable local directory" in message, message
+
+
 def test_manifest_cached_for_remote(
     s3: S3Endpoint, s3_prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -15,8 +15,9 @@ run in one process; DataLoader workers are real processes) and two :class:`Layou
     and runs the next one.
 (c) It asserts, for every stop (an AssertionError names every problem of the first
     rule that fails): the samples delivered before (the reference's first batches) and
-    after, over all ranks, are the epoch's multiset plus exactly the plan's padding (reported by the loader where it reports it, fewer than ``world_size``
-    repeats); the global order is the epoch's position-wise order (what one rank with
+    after, over all ranks, are the epoch's multiset plus exactly the plan's padding
+    (reported by the loader where it reports it, fewer than ``world_size`` repeats);
+    the global order is the epoch's position-wise order (what one rank with
     ``world_size=1`` reads; for a source that plans its own order by the global step,
     the ``before`` run's, and only when ``after`` keeps its step); every rank gets the
     same number of batches, at most one of them partial; the following epoch is right.

@@ -15,6 +15,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ._cache import ShardCache
+from ._cachedir import cache_subdir
 from ._manifest import (
     FileEntry,
     Shards,
@@ -72,6 +73,8 @@ class ShardedSource:
         shards = resolve(paths, self.extensions, storage_options, what=self._what)
         self._shards: Shards = shards
         self.urls: tuple[str, ...] = shards.urls
+        if shards.remote:  # made now: an unwritable cache_dir is named before any download
+            cache_subdir("shards", cache_dir)
         self.cache: ShardCache | None = (
             ShardCache(
                 cache_dir or default_cache_dir(),

@@ -23,15 +23,8 @@ import torch
 from evenly.audit import AuditError, AuditResult, Records, audit_many, default_id, run
 from evenly.audit._api import _encode, build_records
 from evenly.audit._collect import RankResult, Settings, resolve
-from evenly.audit._findings import (
-    compact,
-    duplicates,
-    length,
-    missing,
-    partial_batches,
-    rank_balance,
-    rng_streams,
-)
+from evenly.audit._coverage import duplicates, missing
+from evenly.audit._findings import compact, length, partial_batches, rank_balance, rng_streams
 from evenly.audit._shuffle import adjacency, repeated_order, shuffle_quality, spearman
 from evenly.audit._types import RankEpoch
 

@@ -26,8 +26,14 @@ from rich.console import Console
 
 import evenly
 from evenly.audit import AuditResult, Records, audit_many
-from evenly.audit._findings import duplicates, missing
-from evenly.audit._mixfindings import delivered, mix_counts, stream_duplicates, stream_missing
+from evenly.audit._coverage import (
+    delivered,
+    duplicates,
+    missing,
+    mix_counts,
+    stream_duplicates,
+    stream_missing,
+)
 from evenly.audit._table import mix_table
 from evenly.audit._types import MixInfo
 
@@ -325,7 +331,7 @@ def test_table_and_html_report_show_samples_per_source_and_epoch(
 def test_cells_off_by_padding_are_warnings_and_beyond_it_failures(
     mix_audits: dict[str, AuditResult], tmp_path: Path
 ) -> None:
-    from evenly.audit._mixfindings import cell_status
+    from evenly.audit._coverage import cell_status
 
     padded = json.loads(mix_audits["padded"].to_json())["mix"]["per_epoch"]
     assert all(row["slack"] == 1 for row in padded)

@@ -18,7 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from evenly.audit import Records, audit_many
-from evenly.audit._packfindings import compare, coverage, full_batches, pad_rows, tokens
+from evenly.audit._coverage import compare, coverage, pad_rows, tokens
+from evenly.audit._findings import full_batches
 from evenly.audit._types import PackInfo
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ._coverage import merged_pieces
 from ._factory import Factory, describe, resolve
 from ._findings import all_findings
-from ._packfindings import merged_pieces
 from ._result import AuditResult
 from ._types import I64, AuditError, IdFn, Records, Settings, ranks_per_node, row_label
 

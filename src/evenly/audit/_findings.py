@@ -1,18 +1,8 @@
 """Pure computations of each finding from the collected ``Records`` (numpy only).
 
 Every function takes ``Records`` and returns one ``Finding``; ``all_findings`` runs them
-in report order.  Thresholds are module constants so the docs can quote them.
-
->>> import numpy as np
->>> from evenly.audit._types import Records
->>> ids = np.array([0, 1, 0, 1])
->>> zeros = np.zeros(4, dtype=np.int64)
->>> rec = Records(ids=ids, rank=zeros, worker=np.array([0, 0, 1, 1]), epoch=zeros,
-...               batch=np.array([0, 0, 1, 1]), pos=np.array([0, 1, 0, 1]),
-...               draws=np.random.default_rng(0).random((4, 3)), per_rank=[],
-...               world_size=1, num_workers=2, epochs=1, batch_size=2, expected=2)
->>> duplicates(rec).detail
-'epoch 0: 2 extra deliveries, every sample delivered 2x'
+in report order, the coverage findings of the records' unit (samples, a Mix's shares or
+tokens: ``_coverage``) first.  Thresholds are module constants so the docs can quote them.
 """
 
 from __future__ import annotations
@@ -23,18 +13,17 @@ from dataclasses import replace
 
 import numpy as np
 
-from ._mixfindings import mix_counts, stream_duplicates, stream_missing
-from ._packfindings import full_batches, pad_rows, tokens
+from ._coverage import checks as coverage_checks
+from ._coverage import verdict
 from ._shuffle import adjacency, repeated_order, shuffle_quality, spearman
-from ._types import GENERATORS, Finding, Records, Status, batch_sizes, epochs_of, unique_rows
+from ._types import GENERATORS, I64, Finding, Records, Status, batch_sizes, epochs_of, unique_rows
 
 __all__ = [
     "adjacency",
     "all_findings",
     "compact",
-    "duplicates",
+    "full_batches",
     "length",
-    "missing",
     "partial_batches",
     "rank_balance",
     "repeated_order",
@@ -45,94 +34,6 @@ __all__ = [
 
 #: Draws compared per stream when looking for shared random streams.
 RNG_PREFIX = 8
-
-#: Sample ids named per finding part.
-SHOWN_IDS = 5
-
-
-def _worst(statuses: list[Status]) -> Status:
-    for status in ("FAIL", "WARN"):
-        if status in statuses:
-            return status  # type: ignore[return-value]
-    return "PASS"
-
-
-def duplicates(rec: Records) -> Finding:
-    """Samples delivered more than once in an epoch, across all ranks and workers.
-
-    A few duplicates (fewer than ``world_size``) are what padding to equal ranks costs
-    (``DistributedSampler``, ``evenly.Dataset(drop_last=False)``): WARN. More: FAIL.
-    """
-    parts: list[str] = []
-    worst = 0
-    for e in epochs_of(rec):
-        ids = rec.ids[rec.epoch == e]
-        if len(ids) == 0:
-            continue
-        _, counts = np.unique(ids, return_counts=True)
-        extra = int(len(ids) - len(counts))
-        worst = max(worst, extra)
-        if extra == 0:
-            continue
-        if counts.min() == counts.max():
-            parts.append(
-                f"epoch {e}: {extra} extra deliveries, every sample delivered {int(counts[0])}x"
-            )
-        else:
-            n_dup = int((counts > 1).sum())
-            parts.append(
-                f"epoch {e}: {extra} extra deliveries, {n_dup} samples delivered "
-                f"more than once (up to {int(counts.max())}x)"
-            )
-    if worst == 0:
-        return Finding(
-            "duplicates",
-            "Duplicates",
-            "PASS",
-            0,
-            "every sample delivered at most once per epoch",
-        )
-    status: Status = "WARN" if worst < rec.world_size else "FAIL"
-    if status == "WARN":
-        parts.append("(fewer than world_size: padding so every rank gets the same count)")
-    return Finding("duplicates", "Duplicates", status, worst, "; ".join(parts))
-
-
-def missing(rec: Records) -> Finding:
-    """Samples never delivered in an epoch, against ``rec.expected`` (or, unknown, the
-    union of ids over all epochs)."""
-    reference = rec.expected
-    source = rec.expected_source
-    if reference is None:
-        reference = len(np.unique(rec.ids))
-        source = "ids seen over all epochs"
-    parts: list[str] = []
-    worst = 0
-    statuses: list[Status] = []
-    for e in epochs_of(rec):
-        seen = len(np.unique(rec.ids[rec.epoch == e]))
-        gap = reference - seen
-        if gap > 0:
-            parts.append(
-                f"epoch {e}: {gap} of {reference} never delivered ({seen} seen"
-                f"{_dropped(rec.dropped.get(e, []))})"
-            )
-            statuses.append("FAIL")
-        elif gap < 0:
-            parts.append(f"epoch {e}: {seen} distinct samples, more than the {reference} expected")
-            statuses.append("FAIL")
-        worst = max(worst, abs(gap))
-    if not parts:
-        parts.append(f"all {reference} samples delivered every epoch")
-    return Finding("missing", f"Missing (vs {source})", _worst(statuses), worst, "; ".join(parts))
-
-
-def _dropped(names: list[str]) -> str:
-    """The samples read but left out of the collated batches, named."""
-    if not names:
-        return ""
-    shown = ", ".join(names[:SHOWN_IDS]) + (", ..." if len(names) > SHOWN_IDS else "")
-    return f", {len(names)} read but not in the batches collate_fn returned: {shown}"
 
 
 def rank_balance(rec: Records) -> Finding:
@@ -158,27 +59,65 @@ def rank_balance(rec: Records) -> Finding:
         first = [r for r in rec.per_rank if r.epoch == 0]
         each = f"{first[0].samples} samples, {first[0].batches} batches" if first else "0"
         parts.append(f"every rank: {each} per epoch")
-    return Finding("rank_balance", "Rank balance", _worst(statuses), worst, "; ".join(parts))
+    return Finding("rank_balance", "Rank balance", verdict(statuses), worst, "; ".join(parts))
+
+
+def _short_batches(rec: Records) -> I64:
+    """Batches smaller than ``batch_size`` per epoch and rank, shape ``(epochs, world_size)``."""
+    ranks, epochs, sizes = batch_sizes(rec)
+    rows = (sizes < rec.batch_size) & (epochs < rec.epochs) & (ranks < rec.world_size)
+    out = np.zeros((rec.epochs, rec.world_size), dtype=np.int64)
+    np.add.at(out, (epochs[rows], ranks[rows]), 1)
+    return out
 
 
 def partial_batches(rec: Records) -> Finding:
     """Batches smaller than ``batch_size``: a map-style loader gives at most one per rank
     per epoch; more means each worker batches its own leftovers (WARN)."""
-    ranks, epochs, sizes = batch_sizes(rec)
-    partial = sizes < rec.batch_size
-    worst = 0
-    parts: list[str] = []
-    for e in epochs_of(rec):
-        per_rank = [
-            int((partial & (ranks == r) & (epochs == e)).sum()) for r in range(rec.world_size)
-        ]
-        worst = max(worst, *per_rank)
-        if max(per_rank) > 1:
-            parts.append(f"epoch {e}: partial batches per rank {per_rank}")
+    short = _short_batches(rec)
+    worst = int(short.max(initial=0))
+    parts = [
+        f"epoch {e}: partial batches per rank {per_rank.tolist()}"
+        for e, per_rank in enumerate(short)
+        if per_rank.max(initial=0) > 1
+    ]
     status: Status = "WARN" if worst > 1 else "PASS"
     if not parts:
         parts.append(f"at most {worst} partial batch(es) per rank per epoch")
     return Finding("partial_batches", "Partial batches", status, worst, "; ".join(parts))
+
+
+def full_batches(rec: Records) -> Finding:
+    """A packed dataset's batches: every batch holds ``batch_size`` rows (``pad='none'``:
+    one partial batch per rank per epoch is a WARN) and no row more than ``seq_len``
+    tokens."""
+    if rec.pack is None or rec.pieces is None:
+        raise ValueError("these findings need the records of an audit of a packed dataset")
+    seq_len, none = rec.pack.seq_len, rec.pack.pad == "none"
+    parts: list[str] = []
+    statuses: list[Status] = []
+    filled = np.bincount(rec.pieces[:, 0], weights=rec.pieces[:, 3], minlength=len(rec))
+    over = int((filled > seq_len).sum())
+    if over:
+        statuses.append("FAIL")
+        parts.append(f"{over} rows hold more than seq_len={seq_len} tokens")
+    for e, per_rank in enumerate(_short_batches(rec)):
+        if not per_rank.any():
+            continue
+        ok = none and per_rank.max() <= 1
+        statuses.append("WARN" if ok else "FAIL")
+        parts.append(
+            f"epoch {e}: batches with fewer than {rec.batch_size} rows per rank "
+            f"{per_rank.tolist()}" + (" (pad='none')" if ok else "")
+        )
+    ok_text = f"every batch {rec.batch_size} rows of at most {seq_len} tokens"
+    return Finding(
+        "full_batches",
+        "Full-shape batches (packing)",
+        verdict(statuses),
+        over,
+        "; ".join(parts) or ok_text,
+    )
 
 
 def rng_streams(rec: Records) -> Finding:
@@ -261,49 +200,24 @@ def length(rec: Records) -> Finding:
         parts.append(f"{unknown} rank-epochs without len(): the length of an epoch is unknown")
     if not parts:
         parts.append("len() matches what every rank yielded")
-    return Finding("length", "len() vs yielded", _worst(statuses), worst, "; ".join(parts))
-
-
-_ALL: tuple[Callable[[Records], Finding], ...] = (
-    duplicates,
-    missing,
-    rank_balance,
-    partial_batches,
-    repeated_order,
-    shuffle_quality,
-    adjacency,
-    rng_streams,
-    length,
-)
-
-
-#: For an ``evenly.Mix``: duplicates and missing judged per source stream (a Mix repeats
-#: samples by design), and the samples per source per epoch after them.
-_MIX: dict[Callable[[Records], Finding], tuple[Callable[[Records], Finding], ...]] = {
-    duplicates: (stream_duplicates,),
-    missing: (stream_missing, mix_counts),
-}
-
-
-#: For a packed dataset: every token once instead of every sample once, the pad rows,
-#: and full-shape batches instead of partial ones.
-_PACK: dict[Callable[[Records], Finding], tuple[Callable[[Records], Finding], ...]] = {
-    duplicates: (tokens,),
-    missing: (pad_rows,),
-    partial_batches: (full_batches,),
-}
+    return Finding("length", "len() vs yielded", verdict(statuses), worst, "; ".join(parts))
 
 
 def all_findings(rec: Records) -> list[Finding]:
-    """Every finding, in report order (adjacency only when ``rec.shards`` is set; for a
-    Mix, ``mix_counts`` and per-stream duplicates/missing; for a packed dataset,
-    ``tokens``, ``pad_rows`` and ``full_batches``), with details that repeat over epochs
-    or ranks merged (see ``compact``)."""
-    checks = [f for f in _ALL if f is not adjacency or rec.shards is not None]
-    if rec.mix is not None:
-        checks = [g for f in checks for g in _MIX.get(f, (f,))]
-    if rec.pack is not None:
-        checks = [g for f in checks for g in _PACK.get(f, (f,))]
+    """Every finding, in report order: the coverage findings of the records' unit (see
+    ``_coverage.checks``), then the others (``full_batches`` in place of
+    ``partial_batches`` for a packed dataset, ``adjacency`` only when ``rec.shards`` is
+    set), with details that repeat over epochs or ranks merged (see ``compact``)."""
+    checks: list[Callable[[Records], Finding]] = [
+        *coverage_checks(rec),
+        rank_balance,
+        partial_batches if rec.pack is None else full_batches,
+        repeated_order,
+        shuffle_quality,
+        *([adjacency] if rec.shards is not None else []),
+        rng_streams,
+        length,
+    ]
     found = [f(rec) for f in checks]
     return [replace(f, detail=compact(f.detail)) for f in found]
 

@@ -302,7 +302,7 @@ def _mix_section(rec: Records) -> str:
     """For a Mix: a table of samples per source and epoch (delivered / expected)."""
     if rec.mix is None:
         return ""
-    from ._mixfindings import cell_status, per_epoch
+    from ._coverage import cell_status, per_epoch
 
     esc = html.escape
     names = rec.mix.names

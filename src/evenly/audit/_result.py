@@ -93,7 +93,7 @@ class AuditResult:
         if rec.mix is None:
             return None
         # Deferred: only an audit of a Mix needs it.
-        from ._mixfindings import per_epoch
+        from ._coverage import per_epoch
 
         return {**rec.mix.to_dict(), "per_epoch": per_epoch(rec)}
 

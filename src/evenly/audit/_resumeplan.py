@@ -27,9 +27,8 @@ from typing import Any
 import numpy as np
 
 from ._collect import Job, RankResult
+from ._coverage import merged_pieces, pieces_coverage, source_counts
 from ._launch import launch
-from ._mixfindings import source_counts
-from ._packfindings import merged_pieces, pieces_coverage
 from ._resume import Resumed, ResumeItem, Stop, reference_task, resume_task
 from ._resumecheck import Run, balance_problems, check_stop, prefix_matches
 from ._types import I64, Finding, MixInfo, PackInfo, Settings, Status

@@ -57,7 +57,7 @@ def mix_table(result: AuditResult) -> Table | None:
     """For an audit of an ``evenly.Mix``: one row per epoch, one column per source, each
     cell ``delivered / expected`` samples (yellow where off by the epoch's padding or
     drop_last, red beyond); else ``None``."""
-    from ._mixfindings import cell_status
+    from ._coverage import cell_status
 
     mix = result.mix_dict()
     if mix is None:

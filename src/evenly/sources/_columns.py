@@ -280,10 +280,25 @@ class ArrowBatchSource(ShardedSource):
             return
         self.cache.prefetch((self._remote(k) for k in shards), now=now)
 
+    def _chunks_read(self, rows: npt.NDArray[np.int64]) -> None:
+        """Called after a read of ``rows`` (source rows) succeeded: :meth:`_chunk_read` for
+        each chunk, where a subclass overrides it (one that keeps chunks per process may
+        release those it was told it will not read again)."""
+        if type(self)._chunk_read is ArrowBatchSource._chunk_read or not rows.size:
+            return
+        chunks, counts = np.unique(self._chunk_of.of(rows), return_counts=True)
+        for c, n in zip(chunks.tolist(), counts.tolist(), strict=True):
+            self._chunk_read(c, n)
+
     # ---- batched reads -----------------------------------------------------------------
     def take(self, indices: Sequence[int] | npt.NDArray[Any]) -> pa.Table:
         """The samples ``indices`` as one Arrow table, in the order asked."""
         samples = self._check_indices(indices)
+        table = self._take(samples)
+        self._chunks_read(self._rows(samples))
+        return table
+
+    def _take(self, samples: npt.NDArray[np.int64]) -> pa.Table:
         rows = self._rows(samples)
         if not rows.size:
             return self.schema.empty_table()
@@ -316,29 +331,47 @@ class ArrowBatchSource(ShardedSource):
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
         """Read a batch as dict rows: one lookup for the whole batch, then each row from
         its chunk's per-row accessors (or, for a chunk with nulls or other column types,
-        one Arrow ``take`` per chunk present)."""
+        one Arrow ``take`` per chunk present), chunk by chunk in :meth:`_visit` order."""
         samples = self._check_indices(indices)
         rows = self._rows(samples)
         chunk = self._chunk_of.of(rows)
-        present = np.unique(chunk)
+        order = np.argsort(chunk, kind="stable")
+        present, first, counts = np.unique(chunk[order], return_index=True, return_counts=True)
         if present.size > 1 and self.cache is not None:
             self._prefetch_shards(np.unique(self._cshard[present]).tolist(), now=True)
-        row_of: dict[int, Any] = {}  # chunk -> its accessors' row()
-        ks, gs = self._cshard[present].tolist(), self._clocal[present].tolist()
-        where = zip(present.tolist(), ks, gs, strict=True)
-        handle, last = None, -1  # a shard's chunks are consecutive: its handle once
-        for c, k, g in where:
+        local = (rows - self._cstarts[chunk]).tolist()
+        out: list[Any] = [None] * rows.size
+        counted: list[int] = []  # chunks read, counted as read
+        handle, last = None, -1  # a shard's chunks are mostly consecutive: its handle once
+        for j in self._visit(present, counts).tolist():
+            c = int(present[j])
+            k, g = int(self._cshard[c]), int(self._clocal[c])
             try:
                 if k != last:
                     handle, last = self._handle(k), k
                 found = self._row_access(k, g, handle)
             except Exception as exc:
                 raise self._error(exc, int(samples[int(np.argmax(chunk == c))])) from exc
-            if found is None:
-                return to_rows(self.take(samples))
-            row_of[c] = found.row
-        local = (rows - self._cstarts[chunk]).tolist()
-        return [row_of[c](i) for c, i in zip(chunk.tolist(), local, strict=True)]
+            if found is None:  # the whole batch the general way
+                table = self._take(samples)
+                self._chunks_read(rows[~np.isin(chunk, counted)])  # not counted yet
+                return to_rows(table)
+            row = found.row
+            for at in order[first[j] : first[j] + counts[j]].tolist():
+                out[at] = row(local[at])
+            self._chunk_read(c, int(counts[j]))
+            counted.append(c)
+        return out
+
+    def _visit(
+        self, present: npt.NDArray[np.int64], counts: npt.NDArray[np.int64]
+    ) -> npt.NDArray[np.int64]:
+        """The order in which a batch's read visits its chunks (``present``, ``counts``
+        rows of each): positions into ``present``; here the chunks' order."""
+        return np.arange(present.size)
+
+    def _chunk_read(self, c: int, n: int) -> None:
+        """``n`` rows of chunk ``c`` (global chunk number) were just read."""
 
     def _row_access(self, k: int, g: int, handle: Any) -> RowAccess | None:
         """The per-row accessors of chunk ``g`` of shard ``k`` (subclasses keep them with
@@ -358,11 +391,15 @@ class ArrowBatchSource(ShardedSource):
         gathered with one numpy fancy index over the chunks in use; otherwise one Arrow
         ``take`` per chunk."""
         idx = self._check_indices(indices)
+        out: dict[str, npt.NDArray[Any] | list[Any]] | None = None
         if self._gatherable:
             gathered = self._gather(idx)
             if gathered is not None:
-                return dict(gathered)
-        return to_columns(self.take(idx), idx)
+                out = dict(gathered)
+        if out is None:
+            out = to_columns(self._take(idx), idx)
+        self._chunks_read(self._rows(idx))
+        return out
 
     def _gather(self, samples: npt.NDArray[np.int64]) -> dict[str, npt.NDArray[Any]] | None:
         rows = self._rows(samples)

@@ -32,6 +32,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import numpy.typing as npt
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -86,6 +87,9 @@ class ParquetSource(ArrowBatchSource):
         self._group_views: dict[tuple[int, int], list[npt.NDArray[Any]] | None] = {}
         #: when each kept row group's node cache entry is next due a recency refresh
         self._touch_due: dict[tuple[int, int], float] = {}
+        #: rows of each row group (global chunk number) that the reads announced by
+        #: :meth:`prefetch` still have to read in this process (decoded row groups only)
+        self._pending: dict[int, int] = {}
         super().__init__(paths, **kwargs)
         #: the node-local decoded-row cache (None: off); ``.hits`` / ``.misses`` count
         #: this process's lookups.  Never for remote shards: their one copy on disk is
@@ -140,6 +144,50 @@ class ParquetSource(ArrowBatchSource):
             f"(evenly.write(..., format='arrow')), smaller row groups, or a larger "
             f"row_group_cache_bytes"
         )
+
+    def prefetch(self, indices: Sequence[int]) -> None:
+        """Start downloading the shards of ``indices`` (remote), and note the rows that
+        this process's reader will read next: without the decoded-row cache, a decoded
+        row group leaves the LRU as soon as the reads announced so far have read all
+        their rows of it (in a block shuffle: once the reader has left its window), so
+        the LRU holds the row groups still to be read, not ``row_group_cache_bytes``."""
+        super().prefetch(indices)
+        if self.decoded_cache is not None or not len(indices):
+            return
+        chunks, counts = np.unique(
+            self._chunk_of.of(self._rows(self._check_indices(indices))), return_counts=True
+        )
+        pending = self._pending
+        for c, n in zip(chunks.tolist(), counts.tolist(), strict=True):
+            pending[c] = pending.get(c, 0) + n
+
+    def _visit(
+        self, present: npt.NDArray[np.int64], counts: npt.NDArray[np.int64]
+    ) -> npt.NDArray[np.int64]:
+        """The row groups this read finishes first (each is dropped once read), then the
+        others: at a window's edge the old window's row groups go before the new one's
+        are decoded."""
+        pending = self._pending
+        if not pending:
+            return np.arange(present.size)
+        last = [
+            pending.get(c, -1) == n for c, n in zip(present.tolist(), counts.tolist(), strict=True)
+        ]
+        return np.argsort(~np.array(last, dtype=bool), kind="stable")
+
+    def _chunk_read(self, c: int, n: int) -> None:
+        """``n`` rows of row group ``c`` were read: drop it once no announced read needs it."""
+        pending = self._pending
+        left = pending.get(c)
+        if left is None:  # not announced (a read outside the plan's order)
+            return
+        if left > n:
+            pending[c] = left - n
+            return
+        del pending[c]
+        key = (int(self._cshard[c]), int(self._clocal[c]))
+        if key in self._groups:
+            self._drop(key)
 
     def _open(self, k: int, path: str) -> Any:
         return VerifiedParquetFile(path, self.urls[k])
@@ -225,11 +273,15 @@ class ParquetSource(ArrowBatchSource):
         while len(self._groups) > 1 and (
             self._group_bytes > self.row_group_cache_bytes or len(self._groups) > MAX_GROUPS
         ):
-            key, old = self._groups.popitem(last=False)
-            self._group_bytes -= old[1]
-            self._group_access.pop(key, None)
-            self._group_views.pop(key, None)
-            self._touch_due.pop(key, None)
+            self._drop(next(iter(self._groups)))
+
+    def _drop(self, key: tuple[int, int]) -> None:
+        """Row group ``key`` out of the LRU, with its accessors and views."""
+        _, size = self._groups.pop(key)
+        self._group_bytes -= size
+        self._group_access.pop(key, None)
+        self._group_views.pop(key, None)
+        self._touch_due.pop(key, None)
 
     def _chunk_views(self, k: int, g: int, handle: Any) -> list[npt.NDArray[Any]] | None:
         """A row group's column views, kept with its table (they hold no other memory;
@@ -261,7 +313,12 @@ class ParquetSource(ArrowBatchSource):
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         state.update(
-            _groups=OrderedDict(), _group_bytes=0, _group_access={}, _group_views={}, _touch_due={}
+            _groups=OrderedDict(),
+            _group_bytes=0,
+            _group_access={},
+            _group_views={},
+            _touch_due={},
+            _pending={},
         )
         return state
 
@@ -278,8 +335,8 @@ class VerifiedParquetFile(pq.ParquetFile):  # type: ignore[misc]  # pyarrow: unt
     [7, 8]
     """
 
-    def __init__(self, path: str, url: str | None = None) -> None:
-        super().__init__(path, page_checksum_verification=True)
+    def __init__(self, path: str, url: str | None = None, memory_map: bool = False) -> None:
+        super().__init__(path, page_checksum_verification=True, memory_map=memory_map)
         self.url = url or path
 
     def read_row_group(self, i: int, *args: Any, **kwargs: Any) -> pa.Table:
@@ -312,7 +369,9 @@ class _Deferred:
             path = self.src.local_path(self.k)  # evicted by another process just now
         if not os.path.exists(path):
             raise FileNotFoundError(f"shard not found: {self.src.urls[self.k]}")
-        with VerifiedParquetFile(path, self.src.urls[self.k]) as handle:
+        # a cached remote shard is mapped, not read into a buffer (page cache, not heap)
+        remote = self.src.cache is not None
+        with VerifiedParquetFile(path, self.src.urls[self.k], memory_map=remote) as handle:
             table: pa.Table = handle.read_row_group(g, **kwargs)
         return table
 

@@ -4,7 +4,8 @@ A row group of a local shard is decoded once per node into the decoded-row cache
 IPC files in ``<cache_dir>/rows``, see :mod:`evenly.sources._rowcache`) and memory-mapped
 by every worker of every rank; with that cache off (``decoded_cache_bytes=0``), and
 always for remote shards (kept once, as downloaded, in the shard cache), decoded row
-groups stay Arrow tables in a per-process LRU budgeted by their real buffer size.  A batch is one
+groups stay Arrow tables in a per-process LRU budgeted by their real buffer size, each
+only until the reads the loader announced have read all its rows.  A batch is one
 lookup for the whole batch and one ``take`` (or per-row accessor) per row group present.
 Every page read is checked against its CRC-32 when the file has page checksums
 (:class:`VerifiedParquetFile`; ``evenly.write`` writes them): a flipped bit is an error
@@ -430,14 +431,15 @@ def from_parquet(
     shard is decoded once per node into the decoded-row cache (Arrow IPC files in
     ``<cache_dir>/rows``, memory-mapped by every worker and rank on the node, at most
     ``decoded_cache_bytes`` in all: default ``$EVENLY_DECODED_CACHE_BYTES``, else 16 GiB;
-    ``0`` turns it off, and it is off with a warning when ``cache_dir`` is on a network
-    file system).  With it off, decoded row groups are kept as Arrow tables in a
-    per-process LRU of ``row_group_cache_bytes``.  ``shuffle=True`` means a global
-    shuffle for local shards whatever their size (so the order never depends on the cache
-    setting) and a block shuffle for remote ones.  Remote shards are downloaded into a
-    bounded local cache (``cache_dir``, ``cache_bytes``) before reading, with at most
-    ``max_in_flight`` requests in flight per node (default ``$EVENLY_MAX_IN_FLIGHT``,
-    else 16); that copy is the only one on disk (no decoded-row cache for remote shards:
+    ``0`` turns it off, and it is off with a warning when ``cache_dir`` is on a network file
+    system).  With it off, and for remote shards, decoded row groups are kept as Arrow
+    tables in a per-process LRU of ``row_group_cache_bytes``, each only until the reads the
+    loader announced (:meth:`ParquetSource.prefetch`) have read its rows.  ``shuffle=True``
+    means a global shuffle for local shards whatever their size (so the order never depends
+    on the cache setting) and a block shuffle for remote ones.  Remote shards are downloaded
+    into a bounded local cache (``cache_dir``, ``cache_bytes``) before reading, with at most
+    ``max_in_flight`` requests in flight per node (default ``$EVENLY_MAX_IN_FLIGHT``, else
+    16); that copy is the only one on disk (no decoded-row cache for remote shards:
     ``cache_bytes`` bounds all evenly writes).
 
     >>> import evenly

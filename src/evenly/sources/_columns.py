@@ -282,9 +282,9 @@ class ArrowBatchSource(ShardedSource):
 
     def _chunks_read(self, rows: npt.NDArray[np.int64]) -> None:
         """Called after a read of ``rows`` (source rows) succeeded: :meth:`_chunk_read` for
-        each chunk, where a subclass overrides it (one that keeps chunks per process may
+        each chunk, where a subclass defines it (one that keeps chunks per process may
         release those it was told it will not read again)."""
-        if type(self)._chunk_read is ArrowBatchSource._chunk_read or not rows.size:
+        if not rows.size or type(self)._chunk_read is ArrowBatchSource._chunk_read:
             return
         chunks, counts = np.unique(self._chunk_of.of(rows), return_counts=True)
         for c, n in zip(chunks.tolist(), counts.tolist(), strict=True):
@@ -331,21 +331,25 @@ class ArrowBatchSource(ShardedSource):
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
         """Read a batch as dict rows: one lookup for the whole batch, then each row from
         its chunk's per-row accessors (or, for a chunk with nulls or other column types,
-        one Arrow ``take`` per chunk present), chunk by chunk in :meth:`_visit` order."""
+        one Arrow ``take`` per chunk present).  The chunks this read finishes
+        (:meth:`_finishing`) are read first, their rows taken out at once, and reported
+        read (:meth:`_chunk_read`) before the next chunk is read."""
         samples = self._check_indices(indices)
         rows = self._rows(samples)
         chunk = self._chunk_of.of(rows)
-        order = np.argsort(chunk, kind="stable")
-        present, first, counts = np.unique(chunk[order], return_index=True, return_counts=True)
+        present = np.unique(chunk)
         if present.size > 1 and self.cache is not None:
             self._prefetch_shards(np.unique(self._cshard[present]).tolist(), now=True)
+        finishing = self._finishing(chunk, present)
+        if finishing:  # those first
+            first = np.isin(present, list(finishing))
+            present = np.concatenate([present[first], present[~first]])
         local = (rows - self._cstarts[chunk]).tolist()
-        out: list[Any] = [None] * rows.size
-        counted: list[int] = []  # chunks read, counted as read
-        handle, last = None, -1  # a shard's chunks are mostly consecutive: its handle once
-        for j in self._visit(present, counts).tolist():
-            c = int(present[j])
-            k, g = int(self._cshard[c]), int(self._clocal[c])
+        row_of: dict[int, Any] = {}  # chunk -> its accessors' row()
+        ks, gs = self._cshard[present].tolist(), self._clocal[present].tolist()
+        where = zip(present.tolist(), ks, gs, strict=True)
+        handle, last = None, -1  # a shard's chunks are consecutive: its handle once
+        for c, k, g in where:
             try:
                 if k != last:
                     handle, last = self._handle(k), k
@@ -354,21 +358,23 @@ class ArrowBatchSource(ShardedSource):
                 raise self._error(exc, int(samples[int(np.argmax(chunk == c))])) from exc
             if found is None:  # the whole batch the general way
                 table = self._take(samples)
+                counted = [x for x in row_of if x in finishing]
                 self._chunks_read(rows[~np.isin(chunk, counted)])  # not counted yet
                 return to_rows(table)
-            row = found.row
-            for at in order[first[j] : first[j] + counts[j]].tolist():
-                out[at] = row(local[at])
-            self._chunk_read(c, int(counts[j]))
-            counted.append(c)
+            row_of[c] = found.row
+            if c in finishing:  # its rows out now, then the chunk may go
+                mine = np.flatnonzero(chunk == c)
+                values = {i: found.row(i) for i in {local[j] for j in mine.tolist()}}
+                row_of[c] = values.__getitem__
+                self._chunk_read(c, int(mine.size))
+        out = [row_of[c](i) for c, i in zip(chunk.tolist(), local, strict=True)]
+        self._chunks_read(rows[~np.isin(chunk, list(finishing))] if finishing else rows)
         return out
 
-    def _visit(
-        self, present: npt.NDArray[np.int64], counts: npt.NDArray[np.int64]
-    ) -> npt.NDArray[np.int64]:
-        """The order in which a batch's read visits its chunks (``present``, ``counts``
-        rows of each): positions into ``present``; here the chunks' order."""
-        return np.arange(present.size)
+    def _finishing(self, chunk: npt.NDArray[np.int64], present: npt.NDArray[np.int64]) -> set[int]:
+        """The chunks (of ``present``) that this read of rows in ``chunk`` finishes; here
+        none (a subclass that releases chunks as they are read names them)."""
+        return set()
 
     def _chunk_read(self, c: int, n: int) -> None:
         """``n`` rows of chunk ``c`` (global chunk number) were just read."""

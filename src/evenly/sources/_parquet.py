@@ -162,19 +162,23 @@ class ParquetSource(ArrowBatchSource):
         for c, n in zip(chunks.tolist(), counts.tolist(), strict=True):
             pending[c] = pending.get(c, 0) + n
 
-    def _visit(
-        self, present: npt.NDArray[np.int64], counts: npt.NDArray[np.int64]
-    ) -> npt.NDArray[np.int64]:
-        """The row groups this read finishes first (each is dropped once read), then the
-        others: at a window's edge the old window's row groups go before the new one's
-        are decoded."""
+    def _finishing(self, chunk: npt.NDArray[np.int64], present: npt.NDArray[np.int64]) -> set[int]:
+        """The row groups whose last announced rows this read reads: each is dropped as
+        soon as its rows are out, so at a window's edge the old window's row groups go
+        before the new one's are decoded."""
         pending = self._pending
         if not pending:
-            return np.arange(present.size)
-        last = [
-            pending.get(c, -1) == n for c, n in zip(present.tolist(), counts.tolist(), strict=True)
-        ]
-        return np.argsort(~np.array(last, dtype=bool), kind="stable")
+            return set()
+        counts = np.bincount(np.searchsorted(present, chunk), minlength=present.size)
+        return {
+            c
+            for c, n in zip(present.tolist(), counts.tolist(), strict=True)
+            if pending.get(c, -1) == n
+        }
+
+    def _chunks_read(self, rows: npt.NDArray[np.int64]) -> None:
+        if self._pending:  # nothing announced: nothing to count
+            super()._chunks_read(rows)
 
     def _chunk_read(self, c: int, n: int) -> None:
         """``n`` rows of row group ``c`` were read: drop it once no announced read needs it."""

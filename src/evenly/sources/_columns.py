@@ -280,10 +280,25 @@ class ArrowBatchSource(ShardedSource):
             return
         self.cache.prefetch((self._remote(k) for k in shards), now=now)
 
+    def _chunks_read(self, rows: npt.NDArray[np.int64]) -> None:
+        """Called after a read of ``rows`` (source rows) succeeded: :meth:`_chunk_read` for
+        each chunk, where a subclass defines it (one that keeps chunks per process may
+        release those it was told it will not read again)."""
+        if not rows.size or type(self)._chunk_read is ArrowBatchSource._chunk_read:
+            return
+        chunks, counts = np.unique(self._chunk_of.of(rows), return_counts=True)
+        for c, n in zip(chunks.tolist(), counts.tolist(), strict=True):
+            self._chunk_read(c, n)
+
     # ---- batched reads -----------------------------------------------------------------
     def take(self, indices: Sequence[int] | npt.NDArray[Any]) -> pa.Table:
         """The samples ``indices`` as one Arrow table, in the order asked."""
         samples = self._check_indices(indices)
+        table = self._take(samples)
+        self._chunks_read(self._rows(samples))
+        return table
+
+    def _take(self, samples: npt.NDArray[np.int64]) -> pa.Table:
         rows = self._rows(samples)
         if not rows.size:
             return self.schema.empty_table()
@@ -316,13 +331,20 @@ class ArrowBatchSource(ShardedSource):
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
         """Read a batch as dict rows: one lookup for the whole batch, then each row from
         its chunk's per-row accessors (or, for a chunk with nulls or other column types,
-        one Arrow ``take`` per chunk present)."""
+        one Arrow ``take`` per chunk present).  The chunks this read finishes
+        (:meth:`_finishing`) are read first, their rows taken out at once, and reported
+        read (:meth:`_chunk_read`) before the next chunk is read."""
         samples = self._check_indices(indices)
         rows = self._rows(samples)
         chunk = self._chunk_of.of(rows)
         present = np.unique(chunk)
         if present.size > 1 and self.cache is not None:
             self._prefetch_shards(np.unique(self._cshard[present]).tolist(), now=True)
+        finishing = self._finishing(chunk, present)
+        if finishing:  # those first
+            first = np.isin(present, list(finishing))
+            present = np.concatenate([present[first], present[~first]])
+        local = (rows - self._cstarts[chunk]).tolist()
         row_of: dict[int, Any] = {}  # chunk -> its accessors' row()
         ks, gs = self._cshard[present].tolist(), self._clocal[present].tolist()
         where = zip(present.tolist(), ks, gs, strict=True)
@@ -334,11 +356,28 @@ class ArrowBatchSource(ShardedSource):
                 found = self._row_access(k, g, handle)
             except Exception as exc:
                 raise self._error(exc, int(samples[int(np.argmax(chunk == c))])) from exc
-            if found is None:
-                return to_rows(self.take(samples))
+            if found is None:  # the whole batch the general way
+                table = self._take(samples)
+                counted = [x for x in row_of if x in finishing]
+                self._chunks_read(rows[~np.isin(chunk, counted)])  # not counted yet
+                return to_rows(table)
             row_of[c] = found.row
-        local = (rows - self._cstarts[chunk]).tolist()
-        return [row_of[c](i) for c, i in zip(chunk.tolist(), local, strict=True)]
+            if c in finishing:  # its rows out now, then the chunk may go
+                mine = np.flatnonzero(chunk == c)
+                values = {i: found.row(i) for i in {local[j] for j in mine.tolist()}}
+                row_of[c] = values.__getitem__
+                self._chunk_read(c, int(mine.size))
+        out = [row_of[c](i) for c, i in zip(chunk.tolist(), local, strict=True)]
+        self._chunks_read(rows[~np.isin(chunk, list(finishing))] if finishing else rows)
+        return out
+
+    def _finishing(self, chunk: npt.NDArray[np.int64], present: npt.NDArray[np.int64]) -> set[int]:
+        """The chunks (of ``present``) that this read of rows in ``chunk`` finishes; here
+        none (a subclass that releases chunks as they are read names them)."""
+        return set()
+
+    def _chunk_read(self, c: int, n: int) -> None:
+        """``n`` rows of chunk ``c`` (global chunk number) were just read."""
 
     def _row_access(self, k: int, g: int, handle: Any) -> RowAccess | None:
         """The per-row accessors of chunk ``g`` of shard ``k`` (subclasses keep them with
@@ -358,11 +397,15 @@ class ArrowBatchSource(ShardedSource):
         gathered with one numpy fancy index over the chunks in use; otherwise one Arrow
         ``take`` per chunk."""
         idx = self._check_indices(indices)
+        out: dict[str, npt.NDArray[Any] | list[Any]] | None = None
         if self._gatherable:
             gathered = self._gather(idx)
             if gathered is not None:
-                return dict(gathered)
-        return to_columns(self.take(idx), idx)
+                out = dict(gathered)
+        if out is None:
+            out = to_columns(self._take(idx), idx)
+        self._chunks_read(self._rows(idx))
+        return out
 
     def _gather(self, samples: npt.NDArray[np.int64]) -> dict[str, npt.NDArray[Any]] | None:
         rows = self._rows(samples)

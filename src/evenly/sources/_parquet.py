@@ -4,7 +4,8 @@ A row group of a local shard is decoded once per node into the decoded-row cache
 IPC files in ``<cache_dir>/rows``, see :mod:`evenly.sources._rowcache`) and memory-mapped
 by every worker of every rank; with that cache off (``decoded_cache_bytes=0``), and
 always for remote shards (kept once, as downloaded, in the shard cache), decoded row
-groups stay Arrow tables in a per-process LRU budgeted by their real buffer size.  A batch is one
+groups stay Arrow tables in a per-process LRU budgeted by their real buffer size, each
+only until the reads the loader announced have read all its rows.  A batch is one
 lookup for the whole batch and one ``take`` (or per-row accessor) per row group present.
 Every page read is checked against its CRC-32 when the file has page checksums
 (:class:`VerifiedParquetFile`; ``evenly.write`` writes them): a flipped bit is an error
@@ -32,6 +33,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import numpy.typing as npt
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -86,6 +88,9 @@ class ParquetSource(ArrowBatchSource):
         self._group_views: dict[tuple[int, int], list[npt.NDArray[Any]] | None] = {}
         #: when each kept row group's node cache entry is next due a recency refresh
         self._touch_due: dict[tuple[int, int], float] = {}
+        #: rows of each row group (global chunk number) that the reads announced by
+        #: :meth:`prefetch` still have to read in this process (decoded row groups only)
+        self._pending: dict[int, int] = {}
         super().__init__(paths, **kwargs)
         #: the node-local decoded-row cache (None: off); ``.hits`` / ``.misses`` count
         #: this process's lookups.  Never for remote shards: their one copy on disk is
@@ -140,6 +145,54 @@ class ParquetSource(ArrowBatchSource):
             f"(evenly.write(..., format='arrow')), smaller row groups, or a larger "
             f"row_group_cache_bytes"
         )
+
+    def prefetch(self, indices: Sequence[int]) -> None:
+        """Start downloading the shards of ``indices`` (remote), and note the rows that
+        this process's reader will read next: without the decoded-row cache, a decoded
+        row group leaves the LRU as soon as the reads announced so far have read all
+        their rows of it (in a block shuffle: once the reader has left its window), so
+        the LRU holds the row groups still to be read, not ``row_group_cache_bytes``."""
+        super().prefetch(indices)
+        if self.decoded_cache is not None or not len(indices):
+            return
+        chunks, counts = np.unique(
+            self._chunk_of.of(self._rows(self._check_indices(indices))), return_counts=True
+        )
+        pending = self._pending
+        for c, n in zip(chunks.tolist(), counts.tolist(), strict=True):
+            pending[c] = pending.get(c, 0) + n
+
+    def _finishing(self, chunk: npt.NDArray[np.int64], present: npt.NDArray[np.int64]) -> set[int]:
+        """The row groups whose last announced rows this read reads: each is dropped as
+        soon as its rows are out, so at a window's edge the old window's row groups go
+        before the new one's are decoded."""
+        pending = self._pending
+        if not pending:
+            return set()
+        counts = np.bincount(np.searchsorted(present, chunk), minlength=present.size)
+        return {
+            c
+            for c, n in zip(present.tolist(), counts.tolist(), strict=True)
+            if pending.get(c, -1) == n
+        }
+
+    def _chunks_read(self, rows: npt.NDArray[np.int64]) -> None:
+        if self._pending:  # nothing announced: nothing to count
+            super()._chunks_read(rows)
+
+    def _chunk_read(self, c: int, n: int) -> None:
+        """``n`` rows of row group ``c`` were read: drop it once no announced read needs it."""
+        pending = self._pending
+        left = pending.get(c)
+        if left is None:  # not announced (a read outside the plan's order)
+            return
+        if left > n:
+            pending[c] = left - n
+            return
+        del pending[c]
+        key = (int(self._cshard[c]), int(self._clocal[c]))
+        if key in self._groups:
+            self._drop(key)
 
     def _open(self, k: int, path: str) -> Any:
         return VerifiedParquetFile(path, self.urls[k])
@@ -225,11 +278,15 @@ class ParquetSource(ArrowBatchSource):
         while len(self._groups) > 1 and (
             self._group_bytes > self.row_group_cache_bytes or len(self._groups) > MAX_GROUPS
         ):
-            key, old = self._groups.popitem(last=False)
-            self._group_bytes -= old[1]
-            self._group_access.pop(key, None)
-            self._group_views.pop(key, None)
-            self._touch_due.pop(key, None)
+            self._drop(next(iter(self._groups)))
+
+    def _drop(self, key: tuple[int, int]) -> None:
+        """Row group ``key`` out of the LRU, with its accessors and views."""
+        _, size = self._groups.pop(key)
+        self._group_bytes -= size
+        self._group_access.pop(key, None)
+        self._group_views.pop(key, None)
+        self._touch_due.pop(key, None)
 
     def _chunk_views(self, k: int, g: int, handle: Any) -> list[npt.NDArray[Any]] | None:
         """A row group's column views, kept with its table (they hold no other memory;
@@ -261,7 +318,12 @@ class ParquetSource(ArrowBatchSource):
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         state.update(
-            _groups=OrderedDict(), _group_bytes=0, _group_access={}, _group_views={}, _touch_due={}
+            _groups=OrderedDict(),
+            _group_bytes=0,
+            _group_access={},
+            _group_views={},
+            _touch_due={},
+            _pending={},
         )
         return state
 
@@ -278,8 +340,8 @@ class VerifiedParquetFile(pq.ParquetFile):  # type: ignore[misc]  # pyarrow: unt
     [7, 8]
     """
 
-    def __init__(self, path: str, url: str | None = None) -> None:
-        super().__init__(path, page_checksum_verification=True)
+    def __init__(self, path: str, url: str | None = None, memory_map: bool = False) -> None:
+        super().__init__(path, page_checksum_verification=True, memory_map=memory_map)
         self.url = url or path
 
     def read_row_group(self, i: int, *args: Any, **kwargs: Any) -> pa.Table:
@@ -312,7 +374,9 @@ class _Deferred:
             path = self.src.local_path(self.k)  # evicted by another process just now
         if not os.path.exists(path):
             raise FileNotFoundError(f"shard not found: {self.src.urls[self.k]}")
-        with VerifiedParquetFile(path, self.src.urls[self.k]) as handle:
+        # a cached remote shard is mapped, not read into a buffer (page cache, not heap)
+        remote = self.src.cache is not None
+        with VerifiedParquetFile(path, self.src.urls[self.k], memory_map=remote) as handle:
             table: pa.Table = handle.read_row_group(g, **kwargs)
         return table
 
@@ -371,14 +435,15 @@ def from_parquet(
     shard is decoded once per node into the decoded-row cache (Arrow IPC files in
     ``<cache_dir>/rows``, memory-mapped by every worker and rank on the node, at most
     ``decoded_cache_bytes`` in all: default ``$EVENLY_DECODED_CACHE_BYTES``, else 16 GiB;
-    ``0`` turns it off, and it is off with a warning when ``cache_dir`` is on a network
-    file system).  With it off, decoded row groups are kept as Arrow tables in a
-    per-process LRU of ``row_group_cache_bytes``.  ``shuffle=True`` means a global
-    shuffle for local shards whatever their size (so the order never depends on the cache
-    setting) and a block shuffle for remote ones.  Remote shards are downloaded into a
-    bounded local cache (``cache_dir``, ``cache_bytes``) before reading, with at most
-    ``max_in_flight`` requests in flight per node (default ``$EVENLY_MAX_IN_FLIGHT``,
-    else 16); that copy is the only one on disk (no decoded-row cache for remote shards:
+    ``0`` turns it off, and it is off with a warning when ``cache_dir`` is on a network file
+    system).  With it off, and for remote shards, decoded row groups are kept as Arrow
+    tables in a per-process LRU of ``row_group_cache_bytes``, each only until the reads the
+    loader announced (:meth:`ParquetSource.prefetch`) have read its rows.  ``shuffle=True``
+    means a global shuffle for local shards whatever their size (so the order never depends
+    on the cache setting) and a block shuffle for remote ones.  Remote shards are downloaded
+    into a bounded local cache (``cache_dir``, ``cache_bytes``) before reading, with at most
+    ``max_in_flight`` requests in flight per node (default ``$EVENLY_MAX_IN_FLIGHT``, else
+    16); that copy is the only one on disk (no decoded-row cache for remote shards:
     ``cache_bytes`` bounds all evenly writes).
 
     >>> import evenly

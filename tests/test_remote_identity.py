@@ -114,11 +114,13 @@ def test_an_object_replaced_during_its_download_is_never_mixed_into_the_copy(
     """The download reads the version it was opened on (s3fs sends its ETag with every
     range read): a version written mid-way fails the next read, and what the cache ends
     up holding is the old object whole, or nothing."""
-    from evenly.sources import _cache
+    from evenly.sources import _cache, _fetch
     from evenly.sources._cache import ShardCache
 
     # many range reads per download (raising=False: a knob today's main does not have)
     monkeypatch.setattr(_cache, "_CHUNK", 64 << 10, raising=False)
+    # one download (a shard a reader waits for is otherwise split in parts over the threads)
+    monkeypatch.setattr(_fetch, "MIN_PART_BYTES", _fetch.PART_BYTES, raising=False)
     size = 8 << 20
     fs = s3.fs()
     key = f"{s3.bucket}/{s3_prefix}/big.bin"

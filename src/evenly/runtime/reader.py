@@ -100,13 +100,12 @@ def read_batches(ctx: ReadContext, skip: int = 0) -> Iterator[Any]:
         return
     upcoming = ((p, plan.indices(p).tolist(), n) for p, n in chunks)
     current = next(upcoming, None)
-    if current is not None and prefetch is not None:
-        prefetch(current[1])
+    ahead = LookAhead(prefetch)
     while current is not None:
         positions, indices, length = current
         following = next(upcoming, None)
-        if following is not None and prefetch is not None:
-            prefetch(following[1])  # the shards needed next download while we read
+        if following is not None:
+            ahead.hint(following[1])  # the shards needed next download while we read
         current = following
         seeds = plan.seeds(positions) if spreader is not None else None
         where = positions.tolist()
@@ -116,6 +115,7 @@ def read_batches(ctx: ReadContext, skip: int = 0) -> Iterator[Any]:
             samples = _fetch(ctx, getitems, batch, pos)
             read = perf_counter()
             clock.read += read - started
+            ahead.first_read(indices[lo + length :])
             if io_stats is not None:
                 clock.count(io_stats)
             if spreader is not None and seeds is not None:
@@ -129,6 +129,44 @@ def read_batches(ctx: ReadContext, skip: int = 0) -> Iterator[Any]:
             ctx.progress[0] += len(samples)
             clock.samples += len(samples)
             yield samples
+
+
+class LookAhead:
+    """The plan's look-ahead hints to the source (``prefetch``), held back until the
+    pass's first batch is read: until then that batch's own reads (its shards, or its
+    samples by range) have the link to themselves, and the first batch comes as soon as
+    its own bytes are in, not behind the next windows' downloads.
+
+    >>> seen = []
+    >>> ahead = LookAhead(seen.append)
+    >>> ahead.hint([5, 6]); seen
+    []
+    >>> ahead.first_read([3, 4]); ahead.hint([7]); seen
+    [[3, 4], [5, 6], [7]]
+    """
+
+    __slots__ = ("_held", "_prefetch")
+
+    def __init__(self, prefetch: Callable[[list[int]], None] | None) -> None:
+        self._prefetch = prefetch
+        self._held: list[list[int]] | None = [] if prefetch is not None else None
+
+    def hint(self, indices: list[int]) -> None:
+        """The plan's next samples (held until the first batch is read)."""
+        if self._held is not None:
+            self._held.append(indices)
+        elif self._prefetch is not None and indices:
+            self._prefetch(indices)
+
+    def first_read(self, rest: list[int]) -> None:
+        """A batch was read; after the pass's first one, ``rest`` (the samples after it
+        in its plan chunk) and the held hints go out, in plan order."""
+        held, self._held = self._held, None
+        if held is None or self._prefetch is None:
+            return
+        for indices in (rest, *held):
+            if indices:
+                self._prefetch(indices)
 
 
 #: A grouped columnar read (several batches in one ``read_column_batches`` call) stays
@@ -149,13 +187,12 @@ def _read_columnar(ctx: ReadContext, chunks: Iterator[tuple[Any, int]], drop: in
     group = 1  # batches per read: 1 until the first batch says how big a batch is
     upcoming = ((plan.indices(p), n) for p, n in chunks)
     current = next(upcoming, None)
-    if current is not None and prefetch is not None:
-        prefetch(current[0].tolist())
+    ahead = LookAhead(prefetch)
     while current is not None:
         indices, length = current
         current = next(upcoming, None)
-        if current is not None and prefetch is not None:
-            prefetch(current[0].tolist())  # the shards needed next download while we read
+        if current is not None:
+            ahead.hint(current[0].tolist())  # the shards needed next download while we read
         batches = [indices[lo : lo + length] for lo in range(0, len(indices), length)]
         alone = 0  # batches to read one at a time (after a group read failed)
         while batches:
@@ -171,6 +208,7 @@ def _read_columnar(ctx: ReadContext, chunks: Iterator[tuple[Any, int]], drop: in
             else:
                 read = [_fetch_columns(ctx, b if grouped else b.tolist()) for b in part]
             clock.read += perf_counter() - started
+            ahead.first_read(np.concatenate(batches).tolist() if batches else [])
             if io_stats is not None:
                 clock.count(io_stats)
             if group == 1 and grouped is not None:

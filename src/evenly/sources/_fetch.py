@@ -12,7 +12,11 @@ whose download threads together with every other process's on the node keep at m
 - **Order of need**: shards a reader waits for come first, then the look-ahead the plan
   hints (:meth:`Fetcher.hint`, in order of first use); a large shard is split into
   parts (:data:`PART_BYTES`, one range request each) that the threads download side by
-  side, so the shard needed next gets every thread before the one after it.
+  side, so the shard needed next gets every thread before the one after it.  A shard a
+  reader waits for (the pass's first batch, or a look-ahead that fell behind) is split
+  over all the threads (parts of at least :data:`MIN_PART_BYTES`): the shards a batch
+  waits for arrive one after the other, each at the whole link, so the reader decodes
+  the first while the next ones download.
 - **Cooperation**: a thread that finds a shard's lock held by another process (a
   worker or rank downloading it) does not wait: it goes on to the next shard; only a
   reader that needs that shard now waits for the other process's download.
@@ -46,6 +50,7 @@ from ._cachedir import STALE_PART_SECONDS, host_tag, part_path
 __all__ = [
     "DEFAULT_MAX_IN_FLIGHT",
     "ENV_MAX_IN_FLIGHT",
+    "MIN_PART_BYTES",
     "PART_BYTES",
     "Fetcher",
     "max_in_flight_setting",
@@ -60,6 +65,8 @@ DEFAULT_MAX_IN_FLIGHT = 16
 ENV_MAX_IN_FLIGHT = "EVENLY_MAX_IN_FLIGHT"
 #: bytes per range request of a large object (smaller objects are one request)
 PART_BYTES = 8 << 20
+#: the smallest part of a shard a reader waits for, split over the threads
+MIN_PART_BYTES = 2 << 20
 #: jobs hinted this many hints ago and never started are dropped (a pass left early)
 _STALE_HINTS = 3
 #: the shortest time between two recency refreshes of the pinned shards
@@ -483,7 +490,8 @@ class Fetcher:
             lock.release()
             return self._finished(job, "ok")
         job.lock = lock
-        if job.size is None or job.size <= PART_BYTES:
+        part = self.part_bytes(job)
+        if job.size is None or job.size <= part:
             with self.request():
                 self.store.download_whole(job.url, job.target, job.size, job.fingerprint)
             self._release(job)
@@ -498,10 +506,17 @@ class Fetcher:
         job.fd = os.open(job.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         os.ftruncate(job.fd, size)
         with self._cond:
-            job.parts = deque((s, min(s + PART_BYTES, size)) for s in range(0, size, PART_BYTES))
+            job.parts = deque((s, min(s + part, size)) for s in range(0, size, part))
             job.left = len(job.parts)
             job.state = "running"
         return None
+
+    def part_bytes(self, job: Job) -> int:
+        """Bytes per range request of ``job``: :data:`PART_BYTES`; for a shard a reader
+        waits for, its size split over the threads (at least :data:`MIN_PART_BYTES`)."""
+        if not job.demand or job.size is None:
+            return PART_BYTES
+        return min(PART_BYTES, max(MIN_PART_BYTES, -(-job.size // self.threads)))
 
     def _part(self, job: Job, part: tuple[int, int]) -> None:
         start, end = part

@@ -259,14 +259,48 @@ def resolve(
 
 _FILESYSTEMS: dict[tuple[int, str], Any] = {}
 _FILESYSTEMS_LOCK = threading.Lock()
+#: ``(session class, data loader)``: botocore's parsed service models of an s3fs
+#: session of the process that forked this one, if it had an S3 client
+_PARENT_MODELS: list[tuple[Any, Any]] = []
 
 
 def _forget_filesystems() -> None:
     """In a forked child: a lock a parent's download thread held at the fork would never
-    be released, and the parent's instances (their event loop thread) are not there."""
+    be released, and the parent's instances (their event loop thread) are not there.
+    Only the parent's parsed service models are kept (:func:`_parent_models`)."""
     global _FILESYSTEMS_LOCK
     _FILESYSTEMS_LOCK = threading.Lock()
+    models = [m for m in map(_models_of, _FILESYSTEMS.values()) if m is not None]
+    _PARENT_MODELS[:] = models[:1] or _PARENT_MODELS[:1]
     _FILESYSTEMS.clear()
+
+
+def _models_of(fs: Any) -> tuple[Any, Any] | None:
+    """The class and the data loader (parsed service models) of an s3fs instance's
+    botocore session, if it has one."""
+    session = getattr(fs, "session", None)
+    get = getattr(session, "get_component", None)
+    try:
+        return None if get is None else (type(session), get("data_loader"))
+    except Exception:
+        return None
+
+
+def _parent_models(fs: Any) -> None:
+    """Give a new s3fs instance of a forked process a session that reuses the parent's
+    parsed service models: a new session parses them again, about 0.5 s of a worker's
+    first request on a busy machine (measured).  The models are read-only data; the
+    session, its credentials and connections are the instance's own.  Nothing is done
+    where the parent had none, or where s3fs does not look as expected."""
+    if not _PARENT_MODELS or getattr(fs, "session", "") is not None:
+        return
+    kind, models = _PARENT_MODELS[0]
+    try:
+        session = kind(**(getattr(fs, "kwargs", None) or {}))  # as s3fs makes its own
+        session.register_component("data_loader", models)
+    except Exception:
+        return
+    fs.session = session
 
 
 os.register_at_fork(after_in_child=_forget_filesystems)
@@ -297,6 +331,7 @@ def filesystem(url: str, storage_options: Mapping[str, Any]) -> tuple[Any, str]:
         fs = _FILESYSTEMS.get(key)
     if fs is None:
         fs, path = url_to_fs(url, **storage_options)
+        _parent_models(fs)
         with _FILESYSTEMS_LOCK:
             fs = _FILESYSTEMS.setdefault(key, fs)
         return fs, str(path)

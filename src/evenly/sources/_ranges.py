@@ -35,7 +35,8 @@ from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
-from fsspec.core import url_to_fs
+
+from ._manifest import filesystem
 
 __all__ = [
     "DEFAULT_MAX_IN_FLIGHT",
@@ -61,6 +62,8 @@ READ_AHEAD_BATCHES = 32
 READ_AHEAD_BYTES = 32 << 20
 #: requests in flight per node when neither the cache nor ``$EVENLY_MAX_IN_FLIGHT`` says
 DEFAULT_MAX_IN_FLIGHT = 16
+#: connections of an S3 client unless its ``config_kwargs`` say (botocore's default)
+_S3_POOL = 10
 
 
 def per_process(max_in_flight: int | None, readers: int) -> int:
@@ -132,13 +135,15 @@ class RangeReader:
         self.pid = os.getpid()
 
     def _filesystem(self, options: dict[str, Any]) -> tuple[Any, list[str]]:
-        fs, _ = url_to_fs(self.urls[0], **options)
-        if "s3" in _protocols(fs):  # a connection for every request in flight
-            config = dict(options.get("config_kwargs") or {})
-            config["max_pool_connections"] = max(
-                self.limit, int(config.get("max_pool_connections", 10))
-            )
-            fs, _ = url_to_fs(self.urls[0], **{**options, "config_kwargs": config})
+        """The process's filesystem instance (:func:`~evenly.sources._manifest.filesystem`:
+        its client made once per process, a new one costs a fraction of a second), with
+        a connection for every request in flight."""
+        fs, _ = filesystem(self.urls[0], options)
+        config = dict(options.get("config_kwargs") or {})
+        pool = int(config.get("max_pool_connections", _S3_POOL))
+        if "s3" in _protocols(fs) and self.limit > pool:
+            config["max_pool_connections"] = self.limit
+            fs, _ = filesystem(self.urls[0], {**options, "config_kwargs": config})
         return fs, [str(fs._strip_protocol(u)) for u in self.urls]
 
     # ---- the plan ------------------------------------------------------------------

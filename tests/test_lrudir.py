@@ -12,8 +12,9 @@ import pytest
 from filelock import FileLock
 
 from evenly.sources._cache import ShardCache
+from evenly.sources._cachedir import cache_subdir, host_tag, publish
 from evenly.sources._lrudir import EVICT_LOCK, LEDGER, LruDir
-from tests.test_multinode_parts import dead_pid
+from tests.test_multinode_parts import dead_pid, make_stale, other_nodes_part
 
 
 def entry(lru: LruDir, name: str, size: int = 100, mtime: float | None = None) -> str:
@@ -122,3 +123,20 @@ def test_a_killed_downloads_part_goes_while_another_process_downloads_the_shard(
     with FileLock(target + ".lock"):  # held by the running download
         assert cache.evict() == [killed] and cache.usage() == 50
     assert os.path.exists(running)
+
+
+def test_a_killed_writers_part_goes_when_the_file_is_next_published(tmp_path: Path) -> None:
+    """Publish-once files (packing's lengths and plans, token-mix plans) have no bound
+    and no eviction: the part a killed writer left is removed by the next process that
+    writes the same file, not left on disk for ever; another node's, only once stale."""
+    target = os.path.join(cache_subdir("lengths", str(tmp_path)), "abc.i32")
+    killed = Path(f"{target}.part-{dead_pid()}-{host_tag()}-0123abcd")
+    killed.write_bytes(b"x" * 100)
+    elsewhere = other_nodes_part(target)
+    publish(target, lambda tmp: Path(tmp).write_bytes(b"lengths"))
+    assert Path(target).read_bytes() == b"lengths"
+    assert not killed.exists() and elsewhere.exists()
+    make_stale(elsewhere)
+    os.unlink(target)
+    publish(target, lambda tmp: Path(tmp).write_bytes(b"again"))
+    assert sorted(os.listdir(os.path.dirname(target))) == ["abc.i32", "abc.i32.lock"]

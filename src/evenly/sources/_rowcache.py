@@ -198,7 +198,7 @@ class RowCache:
             pa.default_memory_pool().release_unused()  # the decode's memory, to the OS
             made.append(_map(tmp, verify=False))  # the same inode once renamed (or evicted)
 
-        publish(path, write, self.cache_dir)
+        publish(path, write, self.cache_dir, sweep=False)  # the eviction sweeps
         if not made:
             return None
         with contextlib.suppress(FileNotFoundError):

@@ -53,10 +53,9 @@ import time
 from collections.abc import Callable, Collection, Iterable
 from typing import Any, TypeVar
 
-from filelock import FileLock, Timeout
-
-from ._cachedir import part_abandoned, part_path, written_elsewhere
+from ._cachedir import part_path
 from ._fetch import Fetcher, max_in_flight_setting, pinned_elsewhere
+from ._lrudir import LruDir
 from ._manifest import filesystem, object_fingerprint, same_version
 
 __all__ = ["DEFAULT_CACHE_BYTES", "FETCH_COUNTERS", "ShardCache", "is_transient"]
@@ -66,7 +65,6 @@ logger = logging.getLogger("evenly")
 #: Default cache size limit: 8 GiB (``$EVENLY_CACHE_BYTES`` overrides it).
 DEFAULT_CACHE_BYTES = 8 << 30
 _SAFE = re.compile(r"[^A-Za-z0-9._-]+")
-_PART = ".part-"
 #: the longest a download waits in backoff sleeps, whatever ``retries`` says
 _MAX_BACKOFF_TOTAL = 60.0
 #: bytes per read of a checked download (a range request each)
@@ -176,6 +174,8 @@ class ShardCache:
             )
         self.cache_dir = os.path.abspath(os.path.join(cache_dir, "shards"))
         self.max_bytes = int(max_bytes)
+        #: the bound: every name but locks is a shard (or its ``.part-`` download)
+        self._lru = LruDir(self.cache_dir, self.max_bytes)
         self.storage_options = dict(storage_options or {})
         self.max_in_flight = max_in_flight_setting(max_in_flight)
         self.retries = int(retries)
@@ -391,69 +391,22 @@ class ShardCache:
     # ---- eviction --------------------------------------------------------------
     def usage(self) -> int:
         """Bytes in the cache: complete shards and downloads (running or abandoned)."""
-        return sum(size for _, _, size in self._files(parts=True))
-
-    def _files(self, parts: bool = False) -> list[tuple[float, str, int]]:
-        out = []
-        try:
-            names = os.listdir(self.cache_dir)
-        except FileNotFoundError:
-            return []
-        for name in names:
-            if name.endswith(".lock") or (not parts and _PART in name):
-                continue
-            path = os.path.join(self.cache_dir, name)
-            with contextlib.suppress(FileNotFoundError):
-                st = os.stat(path)
-                out.append((st.st_mtime, path, st.st_size))
-        return out
+        return self._lru.usage()
 
     def remove_abandoned(self) -> list[str]:
-        """Remove ``.part-`` files whose download is not running (their shard's lock is
-        free: the process that wrote them was killed).  Returns the paths removed."""
-        removed = []
-        for _, path, _ in self._files(parts=True):
-            head, sep, _ = os.path.basename(path).partition(_PART)
-            if not sep:
-                continue
-            if written_elsewhere(path) and not part_abandoned(path, lambda: False):
-                continue  # another node's download: only once stale, whatever locks say here
-            lock = FileLock(os.path.join(self.cache_dir, head + ".lock"))
-            try:
-                lock.acquire(timeout=0)
-            except Timeout:
-                continue  # a download of that shard is running
-            try:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
-                    removed.append(path)
-            finally:
-                lock.release()
-        return removed
+        """Remove ``.part-`` files whose download is not running (the process that wrote
+        them is dead, or their shard's lock is free; another node's, once stale).
+        Returns the paths removed."""
+        return self._lru.remove_abandoned()
 
     def evict(self, keep: str | Collection[str] | None = None) -> list[str]:
         """Remove abandoned downloads, then least-recently-used shards until at most
         ``max_bytes`` remain (downloads in progress count), never those in ``keep`` or
-        pinned by a live process (its pin file: the shards it reads or will read next)."""
+        pinned by a live process (its pin file: the shards it reads or will read next).
+        Returns the paths removed."""
         kept = {keep} if isinstance(keep, str) else set(keep or ())
         kept.update(os.path.join(self.cache_dir, n) for n in pinned_elsewhere(self.cache_dir))
-        os.makedirs(self.cache_dir, exist_ok=True)
-        with FileLock(os.path.join(self.cache_dir, ".evict.lock")):
-            removed = self.remove_abandoned()
-            everything = self._files(parts=True)
-            total = sum(size for _, _, size in everything)
-            for _, path, size in sorted(
-                f for f in everything if _PART not in os.path.basename(f[1])
-            ):
-                if total <= self.max_bytes:
-                    break
-                if path in kept:
-                    continue
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
-                    removed.append(path)
-                total -= size
-        return removed
+        return self._lru.evict(kept)[0]
 
 
 class _Ranged:

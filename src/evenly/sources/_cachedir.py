@@ -41,6 +41,7 @@ __all__ = [
     "part_abandoned",
     "part_path",
     "publish",
+    "remove_abandoned_parts",
     "unwritable",
     "where_from",
     "written_elsewhere",
@@ -292,13 +293,44 @@ def part_abandoned(part: str, lock_free: Callable[[], bool]) -> bool:
     return lock_free()
 
 
-def publish(target: str, write: Callable[[str], None], cache_dir: str | None = None) -> str:
+def remove_abandoned_parts(target: str) -> list[str]:
+    """Remove the ``.part-`` files of ``target`` whose writer is gone (best effort); the
+    caller holds ``target``'s lock, so no writer of this host is at it: a part of this
+    host goes, another host's only once stale (:func:`part_abandoned`).  The paths
+    removed."""
+    folder, prefix = os.path.split(target)
+    prefix += PART
+    try:
+        names = os.listdir(folder or ".")
+    except OSError:
+        return []
+    removed = []
+    for name in names:
+        if name.startswith(prefix):
+            part = os.path.join(folder, name)
+            if part_abandoned(part, lambda: True):
+                with contextlib.suppress(OSError):
+                    os.unlink(part)
+                    removed.append(part)
+    return removed
+
+
+def publish(
+    target: str,
+    write: Callable[[str], None],
+    cache_dir: str | None = None,
+    *,
+    sweep: bool = True,
+) -> str:
     """Make ``target`` exist, written once per machine by whichever process comes first.
 
     ``write(tmp)`` writes the whole file at ``tmp`` (a ``.part-`` name beside ``target``);
     it is renamed into place only when ``write`` returns, so a reader never sees a partial
     file; on error the partial file is removed, and one left by a killed process has a
-    unique name no reader opens.  Other processes wait on the target's lock, then find it.
+    unique name no reader opens, removed (``sweep``: :func:`remove_abandoned_parts`) by
+    the next process that writes ``target`` (where an eviction sweeps the directory
+    instead, ``sweep=False`` saves the listing).  Other processes wait on the target's
+    lock, then find it.
     A write that fails because the directory cannot be written (full, read-only...)
     raises :class:`CacheDirError` naming the cause and the setting to change.
 
@@ -316,6 +348,8 @@ def publish(target: str, write: Callable[[str], None], cache_dir: str | None = N
         with FileLock(target + ".lock"):
             if os.path.exists(target):
                 return target
+            if sweep:
+                remove_abandoned_parts(target)
             tmp = part_path(target)
             try:
                 write(tmp)

@@ -44,11 +44,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import pyarrow as pa
-from filelock import FileLock, Timeout
+from filelock import FileLock
 
 from evenly.errors import EvenlyWarning
 
-from ._cachedir import PART, CacheDirError, cache_subdir, part_abandoned, publish, where_from
+from ._cachedir import CacheDirError, cache_subdir, publish, where_from
+from ._lrudir import LruDir
 
 __all__ = ["DEFAULT_DECODED_CACHE_BYTES", "ENV_BYTES", "RowCache", "decoded_cache_bytes"]
 
@@ -65,8 +66,6 @@ _LAYOUT = 2
 _TRAILER = struct.Struct("<I8s")
 _MAGIC = b"evenlyck"
 _SUFFIX = ".arrow"
-_LEDGER = ".usage"
-_EVICT_LOCK = ".evict.lock"
 _RESCAN_EVERY = 64  # writes between full scans, whatever the ledger says
 _TOUCH_EVERY = 30.0  # seconds between mtime refreshes of an entry a process keeps using
 _LOW_WATER = 0.9  # an eviction leaves at most this share of the bound
@@ -112,6 +111,16 @@ class RowCache:
         self.cache_dir = cache_dir
         self.dir = cache_subdir("rows", cache_dir)
         self.max_bytes = int(max_bytes)
+        #: the bound: ``*.arrow`` entries, evicted with their lock, down to 90%, a ledger
+        self._lru = LruDir(
+            self.dir,
+            self.max_bytes,
+            suffix=_SUFFIX,
+            low_water=_LOW_WATER,
+            ledger=True,
+            rescan_every=_RESCAN_EVERY,
+            drop_locks=True,
+        )
         self.hits = self.misses = self.decodes = 0
         #: whether this process still writes entries (off after the directory refused one)
         self.writes = True
@@ -189,7 +198,7 @@ class RowCache:
             pa.default_memory_pool().release_unused()  # the decode's memory, to the OS
             made.append(_map(tmp, verify=False))  # the same inode once renamed (or evicted)
 
-        publish(path, write, self.cache_dir)
+        publish(path, write, self.cache_dir, sweep=False)  # the eviction sweeps
         if not made:
             return None
         with contextlib.suppress(FileNotFoundError):
@@ -262,70 +271,18 @@ class RowCache:
     # ---- the bound -----------------------------------------------------------------
     def usage(self) -> int:
         """Bytes in the cache: entries and writes (running or abandoned)."""
-        return sum(size for _, _, size in self._files())
-
-    def _files(self) -> list[tuple[float, str, int]]:
-        out = []
-        with os.scandir(self.dir) as it:
-            for e in it:
-                if e.name.endswith(_SUFFIX) or _SUFFIX + PART in e.name:
-                    with contextlib.suppress(FileNotFoundError):
-                        st = e.stat()
-                        out.append((st.st_mtime, e.path, st.st_size))
-        return out
+        return self._lru.usage()
 
     def _account(self, added: int, keep: str) -> None:
         """Add a new entry to the ledger; evict if the bound is passed (or it is time
         for a scan)."""
-        with FileLock(os.path.join(self.dir, _EVICT_LOCK)):
-            ledger = os.path.join(self.dir, _LEDGER)
-            try:
-                with open(ledger, encoding="ascii") as f:
-                    total, writes = (int(x) for x in f.read().split())
-            except (OSError, ValueError):
-                total, writes = -1, _RESCAN_EVERY  # none yet, or damaged: scan
-            if total < 0 or total + added > self.max_bytes or writes + 1 >= _RESCAN_EVERY:
-                total, writes = self._evict_locked(keep), 0
-            else:
-                total, writes = total + added, writes + 1
-            _write_text(ledger, f"{total} {writes}")
+        self._lru.added(added, (keep,))
 
     def evict(self, keep: str | None = None) -> int:
         """Remove abandoned writes, then least-recently-used entries until the cache
         holds at most 90% of ``max_bytes`` (if it held more than ``max_bytes``).
         Returns the bytes left."""
-        with FileLock(os.path.join(self.dir, _EVICT_LOCK)):
-            total = self._evict_locked(keep)
-            _write_text(os.path.join(self.dir, _LEDGER), f"{total} 0")
-        return total
-
-    def _evict_locked(self, keep: str | None) -> int:
-        files = self._files()
-        total = 0
-        entries = []
-        for mtime, path, size in files:
-            if PART in os.path.basename(path):
-                if _abandoned(path):
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(path)
-                    continue
-            else:
-                entries.append((mtime, path, size))
-            total += size
-        if total <= self.max_bytes:
-            return total
-        goal = int(self.max_bytes * _LOW_WATER)
-        for _, path, size in sorted(entries):
-            if total <= goal:
-                break
-            if path == keep:
-                continue
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path + ".lock")
-            total -= size
-        return total
+        return self._lru.evict(() if keep is None else (keep,))[1]
 
 
 class _Damaged(Exception):
@@ -403,25 +360,3 @@ def _map(path: str, *, verify: bool = True) -> pa.Table:
     reader = pa.ipc.open_file(whole.slice(0, body))
     batches = [reader.get_batch(i) for i in range(reader.num_record_batches)]
     return pa.Table.from_batches(batches, schema=reader.schema)
-
-
-def _abandoned(part: str) -> bool:
-    """Whether a ``.part-`` file's writer is gone (:func:`part_abandoned`: the process
-    named in it is dead or its entry's lock is free; another host's, once stale)."""
-
-    def lock_free() -> bool:
-        head = os.path.basename(part).partition(PART)[0]
-        lock = FileLock(os.path.join(os.path.dirname(part), head + ".lock"))
-        try:
-            lock.acquire(timeout=0)
-        except Timeout:
-            return False
-        lock.release()
-        return True
-
-    return part_abandoned(part, lock_free)
-
-
-def _write_text(path: str, text: str) -> None:
-    with contextlib.suppress(OSError), open(path, "w", encoding="ascii") as f:
-        f.write(text)

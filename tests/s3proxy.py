@@ -202,8 +202,8 @@ class S3Proxy:
             return
         self._closed = True
         with contextlib.suppress(RuntimeError):
-            asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result(10)
-        self._thread.join(10)
+            asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result(60)
+        self._thread.join(60)
         with contextlib.suppress(Exception):
             atexit.unregister(self.close)
 
@@ -223,14 +223,27 @@ class S3Proxy:
         self._loop.run_until_complete(start())
         ready.set()
         self._loop.run_forever()
+        # connections accepted while the proxy shut down: ended here, before the loop
+        # closes (a task destroyed pending would warn, and its cleanup raise, at GC)
+        pending = [t for t in asyncio.all_tasks(self._loop) if not t.done()]
+        for task in pending:
+            task.cancel()
+        if pending:
+            self._loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        self._loop.run_until_complete(self._loop.shutdown_asyncgens())
         self._loop.close()
 
     async def _shutdown(self) -> None:
         if self._server is not None:
             self._server.close()
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        me = asyncio.current_task()
+        while True:  # every connection's task, also one accepted after the first cancel
+            tasks = [t for t in asyncio.all_tasks() if t is not me and not t.done()]
+            if not tasks:
+                break
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
         self._loop.call_soon(self._loop.stop)
 
     def _take_fault(self, req: _Request) -> _Fault | None:

@@ -26,6 +26,7 @@ from tests.s3server import S3Endpoint
 from tests.sources_helpers import as_list
 
 s3 = s3server.s3  # the fixtures: a real moto server and a fresh key prefix per test
+fetch_path = s3server.fetch_path  # fsspec (s3fs) or obstore
 s3_prefix = s3server.s3_prefix
 ROWS, PER_SHARD = 48, 16
 
@@ -91,7 +92,7 @@ def test_an_object_replaced_between_epochs_with_the_same_size_is_an_error_naming
 
 
 def test_an_object_replaced_between_two_downloads_of_a_pass_is_never_mixed_in(
-    s3: S3Endpoint, s3_prefix: str, tmp_path: Path
+    s3: S3Endpoint, s3_prefix: str, tmp_path: Path, fetch_path: str
 ) -> None:
     url = upload(s3, s3_prefix)
     src = es.from_jsonl(url, storage_options=s3.storage_options, cache_dir=str(tmp_path / "c"))

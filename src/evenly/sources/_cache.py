@@ -1,12 +1,14 @@
 """A bounded local cache of remote shards, shared by every process on the machine.
 
-- A shard is downloaded with fsspec to a temp file in the cache dir (``<name>.part-*``),
+- A shard is downloaded with fsspec (or obstore, for ``s3://`` where it is chosen:
+  :mod:`evenly.sources._obstore`) to a temp file in the cache dir (``<name>.part-*``),
   checked against the size the listing gave, then renamed into place: a partial or
   wrong-sized download is never visible under the shard's name.
 - A download reads the version the listing gave: the object's ``info`` (its size and
   ETag) is compared with the listed fingerprint before a byte is copied, and s3fs sends
-  that ETag with every range read (``If-Match``), so an object replaced before or during
-  the download raises naming the URL; nothing of it is cached.
+  that ETag with every range read (``If-Match``; obstore with its one GET, or each part),
+  so an object replaced before or during the download raises naming the URL; nothing of
+  it is cached.
 - A lock file per shard (``filelock``: no ``fcntl`` at import, so it works on every
   platform) makes one download per machine: a reader that needs a shard another worker
   (or rank) is downloading waits for it; a look-ahead download goes on to the next shard

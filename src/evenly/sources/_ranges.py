@@ -12,8 +12,9 @@ coalesced, every request checked against the version of the object that was list
   request (at most :data:`MAX_REQUEST` bytes, unless one span alone is larger); requests
   are sent in the order the plan needs them.
 - At most ``limit`` requests per process are in flight: on s3fs (and any fsspec
-  filesystem with an async implementation) as coroutines on fsspec's event loop, else on
-  a thread pool.
+  filesystem with an async implementation) and on obstore (``s3://`` where it is chosen:
+  :mod:`evenly.sources._obstore`) as coroutines on fsspec's event loop, else on a thread
+  pool.
 - On S3 every request carries the listed ETag (``If-Match``): an object replaced since
   the source was opened fails the request, raised naming the URL (the tar header check
   and the listing at every pass start cover the other filesystems).  A transient error

@@ -103,12 +103,14 @@ def test_a_global_shuffle_from_s3_reads_by_range_in_the_local_order(
 
 def _rank_epoch(
     rank: int, world_size: int, url: str, options: dict[str, Any], cache_dir: str
-) -> list[list[int]]:
-    """One gloo rank's epoch of a global shuffle from S3, 2 DataLoader workers."""
+) -> tuple[list[list[int]], bool | None]:
+    """One gloo rank's epoch of a global shuffle from S3, 2 DataLoader workers; and
+    whether its workers were told to read with obstore."""
     src = es.from_webdataset(url, storage_options=options, cache_dir=cache_dir, cache_bytes=1 << 16)
     ds = evenly.Dataset(src, shuffle="global", seed=3)
     loader = evenly.DataLoader(ds, batch_size=8, num_workers=2, collate_fn=as_list, timeout=60)
-    return [[int(s["id"]) for s in batch] for batch in loader]
+    assert src.cache is not None
+    return [[int(s["id"]) for s in batch] for batch in loader], src.cache.obstore
 
 
 def test_a_global_shuffle_from_s3_is_exactly_once_over_2_gloo_ranks_and_2_workers(
@@ -117,7 +119,10 @@ def test_a_global_shuffle_from_s3_is_exactly_once_over_2_gloo_ranks_and_2_worker
     local = write_local(tmp_path)
     url = upload(s3, s3_prefix, local)
     cache_dir = tmp_path / "c"
-    ranks = run_ranks(_rank_epoch, 2, url, s3.storage_options, str(cache_dir), timeout=300)
+    env = {"EVENLY_OBSTORE": os.environ["EVENLY_OBSTORE"]}  # the ranks start from a fork server
+    got = run_ranks(_rank_epoch, 2, url, s3.storage_options, str(cache_dir), env=env, timeout=300)
+    assert [obstore for _, obstore in got] == [fetch_path == "obstore"] * 2
+    ranks = [batches for batches, _ in got]
     check_exactly_once(ranks, list(range(N)), key=int)
     assert cached_shards(cache_dir) == []  # every worker of every rank read by range
     kw: dict[str, Any] = dict(world_size=2, batch_size=8, num_workers=0, shuffle="global", seed=3)

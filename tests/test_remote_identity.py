@@ -96,6 +96,7 @@ def test_an_object_replaced_between_two_downloads_of_a_pass_is_never_mixed_in(
 ) -> None:
     url = upload(s3, s3_prefix)
     src = es.from_jsonl(url, storage_options=s3.storage_options, cache_dir=str(tmp_path / "c"))
+    assert src.cache is not None and src.cache.obstore == (fetch_path == "obstore")
     shutil.rmtree(tmp_path / "c" / "shards")  # the scan at open downloaded them: evicted
     assert [s["t"] for s in src.__getitems__(range(PER_SHARD))] == [
         f"old {i:03d}" for i in range(PER_SHARD)

@@ -206,7 +206,8 @@ def test_expired_credentials_are_not_retried(
 ) -> None:
     s3.fs().pipe_file(f"{s3.bucket}/{s3_prefix}/x.bin", b"x" * 1000)
     url = f"s3://{s3.bucket}/{s3_prefix}/x.bin"
-    cache = ShardCache(str(tmp_path), 1 << 20, proxied(s3, proxy), backoff=0.01)
+    cache = ShardCache(str(tmp_path), 1 << 20, proxied(s3, proxy), backoff=0.01, url=url)
+    assert cache.obstore == (fetch_path == "obstore")
     proxy.fault("forbidden", code="ExpiredToken", methods=("GET", "HEAD"))
     with pytest.raises(PermissionError, match=rf"cannot download {re.escape(url)}: access denied"):
         cache.fetch(url, "1000:x", 1000)

@@ -26,17 +26,21 @@ workers, batch ``--batch-size`` (64), shuffle on, a fresh cache directory:
 
 Contenders: ``evenly-parquet`` and ``evenly-tar`` (``shuffle=True``: the block shuffle,
 evenly's remote default), ``evenly-tar-global`` (``shuffle="global"`` with the bounded
-cache: no dataset-sized cache), litdata ``StreamingDataset`` over ``s3://`` with boto3
-(``litdata``) and with obstore (``litdata-obstore``, where obstore is installed: litdata
-uses it by itself then), MosaicML ``StreamingDataset(remote="s3://...")``, HF datasets
-streaming Parquet through fsspec (``storage_options``); ``-bounded`` variants run the
-cold epoch with a cache of ``--bounded-mib`` (default: two shuffle windows, 16 shards'
-bytes: 256 MiB at the default size) for the bytes-fetched row.  Two reference rows:
-``raw-gets`` (every Parquet object fetched once through the same proxy with N requests
-in flight, nothing decoded, best N of ``--raw-n``: what this machine can move through
-the proxy), ``raw-ranges`` (``--raw-ranges`` samples in a random order, one range GET
-each, best N: the most samples per second a global shuffle by range can get from this
-server) and ``link-limit`` (dataset bytes / bandwidth).
+cache: no dataset-sized cache), each with evenly's default client for ``s3://``;
+``evenly-parquet-s3fs`` / ``-obstore`` and ``evenly-tar-global-s3fs`` / ``-obstore``:
+the same with ``$EVENLY_OBSTORE=0`` (fsspec/s3fs) / ``=1`` (obstore, where installed; an
+``@LABEL`` row of them reads with whatever that source has), litdata
+``StreamingDataset`` over ``s3://`` with boto3 (``litdata``) and with obstore
+(``litdata-obstore``, where obstore is installed: litdata uses it by itself then),
+MosaicML ``StreamingDataset(remote="s3://...")``, HF datasets streaming Parquet through
+fsspec (``storage_options``); ``-bounded`` variants run the cold epoch with a cache of
+``--bounded-mib`` (default: two shuffle windows, 16 shards' bytes: 256 MiB at the
+default size) for the bytes-fetched row. Three reference rows: ``raw-gets`` (every Parquet
+object fetched once through the same proxy with N requests in flight, nothing decoded,
+best N of ``--raw-n``: what this machine can move through the proxy), ``raw-ranges``
+(``--raw-ranges`` samples in a random order, one range GET each, best N: the most samples
+per second a global shuffle by range can get from this server) and ``link-limit``
+(dataset bytes / bandwidth).
 
     bash bench/setup_peers.sh                   # peers, obstore, moto[server], s3fs
     python bench/bench_remote.py                # the full run: both profiles, 2 rounds
@@ -96,6 +100,10 @@ CONTENDERS = [
     Contender("evenly-parquet", "parquet", note="from_parquet, shuffle=True (block)"),
     Contender("evenly-tar", "tar", note="from_webdataset, shuffle=True (block)"),
     Contender("evenly-tar-global", "tar", bounded=True, note='shuffle="global", bounded cache'),
+    Contender("evenly-parquet-s3fs", "parquet", note="evenly-parquet, $EVENLY_OBSTORE=0"),
+    Contender("evenly-parquet-obstore", "parquet", "obstore", note="$EVENLY_OBSTORE=1"),
+    Contender("evenly-tar-global-s3fs", "tar", bounded=True, note="$EVENLY_OBSTORE=0"),
+    Contender("evenly-tar-global-obstore", "tar", "obstore", bounded=True, note="=1"),
     Contender(LIT, "litdata", "litdata", note="boto3 (obstore off)"),
     Contender("litdata-obstore", "litdata", "obstore", note="obstore (allow_http for 127.0.0.1)"),
     Contender("mosaic-streaming", "mds", "streaming", note="remote=s3://"),
@@ -370,7 +378,7 @@ def loader_for(name: str, a: argparse.Namespace, cache: str) -> tuple[Iterable[A
             src: Any = evenly.from_parquet(remote, **kw)
         else:
             src = evenly.from_webdataset(remote, **kw)
-        shuffle: Any = "global" if c.name.endswith("-global") else True
+        shuffle: Any = "global" if "-global" in c.name else True
         ds = evenly.Dataset(src, shuffle=shuffle)
         return evenly.DataLoader(ds, collate_fn=collate, **common), None
     if c.name.startswith("litdata"):
@@ -779,6 +787,9 @@ def goals(
             _div(med(g, rate("cold")), med(RAW_RANGES, rate("cold"))),
         )
     )
+    for base in ("evenly-parquet", "evenly-tar-global"):  # evenly's client for s3://
+        on, off = med(f"{base}-obstore", rate("cold")), med(f"{base}-s3fs", rate("cold"))
+        lines.append((f"cold epoch, {base} on obstore / on s3fs", ">=", 1.0, _div(on, off)))
     out = []
     print("\n## goals (ratios of this profile's medians; PSS: peak over the rounds)")
     for what, op, goal, value in lines:
@@ -934,6 +945,9 @@ def run_one(
     env = {**env_for(a.data_dir), **CREDENTIALS, "S3_ENDPOINT_URL": link.url}
     env["HF_HOME"] = os.path.join(cache, "hf")  # HF datasets' cache counts as the system's
     env["EVENLY_CACHE_DIR"] = cache
+    client = name.partition("@")[0].rsplit("-", 1)[-1]  # the client evenly reads s3:// with
+    if client in ("s3fs", "obstore"):
+        env["EVENLY_OBSTORE"] = "1" if client == "obstore" else "0"
     label = name.partition("@")[2]
     if label:
         env["PYTHONPATH"] = sources[label]

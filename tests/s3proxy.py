@@ -18,7 +18,9 @@ connection gets its own upstream connection, reused across requests (keep-alive)
 - ``stats()``: ``requests``, ``bytes`` (response body bytes sent), ``gets_by_key``
   (``{"bucket/key": GETs of that object received}``, faulted ones included, listings
   excluded), ``max_concurrent``
-  (requests in flight at once); ``reset_stats()`` zeroes them.
+  (requests in flight at once), ``agents`` (``{"bucket/key": {client: GETs}}``, the
+  client being the product in the User-Agent: ``botocore`` for s3fs, ``object_store``
+  for obstore); ``reset_stats()`` zeroes them.
 - ``fault(kind, match=None, times=1, after=0, methods=("GET",), **kw)``: the next
   ``times`` requests (``None``: every one from then on) whose method is in ``methods``
   and whose ``bucket/key?query`` contains ``match``, after ``after`` such requests went
@@ -96,6 +98,14 @@ class _Fault:
         return method in self.methods and (self.match is None or self.match in target)
 
 
+def _client_name(agent: str) -> str:
+    """``botocore`` or ``object_store`` (say) from a User-Agent header: the product of its
+    first word (aiobotocore puts ``botocore/x.y`` after its own name: taken when there)."""
+    words = agent.split()
+    named = [w for w in words if w.lower().startswith("botocore/")]
+    return (named or words or ["?"])[0].split("/", 1)[0]
+
+
 class _Request:
     def __init__(self, head: bytes, body: bytes) -> None:
         lines = head.decode("latin-1").split("\r\n")
@@ -165,12 +175,14 @@ class S3Proxy:
                 "bytes": self._bytes,
                 "gets_by_key": dict(self._gets),
                 "max_concurrent": self._max_concurrent,
+                "agents": {k: dict(v) for k, v in self._agents.items()},
             }
 
     def reset_stats(self) -> None:
         with self._lock:
             self._requests = self._bytes = self._max_concurrent = self._in_flight = 0
             self._gets: dict[str, int] = {}
+            self._agents: dict[str, dict[str, int]] = {}
 
     def fault(
         self,
@@ -276,6 +288,9 @@ class S3Proxy:
                     self._requests += 1
                     if req.method == "GET" and "/" in req.key.strip("/"):
                         self._gets[req.key] = self._gets.get(req.key, 0) + 1
+                        agent = _client_name(req.header("user-agent") or "")
+                        seen = self._agents.setdefault(req.key, {})
+                        seen[agent] = seen.get(agent, 0) + 1
                     self._in_flight += 1
                     self._max_concurrent = max(self._max_concurrent, self._in_flight)
                 try:

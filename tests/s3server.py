@@ -8,6 +8,9 @@ Import the fixtures into a test module::
 dummy AWS credentials, creates a bucket and yields an :class:`S3Endpoint`; tests reach
 it through fsspec/s3fs with ``endpoint.storage_options``.  No mock of fsspec or s3.
 
+``fetch_path`` runs a test on both clients that read ``s3://`` objects: fsspec (s3fs)
+and obstore (``$EVENLY_OBSTORE``; skipped where obstore is not installed).
+
 If ``EVENLY_TEST_S3_ENDPOINT`` is set (e.g. by .ci/run, to a ``moto_server`` it started
 on 127.0.0.1), that server is used instead of starting one.
 """
@@ -91,3 +94,24 @@ def s3() -> Iterator[S3Endpoint]:
 def s3_prefix() -> str:
     """A fresh key prefix, so tests never see each other's objects."""
     return f"t-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture(params=["fsspec", "obstore"])
+def fetch_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The client that reads ``s3://`` objects in this test (and the processes it starts):
+    ``$EVENLY_OBSTORE`` set to 0 or 1."""
+    if request.param == "obstore":
+        pytest.importorskip("obstore")
+    monkeypatch.setenv("EVENLY_OBSTORE", "1" if request.param == "obstore" else "0")
+    return str(request.param)
+
+
+#: the client each fetch path's requests name in their User-Agent (``S3Proxy.stats()``)
+AGENTS = {"fsspec": "botocore", "obstore": "object_store"}
+
+
+def worker_context(fetch_path: str) -> str | None:
+    """DataLoader workers' start method for ``fetch_path``: obstore's runtime does not
+    survive a fork (this test process may have started it), so its workers start from
+    the fork server; fsspec's keep the default (fork)."""
+    return "forkserver" if fetch_path == "obstore" else None

@@ -32,12 +32,13 @@ from tests.sources_helpers import as_list
 
 s3 = s3server.s3  # the fixtures: a real moto server and a fresh key prefix per test
 s3_prefix = s3server.s3_prefix
+fetch_path = s3server.fetch_path  # fsspec (s3fs) or obstore
 
 
 class CountingProxy:
     """An HTTP proxy on 127.0.0.1 in front of the S3 server: each request to an object
     (no query string: not a listing) waits ``delay`` seconds while counted in flight,
-    and the body bytes served per object path are summed."""
+    and the body bytes served per object path are summed (and the GETs per client)."""
 
     def __init__(self, upstream: str, delay: float = 0.03) -> None:
         target = urlsplit(upstream)
@@ -46,6 +47,7 @@ class CountingProxy:
         self.lock = threading.Lock()
         self.in_flight = self.max_in_flight = 0
         self.served: dict[str, int] = {}
+        self.agents: dict[str, int] = {}
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -91,8 +93,12 @@ class CountingProxy:
                 with self.lock:
                     self.in_flight -= 1
         if counted and h.command == "GET" and resp.status < 300:
+            agent = h.headers.get("User-Agent", "").split()
+            named = [w for w in agent if w.lower().startswith("botocore/")] or agent or ["?"]
             with self.lock:
                 self.served[h.path] = self.served.get(h.path, 0) + len(data)
+                client = named[0].split("/", 1)[0]
+                self.agents[client] = self.agents.get(client, 0) + 1
         h.send_response(resp.status)
         for k, v in resp.getheaders():
             if k.lower() not in ("content-length", "transfer-encoding", "connection"):
@@ -208,7 +214,7 @@ def test_a_cache_of_two_windows_fetches_each_shard_once_and_stays_bounded(
 
 # ---- parts, counters, the node's bound in one process -------------------------------------
 def test_a_large_object_is_fetched_in_parallel_range_parts_that_reproduce_its_bytes(
-    s3: S3Endpoint, s3_prefix: str, tmp_path: Path, proxy: CountingProxy
+    s3: S3Endpoint, s3_prefix: str, tmp_path: Path, proxy: CountingProxy, fetch_path: str
 ) -> None:
     size = 2 * PART_BYTES + 12345  # three parts; waited for: split over the 4 threads
     payload = os.urandom(size)
@@ -224,6 +230,7 @@ def test_a_large_object_is_fetched_in_parallel_range_parts_that_reproduce_its_by
     assert stats["fetch_retries"] == 0 and stats["fetch_seconds"] > 0, stats
     assert 2 <= stats["max_in_flight_seen"] <= 4, stats  # the parts ran side by side
     assert proxy.served_for("big.bin") == size
+    assert proxy.agents == {s3server.AGENTS[fetch_path]: 3}  # the parts, by that client
     assert [n for n in os.listdir(cache.cache_dir) if ".part-" in n] == []
 
 
@@ -233,6 +240,7 @@ def test_one_process_never_has_more_requests_in_flight_than_the_bound(
     tmp_path: Path,
     proxy: CountingProxy,
     monkeypatch: pytest.MonkeyPatch,
+    fetch_path: str,
 ) -> None:
     """A look-ahead of 6 shards and a reader that needs the last one first, under a bound
     of 1 (``$EVENLY_MAX_IN_FLIGHT``): the server sees one object request at a time, the
@@ -249,6 +257,7 @@ def test_one_process_never_has_more_requests_in_flight_than_the_bound(
         with open(cache.fetch(u, "", 50_000), "rb") as f:
             assert f.read() == bytes([urls.index(u)]) * 50_000
     assert proxy.max_in_flight == 1 and proxy.served_for(".bin") == 6 * 50_000
+    assert proxy.agents == {s3server.AGENTS[fetch_path]: 6}
 
 
 def test_max_in_flight_is_checked_and_read_from_the_environment(

@@ -6,9 +6,11 @@ connection reset mid-body, a short body, 503 SlowDown and 429, a stalled connect
 a process killed mid-download, and 4 processes x 2 workers sharing one cache dir.
 
 A transient fault is retried (first by the client library: s3fs retries a failed range
-read 5 times; then by evenly's cache, with backoff, counted in ``loader.stats()``); the
-epoch is then exactly once.  Anything else is a clear error in the main process naming
-the URL; never a hang, never a partial sample."""
+read 5 times; then by evenly's cache, with backoff, counted in ``loader.stats()``; with
+obstore, whose own retries evenly turns off, every retry is evenly's); the epoch is then
+exactly once.  Anything else is a clear error in the main process naming the URL; never
+a hang, never a partial sample.  The tests that take ``fetch_path`` run on both clients
+(the proxy tells them apart by their User-Agent)."""
 
 from __future__ import annotations
 
@@ -34,12 +36,15 @@ from tests.sources_helpers import as_list
 
 s3 = s3server.s3  # the fixtures: a real moto server and a fresh key prefix per test
 s3_prefix = s3server.s3_prefix
+fetch_path = s3server.fetch_path  # fsspec (s3fs) or obstore
 
 SHARDS, PER_SHARD = 4, 24
 N = SHARDS * PER_SHARD
-#: s3fs's own tries of one range read (``S3FileSystem.retries``): this many faults in a
-#: row reach evenly's retry
-CLIENT_TRIES = 5
+#: the client's own tries of one read: this many faults in a row reach evenly's retry
+#: (s3fs: ``S3FileSystem.retries``; obstore: its retries are off, every one is evenly's)
+CLIENT_TRIES = {"fsspec": 5, "obstore": 1}
+#: in :data:`FAULTS`: as many faults in a row as the client tries
+CLIENT = 0
 
 
 @pytest.fixture
@@ -71,14 +76,16 @@ def open_source(url: str, fmt: str, options: dict[str, Any], cache_dir: Path) ->
     return read(url, storage_options=options, cache_dir=str(cache_dir))
 
 
-def epoch(src: Any, num_workers: int = 2) -> tuple[list[int], Any]:
-    """The ids of one epoch (block shuffle) and its ``loader.stats()``."""
+def epoch(src: Any, num_workers: int = 2, context: str | None = None) -> tuple[list[int], Any]:
+    """The ids of one epoch (block shuffle) and its ``loader.stats()`` (``context``: the
+    workers' start method)."""
     loader = evenly.DataLoader(
         evenly.Dataset(src, shuffle=True, seed=3, block_shards=2),
         batch_size=8,
         num_workers=num_workers,
         collate_fn=as_list,
         timeout=120 if num_workers else 0,  # a hang fails the test instead
+        multiprocessing_context=context if num_workers else None,
     )
     ids = []
     for batch in loader:
@@ -86,6 +93,13 @@ def epoch(src: Any, num_workers: int = 2) -> tuple[list[int], Any]:
             assert len(sample["pad"]) == 8000  # whole
             ids.append(int(sample["id"]))
     return ids, loader.stats().last
+
+
+def shard_clients(proxy: S3Proxy, url: str) -> set[str]:
+    """The clients (User-Agent products) that sent the shards' GETs."""
+    prefix = url.removeprefix("s3://") + "/shard-"
+    got = proxy.stats()["agents"]
+    return {c for k, by in got.items() if k.startswith(prefix) for c in by}
 
 
 def shard_gets(proxy: S3Proxy, url: str) -> dict[str, int]:
@@ -97,40 +111,45 @@ def shard_gets(proxy: S3Proxy, url: str) -> dict[str, int]:
 
 # ---- transient faults: retried, the epoch exactly once, the retries counted -------------
 #: per format, the faults of one epoch: (kind, shard, times, options); each fault is
-#: injected ``times`` times in a row into that shard's GETs
+#: injected ``times`` times (:data:`CLIENT`: the client's tries) in a row into that
+#: shard's GETs
 FAULTS: dict[str, list[tuple[str, int, int, dict[str, Any]]]] = {
     "parquet": [
-        ("reset", 1, CLIENT_TRIES, {}),  # a connection reset mid-body
-        ("short", 2, CLIENT_TRIES, {}),  # a body shorter than Content-Length, then close
-        ("status", 3, CLIENT_TRIES, {"status": 503}),  # SlowDown (s3fs retries it too)
+        ("reset", 1, CLIENT, {}),  # a connection reset mid-body
+        ("short", 2, CLIENT, {}),  # a body shorter than Content-Length, then close
+        ("status", 3, CLIENT, {"status": 503}),  # SlowDown (s3fs retries it too)
     ],
     "webdataset": [
         ("status", 1, 2, {"status": 429}),  # s3fs does not retry a 429: evenly does
         # headers and half the body, then nothing: the read timeout (1 s here) ends
         # each try; without one the loader's timeout would fail the test
-        ("stall", 2, CLIENT_TRIES, {"seconds": 600}),
-        ("reset", 3, CLIENT_TRIES, {}),
+        ("stall", 2, CLIENT, {"seconds": 600}),
+        ("reset", 3, CLIENT, {}),
     ],
 }
 
 
 @pytest.mark.parametrize("fmt", sorted(FAULTS))
 def test_transient_faults_are_retried_and_counted_and_the_epoch_is_exactly_once(
-    s3: S3Endpoint, s3_prefix: str, proxy: S3Proxy, tmp_path: Path, fmt: str
+    s3: S3Endpoint, s3_prefix: str, proxy: S3Proxy, tmp_path: Path, fmt: str, fetch_path: str
 ) -> None:
     url = dataset(s3, s3_prefix, tmp_path, fmt)
     src = open_source(url, fmt, proxied(s3, proxy, read_timeout=1.0), tmp_path / "cache")
-    for kind, k, times, kw in FAULTS[fmt]:
+    tries = CLIENT_TRIES[fetch_path]
+    faults = [(kind, k, times or tries, kw) for kind, k, times, kw in FAULTS[fmt]]
+    for kind, k, times, kw in faults:
         proxy.fault(kind, match=f"shard-{k:05d}", times=times, **kw)
-    ids, stats = epoch(src)
+    ids, stats = epoch(src, context=s3server.worker_context(fetch_path))
     assert sorted(ids) == list(range(N))  # nothing lost, nothing twice, every sample whole
     ext = "tar" if fmt == "webdataset" else fmt
     expected = {f"shard-{k:05d}.{ext}": 1 for k in range(SHARDS)}
-    for _, k, times, _ in FAULTS[fmt]:
+    for _, k, times, _ in faults:
         expected[f"shard-{k:05d}.{ext}"] += times  # each faulty GET, then a good one
     assert shard_gets(proxy, url) == expected
-    # s3fs gave up after its own tries (a 429 at once): evenly tried again, counted
-    retries = sum(1 if times == CLIENT_TRIES else times for _, _, times, _ in FAULTS[fmt])
+    assert shard_clients(proxy, url) == {s3server.AGENTS[fetch_path]}
+    # the client gave up after its own tries (s3fs: a 429 at once): evenly tried again,
+    # counted
+    retries = sum(1 if times == tries else times for _, _, times, _ in faults)
     assert stats.fetch_retries == retries
     shard_bytes = sum(p.stat().st_size for p in (tmp_path / f"local-{fmt}").glob("shard-*"))
     assert stats.bytes_fetched >= shard_bytes and stats.fetch_requests >= SHARDS + retries
@@ -169,7 +188,7 @@ def test_evenly_sets_a_read_timeout_for_s3_unless_the_user_does(
 
 # ---- credentials that expire: not retried, a clear error naming the URL ----------------
 def test_expired_credentials_are_a_clear_error_naming_the_url_in_the_main_process(
-    s3: S3Endpoint, s3_prefix: str, proxy: S3Proxy, tmp_path: Path
+    s3: S3Endpoint, s3_prefix: str, proxy: S3Proxy, tmp_path: Path, fetch_path: str
 ) -> None:
     url = dataset(s3, s3_prefix, tmp_path, "parquet")
     src = open_source(url, "parquet", proxied(s3, proxy), tmp_path / "cache")
@@ -178,19 +197,21 @@ def test_expired_credentials_are_a_clear_error_naming_the_url_in_the_main_proces
     shard = re.escape(url) + r"/shard-0000\d\.parquet"
     expired = rf"{shard}: access denied .*credentials have likely expired"
     with pytest.raises(Exception, match=expired):
-        epoch(src)
+        epoch(src, context=s3server.worker_context(fetch_path))
+    assert shard_clients(proxy, url) == {s3server.AGENTS[fetch_path]}
 
 
 def test_expired_credentials_are_not_retried(
-    s3: S3Endpoint, s3_prefix: str, proxy: S3Proxy, tmp_path: Path
+    s3: S3Endpoint, s3_prefix: str, proxy: S3Proxy, tmp_path: Path, fetch_path: str
 ) -> None:
     s3.fs().pipe_file(f"{s3.bucket}/{s3_prefix}/x.bin", b"x" * 1000)
     url = f"s3://{s3.bucket}/{s3_prefix}/x.bin"
-    cache = ShardCache(str(tmp_path), 1 << 20, proxied(s3, proxy), backoff=0.01)
+    cache = ShardCache(str(tmp_path), 1 << 20, proxied(s3, proxy), backoff=0.01, url=url)
+    assert cache.obstore == (fetch_path == "obstore")
     proxy.fault("forbidden", code="ExpiredToken", methods=("GET", "HEAD"))
     with pytest.raises(PermissionError, match=rf"cannot download {re.escape(url)}: access denied"):
         cache.fetch(url, "1000:x", 1000)
-    assert proxy.stats()["requests"] == 1  # one HEAD, refused; never asked again
+    assert proxy.stats()["requests"] == 1  # one HEAD (s3fs) or GET, refused; never again
     assert cache.stats()["fetch_retries"] == 0
     lock = os.path.basename(cache.path_for(url, "1000:x")) + ".lock"
     assert os.listdir(cache.cache_dir) == [lock]  # nothing cached

@@ -3,7 +3,8 @@ real S3-compatible server (moto's server mode on 127.0.0.1, through fsspec/s3fs)
 by byte range under ``shuffle="global"``: no shard is downloaded into the cache, the
 order is the one the same data gives locally with the same seed, every sample once over
 2 gloo ranks x 2 DataLoader workers, bytes fetched within 1.2x the dataset, and an object
-replaced mid-epoch raises naming its URL (S3 ``If-Match``).  No mock of fsspec or S3."""
+replaced mid-epoch raises naming its URL (S3 ``If-Match``).  No mock of fsspec or S3.
+The tests that take ``fetch_path`` run on both clients (fsspec/s3fs and obstore)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from tests.sources_helpers import as_list, check_exactly_once, epoch_over_ranks
 
 s3 = s3server.s3  # the fixtures: a real moto server and a fresh key prefix per test
 s3_prefix = s3server.s3_prefix
+fetch_path = s3server.fetch_path  # fsspec (s3fs) or obstore
 N, PER_SHARD, PAYLOAD = 96, 12, 12 << 10
 
 
@@ -76,7 +78,11 @@ def remote_source(s3: S3Endpoint, url: str, cache_dir: Path) -> es.WebDatasetSou
 
 
 def test_a_global_shuffle_from_s3_reads_by_range_in_the_local_order(
-    s3: S3Endpoint, s3_prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    s3: S3Endpoint,
+    s3_prefix: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    fetch_path: str,
 ) -> None:
     local = write_local(tmp_path)
     url = upload(s3, s3_prefix, local)
@@ -91,25 +97,32 @@ def test_a_global_shuffle_from_s3_reads_by_range_in_the_local_order(
     assert stats["fetch_requests"] > N // PER_SHARD  # many ranges, not a request per shard
     assert 0 < stats["bytes_fetched"] <= 1.2 * dataset_bytes(local)
     assert stats["fetch_seconds"] >= 0
+    assert src._ranges is not None
+    assert (src._ranges._store is not None) == (fetch_path == "obstore")  # that client read
 
 
 def _rank_epoch(
     rank: int, world_size: int, url: str, options: dict[str, Any], cache_dir: str
-) -> list[list[int]]:
-    """One gloo rank's epoch of a global shuffle from S3, 2 DataLoader workers."""
+) -> tuple[list[list[int]], bool | None]:
+    """One gloo rank's epoch of a global shuffle from S3, 2 DataLoader workers; and
+    whether its workers were told to read with obstore."""
     src = es.from_webdataset(url, storage_options=options, cache_dir=cache_dir, cache_bytes=1 << 16)
     ds = evenly.Dataset(src, shuffle="global", seed=3)
     loader = evenly.DataLoader(ds, batch_size=8, num_workers=2, collate_fn=as_list, timeout=60)
-    return [[int(s["id"]) for s in batch] for batch in loader]
+    assert src.cache is not None
+    return [[int(s["id"]) for s in batch] for batch in loader], src.cache.obstore
 
 
 def test_a_global_shuffle_from_s3_is_exactly_once_over_2_gloo_ranks_and_2_workers(
-    s3: S3Endpoint, s3_prefix: str, tmp_path: Path
+    s3: S3Endpoint, s3_prefix: str, tmp_path: Path, fetch_path: str
 ) -> None:
     local = write_local(tmp_path)
     url = upload(s3, s3_prefix, local)
     cache_dir = tmp_path / "c"
-    ranks = run_ranks(_rank_epoch, 2, url, s3.storage_options, str(cache_dir), timeout=300)
+    env = {"EVENLY_OBSTORE": os.environ["EVENLY_OBSTORE"]}  # the ranks start from a fork server
+    got = run_ranks(_rank_epoch, 2, url, s3.storage_options, str(cache_dir), env=env, timeout=300)
+    assert [obstore for _, obstore in got] == [fetch_path == "obstore"] * 2
+    ranks = [batches for batches, _ in got]
     check_exactly_once(ranks, list(range(N)), key=int)
     assert cached_shards(cache_dir) == []  # every worker of every rank read by range
     kw: dict[str, Any] = dict(world_size=2, batch_size=8, num_workers=0, shuffle="global", seed=3)
@@ -118,7 +131,11 @@ def test_a_global_shuffle_from_s3_is_exactly_once_over_2_gloo_ranks_and_2_worker
 
 
 def test_an_object_replaced_mid_epoch_raises_naming_it(
-    s3: S3Endpoint, s3_prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    s3: S3Endpoint,
+    s3_prefix: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    fetch_path: str,
 ) -> None:
     """The replacement has the same members at the same offsets (only the bytes
     differ), so the tar headers still match: only the object's version tells."""
@@ -139,6 +156,8 @@ def test_an_object_replaced_mid_epoch_raises_naming_it(
             served.extend(batch)
     assert served and not [s for s in served if s["bin"].startswith(b"NEW")]
     assert cached_shards(tmp_path / "c") == []
+    assert src._ranges is not None
+    assert (src._ranges._store is not None) == (fetch_path == "obstore")
 
 
 def test_a_shard_in_the_local_cache_is_read_from_there(
@@ -166,10 +185,15 @@ def test_a_shard_in_the_local_cache_is_read_from_there(
 
 
 def test_a_filesystem_without_async_reads_by_range_on_threads(
-    s3: S3Endpoint, s3_prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    s3: S3Endpoint,
+    s3_prefix: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    fetch_path: str,
 ) -> None:
     """The path for fsspec filesystems with no async implementation (a thread pool of
-    synchronous ``cat_file`` range reads), taken here with s3fs's synchronous API."""
+    synchronous ``cat_file`` range reads), taken here with s3fs's synchronous API (and
+    obstore's synchronous ``get``, on the same threads)."""
     local = write_local(tmp_path)
     url = upload(s3, s3_prefix, local)
     made = _ranges.RangeReader.__init__
@@ -183,4 +207,5 @@ def test_a_filesystem_without_async_reads_by_range_on_threads(
     src = remote_source(s3, url, cache_dir)
     assert order(src, seed=4) == order(es.from_webdataset(str(local)), seed=4)
     assert src._ranges is not None and src._ranges._pool is not None  # the threads read
+    assert (src._ranges._store is not None) == (fetch_path == "obstore")
     assert cached_shards(cache_dir) == [] and src.io_stats()["bytes_fetched"] > 0

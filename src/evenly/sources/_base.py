@@ -81,6 +81,7 @@ class ShardedSource:
                 cache_bytes,
                 shards.storage_options,
                 max_in_flight=max_in_flight,
+                url=shards.urls[0],
             )
             if shards.remote
             else None

@@ -1,12 +1,14 @@
 """A bounded local cache of remote shards, shared by every process on the machine.
 
-- A shard is downloaded with fsspec to a temp file in the cache dir (``<name>.part-*``),
+- A shard is downloaded with fsspec (or obstore, for ``s3://`` where it is chosen:
+  :mod:`evenly.sources._obstore`) to a temp file in the cache dir (``<name>.part-*``),
   checked against the size the listing gave, then renamed into place: a partial or
   wrong-sized download is never visible under the shard's name.
 - A download reads the version the listing gave: the object's ``info`` (its size and
   ETag) is compared with the listed fingerprint before a byte is copied, and s3fs sends
-  that ETag with every range read (``If-Match``), so an object replaced before or during
-  the download raises naming the URL; nothing of it is cached.
+  that ETag with every range read (``If-Match``; obstore with its one GET, or each part),
+  so an object replaced before or during the download raises naming the URL; nothing of
+  it is cached.
 - A lock file per shard (``filelock``: no ``fcntl`` at import, so it works on every
   platform) makes one download per machine: a reader that needs a shard another worker
   (or rank) is downloading waits for it; a look-ahead download goes on to the next shard
@@ -57,6 +59,7 @@ from ._cachedir import part_path
 from ._fetch import Fetcher, max_in_flight_setting, pinned_elsewhere
 from ._lrudir import LruDir
 from ._manifest import filesystem, object_fingerprint, same_version
+from ._obstore import ObjectStore, VersionChanged, chosen, listed_etag, store_for
 
 __all__ = ["DEFAULT_CACHE_BYTES", "FETCH_COUNTERS", "ShardCache", "is_transient"]
 
@@ -153,6 +156,10 @@ class ShardCache:
         retries: further tries after a transient download error (0: none).
         backoff: seconds before the first retry; doubled for each next one (with
             jitter), all sleeps together at most 60 s.
+        url: a URL of the shards, if known: which client reads them (fsspec, or obstore
+            for ``s3://``: :mod:`evenly.sources._obstore`) is decided now, in this
+            process, and kept by the copies pickled to workers and ranks (else each
+            process decides from ``$EVENLY_OBSTORE``).
     """
 
     def __init__(
@@ -163,6 +170,7 @@ class ShardCache:
         max_in_flight: int | None = None,
         retries: int = 4,
         backoff: float = 0.5,
+        url: str | None = None,
     ) -> None:
         if max_bytes is None:
             max_bytes = int(os.environ.get("EVENLY_CACHE_BYTES", DEFAULT_CACHE_BYTES))
@@ -187,6 +195,8 @@ class ShardCache:
         #: shards this process downloaded (a hit, or a wait on another process, is not one)
         self.downloads = 0
         self._counters: dict[str, float] = {}
+        #: read ``s3://`` with obstore (True), fsspec (False), or as each process decides
+        self.obstore: bool | None = None if url is None else chosen(url, self.storage_options)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -194,7 +204,7 @@ class ShardCache:
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
+        self.__dict__.update({"obstore": None, **state})
         self._mutex = threading.Lock()
         self._count_lock = threading.Lock()
         self._pid = os.getpid()
@@ -273,8 +283,11 @@ class ShardCache:
     def open_ranged(self, url: str, fingerprint: str, size: int | None) -> tuple[Any, int]:
         """``url`` opened for range reads at the listed version (checked), and its size."""
 
-        def attempt() -> _Ranged:
+        def attempt() -> _Ranged | _StoreRanged:
             try:
+                store = store_for(url, self.storage_options, self.obstore)
+                if store is not None:
+                    return _StoreRanged(store, url, fingerprint, size)
                 fs, path = filesystem(url, self.storage_options)
                 return _Ranged(fs, path, url, fingerprint, size)
             except FileNotFoundError:
@@ -312,8 +325,12 @@ class ShardCache:
         def attempt() -> None:
             tmp = part_path(target)
             try:
-                fs, path = filesystem(url, self.storage_options)
-                _get(fs, path, url, tmp, fingerprint, size, self.count)
+                store = store_for(url, self.storage_options, self.obstore)
+                if store is not None:
+                    _get_store(store, url, tmp, fingerprint, size, self.count)
+                else:
+                    fs, path = filesystem(url, self.storage_options)
+                    _get(fs, path, url, tmp, fingerprint, size, self.count)
                 got = os.path.getsize(tmp)
                 if size is not None and got != size:
                     raise _size_error(url, got, size)
@@ -445,6 +462,66 @@ class _Ranged:
     def close(self) -> None:
         with contextlib.suppress(Exception):
             self.file.close()
+
+
+class _StoreRanged:
+    """An object read by range with obstore at the version the listing gave: every
+    request carries the listed ETag (``If-Match``), so none is asked for to open it;
+    without one (or a size) the object's ``head`` is compared with the listing first."""
+
+    def __init__(self, store: ObjectStore, url: str, fingerprint: str, size: int | None) -> None:
+        self.store, self.url, self.fingerprint = store, url, fingerprint
+        self.etag = listed_etag(fingerprint)
+        if self.etag is None or size is None:
+            got, version = store.head(url)
+            if size is not None and got != size:
+                raise _size_error(url, got, size)
+            if fingerprint and not same_version(fingerprint, f"{got}:{version}"):
+                raise _changed(url, fingerprint, f"{got}:{version}")
+            size = got
+        self.size = size
+
+    def read(self, start: int, end: int) -> bytes:
+        try:
+            return self.store.read(self.url, start, end, self.etag)
+        except VersionChanged as exc:
+            raise _changed(self.url, self.fingerprint, "a newer version") from exc
+
+    def close(self) -> None:
+        pass
+
+
+def _get_store(
+    store: ObjectStore,
+    url: str,
+    tmp: str,
+    fingerprint: str,
+    size: int | None,
+    count: Callable[..., None],
+) -> None:
+    """Copy ``url`` to ``tmp`` with obstore, from the version that was listed: one GET
+    carrying the listed ETag (``If-Match``); the response's size and version compared
+    with the listing before a byte is written; a body shorter than its object is a
+    transient error (``count``: the cache's counter of requests and bytes)."""
+    sent: list[int] = []
+
+    def check(got: int, version: str) -> None:
+        sent.append(got)
+        if size is not None and got != size:
+            raise _size_error(url, got, size)
+        if fingerprint and not same_version(fingerprint, f"{got}:{version}"):
+            raise _changed(url, fingerprint, f"{got}:{version}")
+
+    count(fetch_requests=1)
+    try:
+        with open(tmp, "wb") as out:
+            written = store.download(
+                url, out, listed_etag(fingerprint), check, lambda n: count(bytes_fetched=n)
+            )
+    except VersionChanged as exc:
+        raise _changed(url, fingerprint, "a newer version") from exc
+    if sent and written != sent[0]:
+        raise ConnectionError(f"short body: {written} of the {sent[0]} bytes of {url} came")
 
 
 def _size_error(url: str, got: int, size: int) -> ValueError:

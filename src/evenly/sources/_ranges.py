@@ -12,8 +12,9 @@ coalesced, every request checked against the version of the object that was list
   request (at most :data:`MAX_REQUEST` bytes, unless one span alone is larger); requests
   are sent in the order the plan needs them.
 - At most ``limit`` requests per process are in flight: on s3fs (and any fsspec
-  filesystem with an async implementation) as coroutines on fsspec's event loop, else on
-  a thread pool.
+  filesystem with an async implementation) and on obstore (``s3://`` where it is chosen:
+  :mod:`evenly.sources._obstore`) as coroutines on fsspec's event loop, else on a thread
+  pool.
 - On S3 every request carries the listed ETag (``If-Match``): an object replaced since
   the source was opened fails the request, raised naming the URL (the tar header check
   and the listing at every pass start cover the other filesystems).  A transient error
@@ -33,10 +34,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import fsspec.asyn
 import numpy as np
 import numpy.typing as npt
 
 from ._manifest import filesystem
+from ._obstore import VersionChanged, listed_etag, store_for
 
 __all__ = [
     "DEFAULT_MAX_IN_FLIGHT",
@@ -103,6 +106,8 @@ class RangeReader:
             needs; ``hi == lo`` for a sample with none).
         retrying: ``retrying(call, doing, what)``, the cache's retry policy.
         limit: requests in flight in this process.
+        obstore: read ``s3://`` with obstore (the shard cache's choice; None: as
+            ``$EVENLY_OBSTORE`` says): :mod:`evenly.sources._obstore`.
     """
 
     def __init__(
@@ -113,15 +118,27 @@ class RangeReader:
         spans: Callable[[I64], tuple[I64, I64, I64]],
         retrying: Callable[[Callable[[], bytes], str, str], bytes],
         limit: int,
+        obstore: bool | None = None,
     ) -> None:
         self.urls = tuple(urls)
         self.fingerprints = tuple(fingerprints)
         self.spans = spans
         self.retrying = retrying
         self.limit = max(1, int(limit))
-        self._fs, self._path = self._filesystem(dict(storage_options))
-        self._s3 = "s3" in _protocols(self._fs)
-        self._async = bool(getattr(self._fs, "async_impl", False))
+        #: obstore's client where it reads ``s3://`` (:mod:`evenly.sources._obstore`)
+        self._store = store_for(self.urls[0], storage_options, obstore)
+        self._fs: Any = None
+        self._path: list[str] = []
+        #: the event loop the requests run on (fsspec's: obstore's coroutines run there too)
+        self._loop: Any = None
+        if self._store is not None:
+            self._s3, self._async = True, True
+            self._loop = fsspec.asyn.get_loop()
+        else:
+            self._fs, self._path = self._filesystem(dict(storage_options))
+            self._s3 = "s3" in _protocols(self._fs)
+            self._async = bool(getattr(self._fs, "async_impl", False))
+            self._loop = getattr(self._fs, "loop", None)
         self._sem: asyncio.Semaphore | None = None
         self._pool: ThreadPoolExecutor | None = None
         #: the plan's coming sample order, from ``hint``; ``_cursor``: the next to read
@@ -254,7 +271,7 @@ class RangeReader:
     def _request(self, k: int, lo: int, hi: int) -> _Request:
         if self._async:
             future: Future[bytes] = asyncio.run_coroutine_threadsafe(
-                self._limited(self._get_async(k, lo, hi)), self._fs.loop
+                self._limited(self._get_async(k, lo, hi)), self._loop
             )
         else:
             if self._pool is None:
@@ -308,10 +325,15 @@ class RangeReader:
 
     def _etag(self, k: int) -> str | None:
         """The listed ETag of shard ``k`` (quoted, as S3 lists it), if the listing had one."""
-        version = self.fingerprints[k].partition(":")[2]
-        return version if version.startswith('"') else None
+        return listed_etag(self.fingerprints[k])
 
     async def _get_async(self, k: int, lo: int, hi: int) -> bytes:
+        if self._store is not None:
+            try:
+                data = await self._store.read_async(self.urls[k], lo, hi, self._etag(k))
+            except VersionChanged as exc:
+                raise self._changed(k) from exc
+            return self._checked(data, k, lo, hi)
         fs, path = self._fs, self._path[k]
         etag = self._etag(k) if self._s3 else None
         try:
@@ -333,10 +355,14 @@ class RangeReader:
         return self._checked(bytes(data), k, lo, hi)
 
     def _get_sync(self, k: int, lo: int, hi: int) -> bytes:
+        if self._store is not None:
+            try:
+                data = self._store.read(self.urls[k], lo, hi, self._etag(k))
+            except VersionChanged as exc:
+                raise self._changed(k) from exc
+            return self._checked(data, k, lo, hi)
         if self._async:
-            return asyncio.run_coroutine_threadsafe(
-                self._get_async(k, lo, hi), self._fs.loop
-            ).result()
+            return asyncio.run_coroutine_threadsafe(self._get_async(k, lo, hi), self._loop).result()
         data = self._fs.cat_file(self._path[k], start=lo, end=hi)
         return self._checked(bytes(data), k, lo, hi)
 

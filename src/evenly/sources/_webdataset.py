@@ -125,6 +125,7 @@ class WebDatasetSource(ShardedSource):
                 lambda idx: sample_spans(self, idx),
                 cache.retrying,
                 self._range_limit,
+                cache.obstore,
             )
         return reader
 

@@ -120,11 +120,12 @@ def test_the_first_batch_downloads_its_own_shards_alone_and_the_epoch_stays_exac
 
 
 def test_the_range_reader_shares_the_process_s3_client(
-    s3: S3Endpoint, s3_prefix: str, tmp_path: Path
+    s3: S3Endpoint, s3_prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The range reader (the global shuffle from S3) uses the process's filesystem
-    instance, whose client the pass start's listing made: before, it made a second
-    client of its own (a fraction of a second before a worker's first batch)."""
+    """The range reader (the global shuffle from S3) on s3fs uses the process's
+    filesystem instance, whose client the pass start's listing made: before, it made a
+    second client of its own (a fraction of a second before a worker's first batch)."""
+    monkeypatch.setenv("EVENLY_OBSTORE", "0")  # s3fs's client (obstore has its own)
     _, url = upload(s3, s3_prefix, tmp_path, "webdataset")
     src = es.from_webdataset(  # 8 in flight: the client's default pool holds them
         url, storage_options=s3.storage_options, cache_dir=str(tmp_path), max_in_flight=8

@@ -114,7 +114,7 @@ class Planner:
         self.pad = pad
         #: what the passes count, plan and read (``pack=``: rows of tokens)
         self.strategy = choose_strategy(pack, self.view, on_error, pad)
-        self._check_mask()
+        self._check_transform()
         #: the audit's tap on every read (None: no one is watching)
         self.tap: ReadTap | None = None
         #: under ``pack=``: the audit's tap on every batch of rows, with their pieces
@@ -134,10 +134,11 @@ class Planner:
             )
         else:
             self.transform = transform
-            self._check_mask()
+            self._check_transform()
         self.generation += 1
 
-    def _check_mask(self) -> None:
+    def _check_transform(self) -> None:
+        """Raise if the transform does not fit the reader strategy or the pad mode."""
         self.strategy.check_transform(self.transform)
         if self.pad == "mask" and self.transform is None:
             raise ValueError(

@@ -6,7 +6,9 @@ One implementation per kind: :class:`Samples` and :class:`Columns` here,
 :class:`~evenly.runtime.token_mix.TokenMixRows` (a packed ``evenly.Mix(unit="tokens")``).
 The planner chooses the dataset's when its source or packing is set
 (:func:`evenly.runtime.planner.choose_strategy`), and each pass's when the pass starts
-(:meth:`ReadStrategy.for_pass`: columns or samples); nothing else branches on the kind.
+(:meth:`ReadStrategy.for_pass`: columns or samples); the planner and the loader call the
+strategy, never branch on the kind (the audit, which records what it checks per kind,
+looks at which one a dataset has).
 """
 
 from __future__ import annotations
@@ -23,7 +25,15 @@ from evenly.core.stream import StreamPlan
 from evenly.runtime.clock import perf_counter
 from evenly.runtime.reader import MAX_GROUP, ReadContext, read_columnar, read_samples
 
-__all__ = ["Columns", "Plans", "ReadStrategy", "Samples", "planned_reweighted"]
+__all__ = [
+    "COLUMNS",
+    "SAMPLES",
+    "Columns",
+    "Plans",
+    "ReadStrategy",
+    "Samples",
+    "planned_reweighted",
+]
 
 
 class Plans(Protocol):

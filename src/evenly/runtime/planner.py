@@ -55,11 +55,9 @@ def choose_strategy(
     samples, or with ``pack=`` packed rows (of a token mixture's pieces of documents
     where the source is an ``evenly.Mix(unit="tokens")``); what packing cannot do is
     refused here."""
-    token_mix = is_token_mix(view.source)
     if pack is None:
-        if token_mix:
-            raise ValueError(TOKEN_MIX_READ)
-        return SAMPLES
+        return SAMPLES  # a Mix by tokens is refused by Planner._check_transform
+    token_mix = is_token_mix(view.source)
     if not isinstance(pack, Packing):
         raise TypeError(f"pack must be an evenly.Packing, got {type(pack).__name__}")
     if view.planned is not None and not token_mix:
@@ -138,7 +136,10 @@ class Planner:
         self.generation += 1
 
     def _check_transform(self) -> None:
-        """Raise if the transform does not fit the reader strategy or the pad mode."""
+        """Raise if the transform does not fit the reader strategy or the pad mode (at
+        construction and when the transform is replaced)."""
+        if self.strategy.packing is None and is_token_mix(self.source):
+            raise ValueError(TOKEN_MIX_READ)  # its pieces of documents are packed rows
         self.strategy.check_transform(self.transform)
         if self.pad == "mask" and self.transform is None:
             raise ValueError(

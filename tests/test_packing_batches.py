@@ -1,8 +1,9 @@
 """Packed batches built a batch at a time: the vectorised assembly equals a token-by-token
 reference, concat locates any set of rows as row by row, reader threads give the batches
 worker processes give (and are what ``worker_type="auto"`` picks for a token-reading
-source without a transform, and only then), a resume lands inside a read group exactly, and the pad
-token and planned-length checks still name the document.
+source without a transform, and only then), a resume lands inside a read group exactly, a
+replaced source is packed in its own order, and the pad token and planned-length checks
+still name the document.
 
 Documents hold tokens that name them: document ``i``'s token ``t`` is ``1000 * (i + 1) + t``.
 """
@@ -381,6 +382,33 @@ def test_a_token_window_read_checks_each_file_it_reads_unchanged(tmp_path):
         warnings.simplefilter("ignore", evenly.EvenlyWarning)
         for _ in it:
             pass
+
+
+def test_a_replaced_source_is_packed_in_its_own_block_order(tmp_path):
+    # the block shuffle orders documents by shard: a packed dataset whose source is
+    # replaced by one of the same length in other shards reads the rows a fresh dataset
+    # over it reads (the document order of the old source's shards was kept before)
+    def shards(name: str, sizes: list[int]) -> Any:
+        (tmp_path / name).mkdir()
+        table = pa.table({"input_ids": pa.array(_docs(LENGTHS[:120]), type=pa.list_(pa.int32()))})
+        at = 0
+        for k, n in enumerate(sizes):
+            with pa.ipc.new_file(str(tmp_path / name / f"s{k:02d}.arrow"), table.schema) as w:
+                w.write_table(table.slice(at, n))
+            at += n
+        return evenly.from_arrow(str(tmp_path / name))
+
+    def dataset(source: Any) -> evenly.Dataset[Any]:
+        pack = evenly.Packing(SEQ)
+        return evenly.Dataset(source, shuffle="block", block_shards=2, seed=3, pack=pack)
+
+    ten, thirty = shards("ten", [10] * 12), shards("thirty", [30] * 4)
+    ds = dataset(ten)
+    _batches(evenly.DataLoader(ds, batch_size=4))  # epoch 0 over the first source
+    ds.source = thirty
+    ds.set_epoch(0)
+    got = _batches(evenly.DataLoader(ds, batch_size=4))
+    assert got == _batches(evenly.DataLoader(dataset(thirty), batch_size=4))
 
 
 def test_a_packer_pickles_without_its_recycled_buffers(tmp_path):

@@ -21,7 +21,7 @@ import numpy as np
 
 from evenly.core.packing.pieces import pieces_of
 from evenly.core.packing.settings import Packing
-from evenly.runtime.token_reads import check_tokens
+from evenly.runtime.packer import check_tokens
 
 
 def pad_search(flat: np.ndarray, pad_id: int) -> None:

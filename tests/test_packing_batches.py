@@ -1,8 +1,9 @@
 """Packed batches built a batch at a time: the vectorised assembly equals a token-by-token
 reference, concat locates any set of rows as row by row, reader threads give the batches
 worker processes give (and are what ``worker_type="auto"`` picks for a token-reading
-source without a transform), a resume lands inside a read group exactly, and the pad
-token and planned-length checks still name the document.
+source without a transform, and only then), a resume lands inside a read group exactly, a
+replaced source is packed in its own order, and the pad token and planned-length checks
+still name the document.
 
 Documents hold tokens that name them: document ``i``'s token ``t`` is ``1000 * (i + 1) + t``.
 """
@@ -24,6 +25,7 @@ from hypothesis import strategies as st
 import evenly
 from evenly.core.packing.concat import ConcatRows, concat_checkpoints
 from evenly.core.packing.pieces import IGNORE, PIECE, piece_tokens, place
+from evenly.runtime.packer import PackedRows
 from evenly.sources._tokens import TokenSpan
 
 pytestmark = pytest.mark.filterwarnings("ignore:evenly.*pad row:evenly.EvenlyWarning")
@@ -172,6 +174,32 @@ def test_reader_threads_give_the_batches_of_worker_processes_and_auto_picks_them
     for b in auto:  # cu_seqlens: where position_ids is 0, then the end
         flat = np.array(b["position_ids"]).reshape(-1)
         assert b["cu_seqlens"] == [*np.flatnonzero(flat == 0).tolist(), flat.size]
+
+
+def _ords(texts: list[str]) -> list[list[int]]:
+    return [[ord(c) for c in text] for text in texts]
+
+
+def test_auto_reads_a_tokenizing_pass_over_a_columnar_source_in_worker_processes(tmp_path):
+    # Parquet text columns can be read as columns (read_columns equals default_collate),
+    # but a packed pass never reads columns: it tokenizes each document in Python, so
+    # "auto" keeps worker processes (a packed pass in threads is read by one thread)
+    texts = [f"doc{i}:" + "x" * (i % 23) for i in range(60)]
+    evenly.write(({"text": t} for t in texts), tmp_path / "text", "parquet", 20, progress=False)
+    source = evenly.from_parquet(str(tmp_path / "text"))
+    assert source.columnar_exact
+    pack = evenly.Packing(SEQ, tokenize=_ords, tokenizer_id="ord-v1", field="text", pad_id=0)
+    ds = evenly.Dataset(source, shuffle=True, seed=6, pack=pack)
+
+    def run(worker_type: str) -> tuple[list[dict[str, Any]], str]:
+        loader = evenly.DataLoader(ds, batch_size=3, num_workers=2, worker_type=worker_type)
+        return _batches(loader), type(iter(loader).inner).__name__
+
+    (auto, auto_kind), (procs, _) = run("auto"), run("process")
+    assert auto_kind != "ThreadPass"
+    assert auto == procs
+    tokens = sorted(t for b in auto for row in b["input_ids"] for t in row if t)
+    assert tokens == sorted(t for ids in _ords(texts) for t in ids)  # every token once
 
 
 def test_a_custom_collate_gets_the_rows_of_the_default_batches(tmp_path):
@@ -356,6 +384,33 @@ def test_a_token_window_read_checks_each_file_it_reads_unchanged(tmp_path):
             pass
 
 
+def test_a_replaced_source_is_packed_in_its_own_block_order(tmp_path):
+    # the block shuffle orders documents by shard: a packed dataset whose source is
+    # replaced by one of the same length in other shards reads the rows a fresh dataset
+    # over it reads (the document order of the old source's shards was kept before)
+    def shards(name: str, sizes: list[int]) -> Any:
+        (tmp_path / name).mkdir()
+        table = pa.table({"input_ids": pa.array(_docs(LENGTHS[:120]), type=pa.list_(pa.int32()))})
+        at = 0
+        for k, n in enumerate(sizes):
+            with pa.ipc.new_file(str(tmp_path / name / f"s{k:02d}.arrow"), table.schema) as w:
+                w.write_table(table.slice(at, n))
+            at += n
+        return evenly.from_arrow(str(tmp_path / name))
+
+    def dataset(source: Any) -> evenly.Dataset[Any]:
+        pack = evenly.Packing(SEQ)
+        return evenly.Dataset(source, shuffle="block", block_shards=2, seed=3, pack=pack)
+
+    ten, thirty = shards("ten", [10] * 12), shards("thirty", [30] * 4)
+    ds = dataset(ten)
+    _batches(evenly.DataLoader(ds, batch_size=4))  # epoch 0 over the first source
+    ds.source = thirty
+    ds.set_epoch(0)
+    got = _batches(evenly.DataLoader(ds, batch_size=4))
+    assert got == _batches(evenly.DataLoader(dataset(thirty), batch_size=4))
+
+
 def test_a_packer_pickles_without_its_recycled_buffers(tmp_path):
     # a spawned worker gets the dataset pickled: the main process's pooled buffers (tens
     # of MB after reading in-process) must not travel with it
@@ -364,8 +419,8 @@ def test_a_packer_pickles_without_its_recycled_buffers(tmp_path):
     ds = evenly.Dataset(_arrow(tmp_path, _docs()), shuffle=True, seed=2, pack=evenly.Packing(SEQ))
     kept = _batches(evenly.DataLoader(ds, batch_size=4))  # read here: the pools fill
     assert kept
-    packer = ds._planner.packer
-    assert packer is not None and packer._pools
+    packer = ds._planner.strategy
+    assert isinstance(packer, PackedRows) and packer._pools
     assert sum(len(pool._free) for pool in packer._pools.values()) > 0
     copy = pickle.loads(pickle.dumps(packer))
     assert copy._pools == {}

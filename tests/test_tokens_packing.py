@@ -194,7 +194,7 @@ def test_the_tokenize_lengths_pass_runs_in_threads_and_equals_the_sequential_one
     assert len(names) > 1  # two calls ran at once (each thread with its own source copy)
     sequential = evenly.Packing(32, tokenize=lambda t: tk(t), tokenizer_id="same-but-serial")
     assert len(evenly.Dataset(src, pack=sequential)) == rows
-    lengths = ds._planner.packer.files(ds._planner.view).lengths
+    lengths = ds._planner.strategy.files(ds._planner.view).lengths
     assert np.asarray(lengths).tolist() == [len(ids) for ids in tk(texts)]
     if kind == "transformers":  # a transformers tokenizer is copied for each thread
         assert tk.for_thread().tok is not tk.tok

@@ -11,7 +11,8 @@ import numpy as np
 
 from evenly.dataset import Dataset as EvenlyDataset
 from evenly.mixture import Mix
-from evenly.runtime.token_mix import is_token_mix, token_reweighted
+from evenly.runtime.packer import PackedRows
+from evenly.runtime.token_mix import TokenMixRows, token_reweighted
 
 from ._types import AuditError, MixInfo, PackInfo, Settings
 
@@ -22,7 +23,7 @@ def mix_info(dataset: Any, settings: Settings) -> MixInfo | None:
     """The mixture an ``evenly.Dataset`` over an ``evenly.Mix`` read, else ``None``."""
     if not isinstance(dataset, EvenlyDataset) or not isinstance(dataset.source, Mix):
         return None
-    if is_token_mix(dataset.source):  # judged by its planned pieces (pack_info)
+    if dataset._planner.strategy.packing is not None:  # by tokens: judged by pack_info
         return None
     mix = dataset.source
     offsets = tuple(tuple(mix.stream_offsets(e).values()) for e in range(settings.epochs))
@@ -53,15 +54,16 @@ def reweigh(loader: Any, settings: Settings, epoch: int, batch: int) -> None:
 def pack_info(dataset: Any, epochs: int, settings: Settings | None = None) -> PackInfo | None:
     """The packing of a packed ``evenly.Dataset``, else ``None`` (for a Mix by tokens,
     each epoch's planned pieces, after the weight changes ``settings.set_weights`` asks)."""
-    if not isinstance(dataset, EvenlyDataset) or dataset._planner.packer is None:
+    if not isinstance(dataset, EvenlyDataset):
         return None
     planner = dataset._planner
-    packer = planner.packer
-    assert packer is not None
+    packer = planner.strategy
+    if not isinstance(packer, PackedRows):
+        return None
     files = packer.files(planner.view)
     rows = tuple(planner.units(e) for e in range(epochs))
     lengths = np.array(files.lengths, dtype=np.int64)
-    if not is_token_mix(dataset.source):
+    if not isinstance(packer, TokenMixRows):
         return PackInfo(packer.packing.seq_len, planner.pad, lengths, rows)
     shuffle = planner.shuffle_mode != "none"
     changes = sorted(settings.set_weights) if settings is not None else []

@@ -211,14 +211,13 @@ class RowsTapper:
 
 
 def trace_evenly(dataset: EvenlyDataset[Any], id_fn: IdFn) -> EvenlyDataset[Any]:
-    """Make ``dataset`` yield ``(sample, meta)`` while staying what it is (the tap lives
-    on its planner, so workers started by any method get it with the dataset); a packed
-    dataset's rows are tapped with their pieces instead (``id_fn`` is not used)."""
+    """Make ``dataset`` yield ``(sample, meta)`` while staying what it is (the taps live
+    on its planner, so workers started by any method get them with the dataset).  Its
+    reader strategy calls the tap of its unit: samples (``tap``), or packed rows with
+    their pieces (``rows_tap``; ``id_fn`` is not used)."""
     planner = dataset._planner
-    if planner.packer is not None:
-        planner.rows_tap = RowsTapper()
-    else:
-        planner.tap = EvenlyTap(id_fn, records_reads=isinstance(dataset.source, Mix))
+    planner.tap = EvenlyTap(id_fn, records_reads=isinstance(dataset.source, Mix))
+    planner.rows_tap = RowsTapper()
     return dataset
 
 

@@ -1,6 +1,6 @@
 """What each pass of an ``evenly.DataLoader`` runs on, decided at its start: columnar
-reads or per-sample ones, reader threads or worker processes; and the loader settings
-refused outright."""
+reads or per-sample ones (then the planner's ``pass_strategy``), reader threads or worker
+processes; and the loader settings refused outright."""
 
 from __future__ import annotations
 
@@ -11,29 +11,15 @@ from torch.utils.data import default_collate
 from evenly.loader.threads import thread_safety_problem
 from evenly.options import WORKER_TYPES, WorkerType
 from evenly.runtime.planner import Planner
-from evenly.runtime.token_mix import is_token_mix
+from evenly.runtime.strategy import ReadStrategy
 
 __all__ = [
     "WORKER_TYPES",
     "WorkerType",
     "check_worker_type",
-    "refuse_planned_source",
     "use_columns",
     "use_threads",
 ]
-
-
-def refuse_planned_source(planner: Planner) -> None:
-    """A source that plans its own epochs (an ``evenly.Mix``) lays its steps out from each
-    epoch's start, which a stream of epochs does not keep: refused until it can.  A Mix
-    by tokens is not: its order is planned per epoch whatever the step."""
-    if planner.view.planned is not None and not is_token_mix(planner.source):
-        raise ValueError(
-            f"evenly.DataLoader(infinite=True) does not support a "
-            f"{type(planner.source).__name__} source yet: its per-step proportions and its "
-            f"resume are defined per epoch, and a stream of epochs would silently repeat or "
-            f"skip samples; train a Mix epoch by epoch (infinite=False)"
-        )
 
 
 def use_columns(
@@ -67,12 +53,13 @@ def check_worker_type(worker_type: WorkerType, kwargs: dict[str, Any]) -> Worker
 
 
 def use_threads(
-    worker_type: str, num_workers: int, planner: Planner, columnar: bool, kwargs: Any
+    worker_type: str, num_workers: int, planner: Planner, reads: ReadStrategy, kwargs: Any
 ) -> bool:
-    """Whether reader threads read this pass: asked for (``"thread"``: raises if the
-    per-sample seeding makes it unsafe), or ``"auto"`` where it is safe and the reads
-    release the GIL (columnar: no per-sample Python; packing over a source that reads token
-    ids, without a transform) and nothing else needs processes."""
+    """Whether reader threads read this pass (``reads``: its reader strategy): asked for
+    (``"thread"``: raises if the per-sample seeding makes it unsafe), or ``"auto"`` where
+    it is safe and the reads release the GIL (columnar: no per-sample Python; packing over
+    a source that reads token ids, without a transform) and nothing else needs
+    processes."""
     if num_workers == 0 or worker_type == "process":
         return False
     problem = thread_safety_problem(
@@ -83,16 +70,4 @@ def use_threads(
             raise ValueError(f"evenly.DataLoader(worker_type='thread'): {problem}")
         return True
     watched = planner.tap is not None or planner.rows_tap is not None  # the audit
-    return problem is None and (columnar or _direct_packing(planner)) and not watched
-
-
-def _direct_packing(planner: Planner) -> bool:
-    """A packed pass whose reads are token gathers (a source that reads token ids, no
-    transform, no tokenizer): numpy and memory-map copies that need no process each."""
-    packer = planner.packer
-    return (
-        packer is not None
-        and packer.packing.tokenize is None
-        and planner.transform is None
-        and planner.view.read_tokens is not None
-    )
+    return problem is None and reads.releases_gil(planner) and not watched

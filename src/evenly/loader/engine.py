@@ -26,9 +26,8 @@ from evenly.loader.threads import ThreadPass, thread_copy
 from evenly.runtime import torch_compat
 from evenly.runtime.channel import PassChannel
 from evenly.runtime.clock import StageClock
-from evenly.runtime.packer import group_batches
 from evenly.runtime.planner import Planner
-from evenly.runtime.reader import MAX_GROUP
+from evenly.runtime.strategy import ReadStrategy
 from evenly.transport.slots import HOLD, Transport
 
 __all__ = ["Engine"]
@@ -106,16 +105,14 @@ class Engine:
             hold = HOLD if self.transport == "slots" else 0  # "copy": copied out at once
             self.feed.transport = Transport(self.num_workers, self.prefetch_factor + 1, hold)
 
-    def _thread_reads(self, spec: PassSpec, columnar: bool) -> list[Callable[[], Iterator[Any]]]:
+    def _thread_reads(
+        self, spec: PassSpec, reads: ReadStrategy
+    ) -> list[Callable[[], Iterator[Any]]]:
         """Each reader thread's share of the pass, read from its own source copy (kept
-        while the dataset's source is the same object, its length and generation too).
-
-        A packed pass is read by one thread: its reads are mostly Python and small numpy
-        steps that hold the GIL, so a second thread only contends for it (on 2 cores one
-        thread gave 1.4x two threads' tokens/s).  The batches, their order and the
-        checkpoints do not depend on how many read them."""
+        while the dataset's source is the same object, its length and generation too);
+        as many threads as the pass's reader strategy takes (a packed pass: one)."""
         planner, feed = self.planner, self.feed
-        workers = 1 if planner.packer is not None else self.num_workers
+        workers = reads.readers(self.num_workers)
         key = (id(planner.view), *planner.main_view())
         if self._thread_views is None or self._thread_views[0] != key:
             views = [SourceView.of(thread_copy(planner.view.source)) for _ in range(workers)]
@@ -130,7 +127,7 @@ class Engine:
                 w,
                 workers,
                 collate=feed.collate,
-                columnar=columnar,
+                columnar=reads.columnar,
                 skipped=feed.skipped,
                 view=views[w],
                 clock=clock,
@@ -143,40 +140,32 @@ class Engine:
 
         return [partial(read, w) for w in range(workers)]
 
-    def _ahead(self, spec: PassSpec, columnar: bool) -> int:
-        """Batches a reader thread may hold beyond its queue: those of one read of
-        several batches (a columnar group, a packed read), so it reads the next while
-        the loop takes them; 1 for reads of one batch."""
-        if columnar:
-            return MAX_GROUP
-        packer = self.planner.packer
-        if packer is not None:
-            return group_batches(packer.packing.seq_len, spec.batch_size)
-        return 1
-
     def start(
         self,
         spec: PassSpec,
         plan: EpochPlan | StreamPlan,
         current: Pass,
         *,
-        columnar: bool,
+        reads: ReadStrategy,
         on_end: Callable[[EpochPlan], None] | None,
         threads: bool = False,
     ) -> PassIterator:
         """Publish the pass to the workers and start iterating the private loader (or,
-        with ``threads``, start ``num_workers`` reader threads in this process)."""
+        with ``threads``, start ``num_workers`` reader threads in this process); ``reads``:
+        the pass's reader strategy."""
         previous = self._iterator() if self._iterator is not None else None
         if previous is not None:  # the previous pass, finished or abandoned
             if isinstance(previous.inner, ThreadPass):
                 previous.inner.close()
             else:
                 settle(previous.inner, shut_down=True)
+        self.feed.columnar = reads.columnar
         if threads:
-            self.feed.columnar = columnar
-            reads = self._thread_reads(spec, columnar)
-            ahead = self._ahead(spec, columnar)
-            inner = ThreadPass(reads, self.prefetch_factor, self.timeout, ahead)
+            # batches a reader may hold beyond its queue: those of one read of several
+            # batches (a columnar group, a packed read), so it reads the next meanwhile
+            ahead = reads.ahead(spec.batch_size)
+            readers = self._thread_reads(spec, reads)
+            inner = ThreadPass(readers, self.prefetch_factor, self.timeout, ahead)
             iterator = PassIterator(inner, current, plan, on_end)
             self._iterator = weakref.ref(iterator)
             return iterator
@@ -186,7 +175,6 @@ class Engine:
             self._workers_view = view
         if self.num_workers > 0 and (self._running() is None or not self.persistent_workers):
             self._new_transport()
-        self.feed.columnar = columnar
         self.channel.publish(spec)
         iterator = PassIterator(iter(self.loader), current, plan, on_end)
         self._iterator = weakref.ref(iterator)  # a weak one: do not keep workers alive

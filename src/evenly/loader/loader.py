@@ -25,12 +25,7 @@ from evenly.core.stream import StreamPlan
 from evenly.dataset import SKIP_SLOTS, Dataset
 from evenly.errors import EvenlyWarning, check_int, check_timeout, warn_deprecated
 from evenly.loader import mixing
-from evenly.loader.choices import (
-    check_worker_type,
-    refuse_planned_source,
-    use_columns,
-    use_threads,
-)
+from evenly.loader.choices import check_worker_type, use_columns, use_threads
 from evenly.loader.delegated import after_delegated, plan_delegation
 from evenly.loader.engine import Engine
 from evenly.loader.feed import NO_LENGTH, PassIterator
@@ -200,7 +195,7 @@ class DataLoader(PassOwner, torch.utils.data.DataLoader[Any]):
         if infinite and batch_size is None:
             raise ValueError("evenly.DataLoader(infinite=True) needs a batch_size")
         if infinite:
-            refuse_planned_source(dataset._planner)
+            dataset._planner.check_stream()
         self.infinite = bool(infinite)
         timeout = _agreement_timeout(agreement_timeout, check_plan)
         effective_drop = dataset.drop_last if drop_last is None else bool(drop_last)
@@ -459,7 +454,7 @@ class DataLoader(PassOwner, torch.utils.data.DataLoader[Any]):
         n = self._planner.units(self._passes.next_start().epoch)  # best_fit: plans it
         if n == 0:
             raise ValueError("evenly.DataLoader(infinite=True): the source is empty")
-        refuse_planned_source(self._planner)
+        self._planner.check_stream()
         spec = self._spec(self._passes.next_start(), infinite=True)
         stream = self._planner.stream_plan_for(spec)
 
@@ -478,14 +473,15 @@ class DataLoader(PassOwner, torch.utils.data.DataLoader[Any]):
         columnar = use_columns(
             self._columnar_choice, self.batch_size, self._planner, self._user_collate
         )
+        reads = self._planner.pass_strategy(columnar)  # this pass's reader, chosen once
         threads = use_threads(
-            self.worker_type, self.num_workers, self._planner, columnar, self._loader_args
+            self.worker_type, self.num_workers, self._planner, reads, self._loader_args
         )
         iterator = self._engine.start(
             spec,
             plan,
             current,
-            columnar=columnar,
+            reads=reads,
             on_end=self._warn_skipped if isinstance(plan, EpochPlan) else None,
             threads=threads,
         )

@@ -1,4 +1,5 @@
-"""Reading packed rows: a worker's rows of a pass, built from the documents they hold.
+"""Packed rows (``pack=``): the reader strategy whose units are rows of ``seq_len``
+tokens, and the reads of a worker's rows of a pass.
 
 For a batch of rows the worker looks up their pieces (the epoch's plan, memory-mapped),
 reads each document they touch once, runs the per-document transform under the
@@ -7,11 +8,19 @@ epoch's order, so a document split over two rows, in two workers, is the same in
 checks its token count against the planned length and its token ids (non-negative,
 below ``Packing.vocab_size`` when known, never ``pad_id``), and assembles the rows.
 Rows past the epoch's last one are pad rows.
+
+Where the source offers ``token_ranges`` (local Arrow files, see
+:class:`evenly.sources._tokens.TokenSpan`), a group's documents are located with one
+fancy index, checked against their planned lengths in one comparison, and their pieces'
+tokens gathered with one more: no Python per document or per piece.  Anything else
+reads documents one by one.  Either way, every token id a read gives is checked once,
+vectorised (:func:`check_tokens`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -19,32 +28,45 @@ import numpy.typing as npt
 import torch
 from torch.utils.data import default_collate
 
+from evenly.core.packing.cached import BlockOrder
 from evenly.core.packing.pieces import (
     IGNORE,
     Empty,
     RowTable,
     distinct,
-    fresh,
     piece_tokens,
     place,
 )
 from evenly.core.packing.settings import Packing
 from evenly.core.permutation import sample_seeds
-from evenly.core.plan import Order
+from evenly.core.plan import EpochPlan, Order
 from evenly.core.source import SourceView
+from evenly.core.spec import PassSpec
+from evenly.core.state import PassState
 from evenly.core.stream import StreamPlan
+from evenly.errors import StateError
 from evenly.runtime.clock import perf_counter
 from evenly.runtime.lengths import document_lengths, document_text, document_tokens, tokenized
 from evenly.runtime.packed_plans import PlanFiles
 from evenly.runtime.reader import ReadContext
 from evenly.runtime.rowtap import RowPieces, tap_part
 from evenly.runtime.seeds import RngState, SeedSpreader
-from evenly.runtime.token_mix import TokenItems, is_token_mix, mix_lengths, token_items
-from evenly.runtime.token_reads import StoredDtype, check_lengths, check_tokens, direct_tokens
+from evenly.runtime.strategy import Plans, ReadStrategy, planned_reweighted
 from evenly.transport.pool import BufferPool
 from evenly.transport.slots import plain_collate
 
-__all__ = ["Packer", "collate_arrays", "packed_items", "read_packed"]
+__all__ = [
+    "PackedRows",
+    "StoredDtype",
+    "check_lengths",
+    "check_tokens",
+    "collate_arrays",
+    "direct_tokens",
+    "documents",
+    "packed_items",
+    "read_packed",
+    "stored_dtype",
+]
 
 I64 = npt.NDArray[np.int64]
 Row = dict[str, torch.Tensor]
@@ -52,6 +74,8 @@ Row = dict[str, torch.Tensor]
 Arrays = dict[str, I64]
 #: epoch -> (its rows, its document order)
 EpochRows = Callable[[int], tuple[RowTable, Order | None]]
+#: position in the epoch -> the dtype its document's ids were stored in (None: unknown)
+StoredDtype = Callable[[int], "np.dtype[Any] | None"]
 #: Rows read together (whole batches, about this many bytes of ``input_ids``,
 #: ``position_ids`` and ``labels``): the per-read Python, and with reader threads each
 #: hand-off of the GIL, is paid once per group.
@@ -63,14 +87,18 @@ def group_batches(seq_len: int, batch: int) -> int:
     return max(1, GROUP_BYTES // max(1, batch * seq_len * 8 * 3))
 
 
-class Packer:
-    """Packing for one dataset: the documents' lengths (found once) and the epochs' rows."""
+class PackedRows:
+    """The units are rows of ``seq_len`` tokens packed from the source's documents (their
+    lengths found once, each epoch's rows planned once per node); a pass yields rows."""
+
+    columnar = False
 
     def __init__(self, packing: Packing) -> None:
         self.packing = packing
         self._files: PlanFiles | None = None
-        self._items: dict[tuple[Any, ...], TokenItems] = {}
         self._pools: dict[str, BufferPool] = {}  # the batches' memory, by array
+        #: the document orders of the epochs being read (a stream: two), by epoch
+        self._orders: dict[tuple[Any, ...], BlockOrder | None] = {}
 
     def empty(self, name: str, size: int) -> I64:
         """An int64 array of ``size`` for ``name`` from its recycled buffers (``Empty``)."""
@@ -79,77 +107,158 @@ class Packer:
             pool = self._pools.setdefault(name, BufferPool())
         return pool.empty((size,), np.int64)
 
-    @classmethod
-    def build(
-        cls, pack: Packing | None, view: SourceView, on_error: str, pad: str
-    ) -> Packer | None:
-        """The packer of ``pack=``, or ``None``; what packing cannot do is refused here."""
-        if pack is None:
-            return None
-        if not isinstance(pack, Packing):
-            raise TypeError(f"pack must be an evenly.Packing, got {type(pack).__name__}")
-        if view.planned is not None and not is_token_mix(view.source):
-            raise ValueError(
-                f"evenly.Dataset(pack=...) over a {type(view.source).__name__} by samples: "
-                f"a Mix with packing apportions its sources by tokens, build it as "
-                f"evenly.Mix(..., unit='tokens')"
-            )
-        if on_error != "raise":
-            raise ValueError(
-                "on_error='skip' cannot be used with pack=: a document replaced by another "
-                "changes the token counts the rows were planned from; use on_error='raise'"
-            )
-        if pad == "mask":
-            raise ValueError(
-                "pad='mask' is not used with pack=: the epoch's tail is pad rows, already "
-                "marked (labels -100); use the default pad, or pad='none' for evaluation"
-            )
-        return cls(pack)
-
-    def reset(self) -> None:
-        """The source was replaced: find its lengths again."""
-        self._files = None
-        self._items = {}
-
     def files(self, view: SourceView) -> PlanFiles:
+        """The documents' lengths and the epochs' plan files (found once)."""
         if self._files is None:
-            if is_token_mix(view.source):
-                mixed, key = mix_lengths(view.source, self.packing)
-                total = sum(view.source.token_shares(mixed.totals))
-                self._files = PlanFiles(self.packing, mixed, key, total)
-            else:
-                lengths, key = document_lengths(view, self.packing)
-                self._files = PlanFiles(self.packing, lengths, key)
+            lengths, key = document_lengths(view, self.packing)
+            self._files = PlanFiles(self.packing, lengths, key)
         return self._files
 
-    def items(
-        self, view: SourceView, seed: int, epoch: int, shuffle: bool, part: Any = None
-    ) -> TokenItems:
-        """A token mixture's epoch ``epoch``: its pieces of documents, in order."""
-        key = (seed, epoch, shuffle, repr(part or None))
-        found = self._items.get(key)
-        if found is None:
-            files = self.files(view)
-            found = token_items(
-                view.source,
-                self.packing,
-                files.lengths,
-                files.lengths_key,
-                seed=seed,
-                epoch=epoch,
-                shuffle=shuffle,
-                part=part,
+    def epoch_rows(
+        self, plans: Plans, epoch: int, part: Any = None
+    ) -> tuple[RowTable, Order | None]:
+        """Epoch ``epoch``'s packed rows and its document order (``part``: what the pass
+        carries, for a token mixture's weight changes)."""
+        n = plans.num_samples()
+        key = (plans.seed, plans.shuffle_mode, plans.block_shards)
+        cached = self._orders.get((epoch, n, key))
+        if cached is None:
+            order = plans.order_for(epoch, n, 1, 0)
+            cached = None if order is None else BlockOrder(order, n)
+            kept = list(self._orders.items())[-1:]  # the epochs being read (a stream: two)
+            self._orders = {**dict(kept), (epoch, n, key): cached}
+        return self.files(plans.view).table(epoch, key, cached), cached
+
+    # ---- the reader strategy -----------------------------------------------------
+    def for_pass(self, columnar: bool) -> ReadStrategy:
+        return self  # rows are assembled from pieces: never read as columns
+
+    def units(self, plans: Plans, epoch: int) -> int:
+        """Epoch ``epoch``'s rows (the same every epoch under ``concat``; under
+        ``best_fit`` it may differ)."""
+        if self.packing.strategy == "concat":
+            return self.files(plans.view).concat_rows()  # the epoch's tokens cut into rows
+        return self.epoch_rows(plans, epoch)[0].num_rows
+
+    def varied_epochs(self) -> bool:
+        return self.packing.strategy == "best_fit"
+
+    def plan(self, plans: Plans, spec: PassSpec) -> EpochPlan:
+        """Rows are the unit; the tail is pad rows; the rows are packed from the document
+        order already (the plan has none)."""
+        return EpochPlan(
+            num_samples=self.units(plans, spec.epoch),
+            world_size=spec.world_size,
+            batch_size=spec.batch_size,
+            drop_last=spec.drop_last,
+            seed=plans.seed,
+            epoch=spec.epoch,
+            start=spec.start,
+            pad="full" if plans.pad == "repeat" else plans.pad,
+            order=None,
+        )
+
+    def stream_plan(self, plans: Plans, spec: PassSpec) -> StreamPlan:
+        varied = self.varied_epochs()  # then spec.start counts from epoch spec.epoch
+        return StreamPlan(
+            num_samples=self.units(plans, spec.epoch if varied else 0),
+            world_size=spec.world_size,
+            batch_size=spec.batch_size,
+            seed=plans.seed,
+            start=spec.start,
+            orders=_no_order,
+            lengths=partial(self.units, plans) if varied else None,
+            first_epoch=spec.epoch if varied else 0,
+        )
+
+    def fingerprint(self) -> dict[str, Any]:
+        return self.packing.fingerprint()
+
+    def check_state(self, plans: Plans, state: PassState) -> None:
+        rows = self.units(plans, state.epoch)
+        if state.position > rows:
+            raise StateError(
+                f"state['position']={state.position} is past the end of epoch "
+                f"{state.epoch} ({rows} packed rows)"
             )
-            if len(self._items) >= 3:
-                self._items.pop(next(iter(self._items)))
-            self._items[key] = found
-        return found
+
+    def check_transform(self, transform: Callable[[Any], Any] | None) -> None:
+        return None
+
+    def check_stream(self, plans: Plans) -> None:
+        return None  # packing refuses a source that plans its own epochs by samples
+
+    def reweighted(
+        self,
+        plans: Plans,
+        source_state: dict[str, Any],
+        state: PassState,
+        weights: Mapping[str, float],
+    ) -> dict[str, Any]:
+        return planned_reweighted(plans, source_state, weights)
+
+    def read(
+        self,
+        ctx: ReadContext,
+        plans: Plans,
+        spec: PassSpec,
+        skip: int,
+        collate: Callable[[list[Any]], Any] | None,
+    ) -> Iterator[Any]:
+        rows_of = partial(self.epoch_rows, plans, part=spec.source)
+        return packed_items(ctx, self, rows_of, skip, collate)
+
+    def readers(self, num_workers: int) -> int:
+        """One: a packed read is mostly Python and small numpy steps that hold the GIL,
+        so a second thread only contends for it (on 2 cores one thread gave 1.4x two
+        threads' tokens/s).  The batches, their order and the checkpoints do not depend
+        on how many read them."""
+        return 1
+
+    def ahead(self, batch_size: int) -> int:
+        return group_batches(self.packing.seq_len, batch_size)
+
+    def releases_gil(self, plans: Plans) -> bool:
+        """Reads that are token gathers (a source that reads token ids, no transform, no
+        tokenizer): numpy and memory-map copies that need no process each."""
+        return (
+            self.packing.tokenize is None
+            and plans.transform is None
+            and plans.view.read_tokens is not None
+        )
+
+    # ---- reading -----------------------------------------------------------------
+    def tokens(
+        self,
+        ctx: ReadContext,
+        files: PlanFiles,
+        epoch: int,
+        order: Order | None,
+        where: I64,
+        index: I64,
+        pieces: npt.NDArray[np.void],
+        inverse: I64,
+        spreader: SeedSpreader | None,
+        alloc: Empty,
+    ) -> tuple[I64, StoredDtype, Any]:
+        """The tokens of every piece, one after the other (the documents at epoch
+        positions ``where``, source ``index``, each piece's document ``inverse``), the
+        dtype each was stored in, and where each piece's document starts in the source's
+        document (0: pieces of whole documents)."""
+        planned = files.lengths[index]
+        found = direct_tokens(
+            ctx, self.packing, planned, epoch, where, index, pieces, inverse, alloc
+        )
+        if found is not None:
+            flat, dtype = found
+            return flat, _one_dtype(dtype), 0
+        tokens = documents(ctx, self.packing, files, epoch, where, index, spreader)
+        return piece_tokens(pieces, tokens, alloc), stored_dtype(tokens), 0
 
     def __getstate__(self) -> dict[str, Any]:
         """A worker maps the node's files again (a memory map is not pickled) and
         starts with empty buffer pools (a spawned worker would get copies of them)."""
         state = self.__dict__.copy()
-        state["_items"] = {}
         state["_pools"] = {}
         files = state["_files"]
         if files is not None and isinstance(files.lengths, np.memmap):
@@ -159,6 +268,10 @@ class Packer:
                 files.packing, files.lengths, files.lengths_key, files.total
             )
         return state
+
+
+def _no_order(epoch: int) -> Order | None:
+    return None
 
 
 def _pad_rows(packing: Packing, count: int) -> Arrays:
@@ -175,7 +288,7 @@ def _pad_rows(packing: Packing, count: int) -> Arrays:
 
 
 def read_packed(
-    ctx: ReadContext, packer: Packer, epoch_rows: EpochRows, skip: int
+    ctx: ReadContext, packer: PackedRows, epoch_rows: EpochRows, skip: int
 ) -> Iterator[Arrays]:
     """This worker's batches of packed rows, in order, from its row ``skip`` on: one
     dict of ``[rows, seq_len]`` int64 arrays per plan batch."""
@@ -194,9 +307,7 @@ def read_packed(
             seen: list[tuple[I64, ...]] | None = [] if watched else None
             wanted = positions[lo : lo + step]
             lo += step
-            group = _rows(
-                ctx, packer.packing, files, epoch_rows, wanted, spreader, seen, packer.empty
-            )
+            group = _rows(ctx, packer, files, epoch_rows, wanted, spreader, seen)
             for at in range(0, group["input_ids"].shape[0], length):
                 arrays = {k: v[at + drop : at + length] for k, v in group.items()}
                 if seen is not None:
@@ -209,7 +320,7 @@ def read_packed(
 
 def packed_items(
     ctx: ReadContext,
-    packer: Packer,
+    packer: PackedRows,
     epoch_rows: EpochRows,
     skip: int,
     collate: Callable[[list[Row]], Any] | None,
@@ -240,18 +351,17 @@ def packed_items(
 
 def _rows(
     ctx: ReadContext,
-    packing: Packing,
+    packer: PackedRows,
     files: PlanFiles,
     epoch_rows: EpochRows,
     positions: I64,
     spreader: SeedSpreader | None,
     seen: list[tuple[I64, ...]] | None = None,
-    alloc: Empty = fresh,
 ) -> Arrays:
     """The ``[len(positions), seq_len]`` arrays of the rows at ``positions``, in their
     order (a position past its epoch's rows is a pad row): per epoch one read of the
     documents its rows touch and one gather of their pieces' tokens."""
-    plan = ctx.plan
+    plan, packing, alloc = ctx.plan, packer.packing, packer.empty
     if isinstance(plan, StreamPlan):
         epochs, rows = plan.split(positions)
         groups = distinct(epochs)[0].tolist()
@@ -272,32 +382,15 @@ def _rows(
         pieces = table.pieces(wanted)
         where, inverse = distinct(pieces["pos"])
         index = where if order is None else np.asarray(order(where), dtype=np.int64)
-        base: Any = 0  # where the document at a position starts in its real document
-        flat = None
-        tokens: dict[int, npt.NDArray[np.integer]] = {}
-        stored: StoredDtype  # the dtype each document's ids were stored in
-        if isinstance(order, TokenItems):  # a token mixture's pieces of documents
-            tokens = _documents(ctx, packing, files, int(epoch), where, index, spreader)
-            tokens = order.cut(where, tokens)
-            base = order.starts(pieces["pos"])
-        else:
-            planned = files.lengths[index]
-            found = direct_tokens(
-                ctx, packing, planned, int(epoch), where, index, pieces, inverse, alloc
-            )
-            if found is None:
-                tokens = _documents(ctx, packing, files, int(epoch), where, index, spreader)
-            else:
-                flat, dtype = found
-                stored = _one_dtype(dtype)
+        # base: where the document at a position starts in its real document
+        flat, stored, base = packer.tokens(
+            ctx, files, int(epoch), order, where, index, pieces, inverse, spreader, alloc
+        )
         if seen is not None:  # the audit: the one place a piece's absolute start is made
             first = pieces["start"].astype(np.int64) + base
             seen.append(
                 tap_part(int(epoch), sel, mine, table.num_rows, (pieces, where, index, first))
             )
-        if flat is None:
-            flat = piece_tokens(pieces, tokens, alloc)
-            stored = _stored_dtype(tokens)
         check_tokens(ctx, packing, flat, pieces, (index, inverse), int(epoch), stored, base)
         doc_index = index[inverse] if packing.document_ids else None
         arrays = place(
@@ -321,7 +414,7 @@ def _rows(
     return out
 
 
-def _stored_dtype(tokens: Mapping[int, npt.NDArray[Any]]) -> StoredDtype:
+def stored_dtype(tokens: Mapping[int, npt.NDArray[Any]]) -> StoredDtype:
     """The dtype a document was read in, by its position (for an error message)."""
 
     def stored(pos: int) -> np.dtype[Any] | None:
@@ -336,7 +429,7 @@ def _one_dtype(dtype: np.dtype[Any]) -> StoredDtype:
     return lambda pos: dtype
 
 
-def _documents(
+def documents(
     ctx: ReadContext,
     packing: Packing,
     files: PlanFiles,
@@ -443,3 +536,138 @@ def collate_arrays(packing: Packing, arrays: Arrays) -> dict[str, Any]:
         batch["cu_seqlens"] = torch.from_numpy(cu)
         batch["max_seqlen"] = int(np.diff(cu).max()) if cu.size > 1 else 0
     return batch
+
+
+def check_tokens(
+    ctx: ReadContext,
+    packing: Packing,
+    flat: I64,
+    pieces: npt.NDArray[np.void],
+    docs: tuple[I64, I64],
+    epoch: int,
+    stored: StoredDtype,
+    base: Any = 0,
+) -> None:
+    """Raise, naming the first document at fault, if a token id of a read is negative
+    (-100 among them: the loss's ignore index), not below ``Packing.vocab_size`` (when
+    known), or ``pad_id``.  ``flat``: the read's pieces' tokens, one after the other
+    (every token of the epoch is in one piece, so each is checked once); ``docs``: the
+    source index of each distinct position, and each piece's; ``stored``: the dtype a
+    position's document was stored in (an unsigned id of 2^63 or more reads as negative);
+    ``base``: where each piece's document starts in the source's document (a token
+    mixture's pieces of documents), for the offset named.
+
+    Vectorised, two passes per read: the maximum of the ids read as unsigned (a negative
+    id is then 2^63 or more, so one reduction bounds both ends) and the search for
+    ``pad_id`` the check had before."""
+    if not flat.size:
+        return
+    vocab, pad_id = packing.vocab_size, packing.pad_id
+    limit = 2**63 if vocab is None else vocab
+    unsigned = np.ascontiguousarray(flat).view(np.uint64)
+    if int(unsigned.max()) < limit and not bool((flat == pad_id).any()):
+        return
+    bad = (flat < 0) | (flat == pad_id)
+    if vocab is not None:
+        bad |= flat >= vocab
+    at = int(np.argmax(bad))
+    ends = np.cumsum(pieces["len"].astype(np.int64))
+    k = int(np.searchsorted(ends, at, side="right"))
+    offset = int(pieces["start"][k]) + at - (int(ends[k]) - int(pieces["len"][k]))
+    offset += int(np.broadcast_to(base, pieces.shape)[k])
+    doc, pos = int(docs[0][docs[1][k]]), int(pieces["pos"][k])
+    where = (
+        f"document {doc} (position {pos} of epoch {epoch}) of the "
+        f"{type(ctx.source).__name__}{ctx.locate(doc)},"
+    )
+    raise ValueError(_why(where, int(flat[at]), offset, packing, stored(pos)))
+
+
+def _why(where: str, value: int, offset: int, packing: Packing, stored: Any) -> str:
+    """The message for token id ``value`` at token ``offset`` of a document."""
+    head = f"evenly: packing: {where}"
+    fix = "fix the tokenizer or the pre-tokenized data (or leave the document out)"
+    if value == packing.pad_id:
+        return (
+            f"{head} uses the pad token pad_id={value} (at token {offset}): pads would be "
+            f"indistinguishable from its tokens; choose a pad_id no document uses "
+            f"(Packing(pad_id=...), e.g. the tokenizer's pad id)"
+        )
+    if value < 0 and (stored == np.dtype(np.uint64) or value <= -(2**62)):
+        how = ", stored as uint64" if stored is not None else ""
+        return (
+            f"{head} holds the unsigned token id {value + 2**64} (at token {offset}{how}), "
+            f"above int64's range (2^63 - 1): rows are int64, where it would read as "
+            f"{value}; {fix}"
+        )
+    if value == IGNORE:
+        return (
+            f"{head} holds token id -100 (at token {offset}): the loss's ignore index, so "
+            f"its label would silently mask the token, and no vocabulary has it; token ids "
+            f"are non-negative: {fix}"
+        )
+    if value < 0:
+        return (
+            f"{head} holds the negative token id {value} (at token {offset}): token ids "
+            f"are non-negative (an embedding has no row for it); {fix}"
+        )
+    vocab = packing.vocab_size
+    whose = " (the tokenizer's)" if getattr(packing.tokenize, "vocab_size", None) == vocab else ""
+    return (
+        f"{head} holds token id {value} (at token {offset}), not below "
+        f"Packing(vocab_size={vocab}){whose}: the model's embedding has no row for it; "
+        f"{fix}, or set Packing(vocab_size=...) to the model's vocabulary size"
+    )
+
+
+def check_lengths(
+    sizes: I64, planned: I64, documents: list[int] | I64, positions: I64, epoch: int
+) -> None:
+    """Raise, naming the first document at fault, if a document's token count is not the
+    one its lengths pass found."""
+    if np.array_equal(sizes, planned):
+        return
+    bad = int(np.flatnonzero(sizes != planned)[0])
+    raise ValueError(
+        f"evenly: packing: document {int(documents[bad])} (position {int(positions[bad])} of "
+        f"epoch {epoch}) holds {int(sizes[bad])} tokens, but {int(planned[bad])} when "
+        f"its lengths were computed: the transform must keep each document's token "
+        f"count (or the source changed since; its cached lengths are in cache_dir/lengths)"
+    )
+
+
+def direct_tokens(
+    ctx: ReadContext,
+    packing: Packing,
+    planned: I64,
+    epoch: int,
+    where: I64,
+    index: I64,
+    pieces: npt.NDArray[np.void],
+    inverse: I64,
+    empty: Empty,
+) -> tuple[I64, np.dtype[Any]] | None:
+    """The tokens of every piece, one after the other (int64; what ``piece_tokens`` gives
+    from documents read one by one), read through the source's token window, and the
+    dtype they are stored in; None where the source has none.  ``where``/``index``: each
+    distinct document's epoch position and source index; ``planned``: their planned
+    lengths; ``inverse``: each piece's document; ``empty``: where the tokens go."""
+    ranges = ctx.view.token_ranges
+    if ranges is None or packing.tokenize is not None or ctx.transform is not None:
+        return None
+    started = perf_counter()
+    try:
+        found = ranges(index, packing.field)
+    except Exception as exc:
+        first = index[:8].tolist()
+        ctx.note(exc, f"documents {first}{'...' if index.size > 8 else ''}")
+        raise
+    if found is None:
+        return None
+    span, starts, lengths = found
+    check_lengths(lengths, planned, index, where, epoch)
+    lengths = pieces["len"].astype(np.int64)
+    out = empty("flat", int(lengths.sum()))
+    tokens: I64 = span.gather(starts[inverse] + pieces["start"], lengths, out)
+    ctx.clock.read += perf_counter() - started
+    return tokens, span.values.dtype

@@ -5,7 +5,10 @@ turns pass states into checkpoints and back.
 ``evenly.DataLoader``, its feed, ``evenly.BatchSampler``'s shared checks and the audit
 talk to a dataset only through its :class:`Planner` (``dataset._planner``).  What the
 source offers is found once (:class:`~evenly.core.source.SourceView`), when the source is
-set, not on each pass.
+set, not on each pass; so is the reader strategy (:func:`choose_strategy`: samples,
+packed rows or a token mixture's rows), which plans, reads and checkpoints what differs
+by kind; each pass takes its own from it when it starts (:meth:`Planner.pass_strategy`:
+columns or samples).
 """
 
 from __future__ import annotations
@@ -19,31 +22,61 @@ import torch
 from torch.utils.data import get_worker_info
 
 from evenly.core.order import make_order
-from evenly.core.packing.cached import BlockOrder
-from evenly.core.packing.pieces import RowTable
 from evenly.core.packing.settings import Packing
 from evenly.core.plan import PAD_MODES, EpochPlan, Order
 from evenly.core.source import SourceView
 from evenly.core.spec import PassSpec
 from evenly.core.state import PassState
 from evenly.core.stream import StreamPlan
-from evenly.errors import StateError, check_int
+from evenly.errors import check_int
 from evenly.options import ON_ERROR, Generator, OnError, Pad, Shuffle
 from evenly.runtime.checks import check_current, shuffle_mode
-from evenly.runtime.clock import StageClock, perf_counter
-from evenly.runtime.packer import Packer, packed_items
-from evenly.runtime.reader import ReadContext, read_batches
+from evenly.runtime.clock import StageClock
+from evenly.runtime.packer import PackedRows
+from evenly.runtime.reader import ReadContext
 from evenly.runtime.rowtap import RowsTap
 from evenly.runtime.seeds import check_generators
-from evenly.runtime.token_mix import is_token_mix, token_reweighted
+from evenly.runtime.strategy import SAMPLES, ReadStrategy
+from evenly.runtime.token_mix import TOKEN_MIX_READ, TokenMixRows, is_token_mix
 
-__all__ = ["Planner", "ReadTap"]
+__all__ = ["Planner", "ReadTap", "choose_strategy"]
 
 logger = logging.getLogger("evenly")
 
 #: Something that sees every sample a pass reads (the audit): called in the process that
 #: reads, with the batch's source indices and samples, before they are collated.
 ReadTap = Callable[[list[int], list[Any]], list[Any]]
+
+
+def choose_strategy(
+    pack: Packing | None, view: SourceView, on_error: str, pad: str
+) -> ReadStrategy:
+    """The reader strategy of a dataset's passes (the one place the kind is decided):
+    samples, or with ``pack=`` packed rows (of a token mixture's pieces of documents
+    where the source is an ``evenly.Mix(unit="tokens")``); what packing cannot do is
+    refused here."""
+    if pack is None:
+        return SAMPLES  # a Mix by tokens is refused by Planner._check_transform
+    token_mix = is_token_mix(view.source)
+    if not isinstance(pack, Packing):
+        raise TypeError(f"pack must be an evenly.Packing, got {type(pack).__name__}")
+    if view.planned is not None and not token_mix:
+        raise ValueError(
+            f"evenly.Dataset(pack=...) over a {type(view.source).__name__} by samples: "
+            f"a Mix with packing apportions its sources by tokens, build it as "
+            f"evenly.Mix(..., unit='tokens')"
+        )
+    if on_error != "raise":
+        raise ValueError(
+            "on_error='skip' cannot be used with pack=: a document replaced by another "
+            "changes the token counts the rows were planned from; use on_error='raise'"
+        )
+    if pad == "mask":
+        raise ValueError(
+            "pad='mask' is not used with pack=: the epoch's tail is pad rows, already "
+            "marked (labels -100); use the default pad, or pad='none' for evaluation"
+        )
+    return TokenMixRows(pack) if token_mix else PackedRows(pack)
 
 
 class Planner:
@@ -77,10 +110,9 @@ class Planner:
         if pad not in PAD_MODES:
             raise ValueError(f"pad must be one of {list(PAD_MODES)}, got {pad!r}")
         self.pad = pad
-        #: packing (``pack=``): rows of tokens are the plan's unit
-        self.packer = Packer.build(pack, self.view, on_error, pad)
-        self._orders: dict[tuple[Any, ...], BlockOrder | None] = {}
-        self._check_mask()
+        #: what the passes count, plan and read (``pack=``: rows of tokens)
+        self.strategy = choose_strategy(pack, self.view, on_error, pad)
+        self._check_transform()
         #: the audit's tap on every read (None: no one is watching)
         self.tap: ReadTap | None = None
         #: under ``pack=``: the audit's tap on every batch of rows, with their pieces
@@ -95,21 +127,20 @@ class Planner:
         """Replace the source or the transform: a new generation."""
         if which == "source":
             self.view = SourceView.of(source)
-            if self.packer is not None:
-                Packer.build(self.packer.packing, self.view, self.on_error, self.pad)
-                self.packer.reset()
+            self.strategy = choose_strategy(
+                self.strategy.packing, self.view, self.on_error, self.pad
+            )
         else:
             self.transform = transform
-            self._check_mask()
+            self._check_transform()
         self.generation += 1
 
-    def _check_mask(self) -> None:
-        if is_token_mix(self.source) and (self.packer is None or self.transform is not None):
-            raise ValueError(
-                "an evenly.Mix(unit='tokens') is read packed, with no per-document transform"
-                " (its documents are cut into seq_len pieces, each placed on its own): pass "
-                "pack=evenly.Packing(seq_len, ...) and no transform"
-            )
+    def _check_transform(self) -> None:
+        """Raise if the transform does not fit the reader strategy or the pad mode (at
+        construction and when the transform is replaced)."""
+        if self.strategy.packing is None and is_token_mix(self.source):
+            raise ValueError(TOKEN_MIX_READ)  # its pieces of documents are packed rows
+        self.strategy.check_transform(self.transform)
         if self.pad == "mask" and self.transform is None:
             raise ValueError(
                 "pad='mask' needs a transform: it is where each sample learns whether it is "
@@ -125,35 +156,16 @@ class Planner:
     def num_samples(self) -> int:
         return len(self.view.source)
 
-    # ---- packing -----------------------------------------------------------------
+    # ---- units -------------------------------------------------------------------
     def units(self, epoch: int) -> int:
         """The plan's units in epoch ``epoch``: samples, or under packing that epoch's
         rows (the same every epoch under ``concat``; under ``best_fit`` it may differ)."""
-        if self.packer is None:
-            return self.num_samples()
-        files = self.packer.files(self.view)
-        if self.packer.packing.strategy == "concat":
-            return files.concat_rows()  # the epoch's tokens cut into rows
-        return self.epoch_rows(epoch)[0].num_rows
+        return self.strategy.units(self, epoch)
 
-    def epoch_rows(self, epoch: int, part: Any = None) -> tuple[RowTable, Order | None]:
-        """Epoch ``epoch``'s packed rows and its document order (``part``: what the pass
-        carries, for a token mixture's weight changes)."""
-        assert self.packer is not None
-        n = self.num_samples()
-        key = (self.seed, self.shuffle_mode, self.block_shards)
-        if is_token_mix(self.source):  # the order's positions are pieces of documents
-            items = self.packer.items(
-                self.view, self.seed, epoch, self.shuffle_mode != "none", part
-            )
-            return self.packer.files(self.view).table(epoch, key, items, items), items
-        cached = self._orders.get((epoch, n, key))
-        if cached is None:
-            order = self.order_for(epoch, n, 1, 0)
-            cached = None if order is None else BlockOrder(order, n)
-            kept = list(self._orders.items())[-1:]  # the epochs being read (a stream: two)
-            self._orders = {**dict(kept), (epoch, n, key): cached}
-        return self.packer.files(self.view).table(epoch, key, cached), cached
+    def pass_strategy(self, columnar: bool) -> ReadStrategy:
+        """The reader strategy of a pass, chosen when it starts: the dataset's, read by
+        columns where the pass asks (``columnar``) and no audit tap needs the samples."""
+        return self.strategy.for_pass(columnar and self.tap is None)
 
     def source_fingerprint(self) -> int:
         """A 63-bit digest of ``source.fingerprint`` (0 if the source has none)."""
@@ -172,56 +184,23 @@ class Planner:
         ``stream_plan_for`` for an infinite pass)."""
         if spec.infinite:
             raise ValueError("an infinite pass has a stream plan: use stream_plan_for")
-        packed = self.packer is not None  # rows are the unit; the tail is pad rows
-        return EpochPlan(
-            num_samples=self.units(spec.epoch) if packed else spec.num_samples,
-            world_size=spec.world_size,
-            batch_size=spec.batch_size,
-            drop_last=spec.drop_last,
-            seed=self.seed,
-            epoch=spec.epoch,
-            start=spec.start,
-            pad="full" if packed and self.pad == "repeat" else self.pad,
-            order=None
-            if packed  # the rows are packed from the document order already
-            else self.order_for(
-                spec.epoch,
-                spec.num_samples,
-                spec.world_size * spec.batch_size,
-                spec.start,
-                spec.source,
-            ),
-        )
+        return self.strategy.plan(self, spec)
 
     def stream_plan_for(self, spec: PassSpec) -> StreamPlan:
         """The endless plan over consecutive epochs of an infinite pass (under packing:
         of every epoch's rows, packed from the document order already)."""
-        step = spec.world_size * spec.batch_size
-        packed = self.packer is not None
-        varied = self.varied_epochs()  # then spec.start counts from epoch spec.epoch
-        return StreamPlan(
-            num_samples=self.units(spec.epoch if varied else 0) if packed else spec.num_samples,
-            world_size=spec.world_size,
-            batch_size=spec.batch_size,
-            seed=self.seed,
-            start=spec.start,
-            orders=(lambda epoch: None)
-            if packed
-            else (lambda epoch: self.order_for(epoch, spec.num_samples, step, 0)),
-            lengths=self.units if varied else None,
-            first_epoch=spec.epoch if varied else 0,
-        )
+        return self.strategy.stream_plan(self, spec)
+
+    def check_stream(self) -> None:
+        """Raise if the passes cannot be one stream of epochs (``infinite=True``)."""
+        self.strategy.check_stream(self)
 
     def pass_start(self, epoch: int, position: int, infinite: bool) -> int:
         """A pass's ``spec.start`` from a state: the position in the epoch, or for a stream
         over epochs of one length, the stream position (else counted from ``epoch``)."""
-        flat = infinite and not self.varied_epochs()
+        flat = infinite and not self.strategy.varied_epochs()
         u = self.units(0 if flat else epoch)  # rows under packing
         return (epoch * u if flat else 0) + min(position, u)
-
-    def varied_epochs(self) -> bool:
-        """Whether epochs differ in units (packed rows under ``best_fit``)."""
-        return self.packer is not None and self.packer.packing.strategy == "best_fit"
 
     def order_for(
         self, epoch: int, num_samples: int, step: int, start: int, part: Any = None
@@ -262,8 +241,7 @@ class Planner:
         }
         if self.shuffle_mode == "block":
             fp["block_shards"] = self.block_shards
-        if self.packer is not None:
-            fp.update(self.packer.packing.fingerprint())
+        fp.update(self.strategy.fingerprint())
         if self.view.fingerprint is not None:
             fp["source"] = self.view.fingerprint
         if self.view.planned is not None:
@@ -299,21 +277,9 @@ class Planner:
                 f"set_weights needs an evenly.Mix source, not {type(self.source).__name__}"
             )
         saved = self.to_state(state, drop_last, order)
-        if is_token_mix(self.source) and self.packer is not None:
-            files = self.packer.files(self.view)
-            saved["source_state"]["part"] = token_reweighted(
-                self.source,
-                self.packer.packing,
-                files.lengths,
-                state.source,
-                epoch=state.epoch,
-                position=state.position,
-                weights=weights,
-                seed=self.seed,
-                shuffle=self.shuffle_mode != "none",
-            )
-            return self.from_state(saved, drop_last)
-        saved["source_state"] = planned.reweighted(saved["source_state"], weights)
+        saved["source_state"] = self.strategy.reweighted(
+            self, saved["source_state"], state, weights
+        )
         return self.from_state(saved, drop_last)
 
     def carried(self, state: PassState) -> Any:
@@ -329,11 +295,7 @@ class Planner:
             fingerprint["num_samples"] = self.num_samples()
             state = {**state, "num_samples": self.num_samples()}
         loaded = PassState.from_dict(state, fingerprint)
-        if self.packer is not None and loaded.position > self.units(loaded.epoch):
-            raise StateError(
-                f"state['position']={loaded.position} is past the end of epoch "
-                f"{loaded.epoch} ({self.units(loaded.epoch)} packed rows)"
-            )
+        self.strategy.check_state(self, loaded)
         if planned is None:
             return PassState(loaded.epoch, loaded.position, loaded.batches)
         part = planned.load_source_state(state.get("source_state"), loaded.epoch, loaded.position)
@@ -363,45 +325,28 @@ class Planner:
         the stages of each batch (``loader.stats()``)."""
         check_current(spec, self.num_samples(), self.generation, seen, self.source_fingerprint)
         self.check_files()
-        plan = self.stream_plan_for(spec) if spec.infinite else self.plan_for(spec)
-        tap = self.tap
+        reads = self.pass_strategy(columnar)
+        plan = reads.stream_plan(self, spec) if spec.infinite else reads.plan(self, spec)
         ctx = ReadContext(
             self.view if view is None else view,
             plan,
             spec.rank,
             num_workers,
             worker_id,
-            self.transform,
-            self.on_error,
-            skipped,
-            [skip] if progress is None else progress,
-            self.seed_generators,
-            columnar and tap is None,  # the tap needs the samples themselves
-            tap,
-            StageClock() if clock is None else clock,
-            self.rows_tap,
+            transform=self.transform,
+            on_error=self.on_error,
+            skipped=skipped,
+            progress=[skip] if progress is None else progress,
+            generators=self.seed_generators,
+            tap=self.tap,
+            clock=StageClock() if clock is None else clock,
+            rows_tap=self.rows_tap,
         )
         if progress is not None:
             progress[0] = skip
         if ctx.view.prepare_pass is not None:  # how the source fetches (remote: by range?)
             ctx.view.prepare_pass(self.shuffle_mode, num_workers)
-        if self.packer is not None:
-            rows_of = lambda e: self.epoch_rows(e, spec.source)  # noqa: E731
-            yield from packed_items(ctx, self.packer, rows_of, skip, collate)
-            return
-        batches = read_batches(ctx, skip)
-        if ctx.columnar:
-            yield from batches
-        elif collate is None:
-            for batch in batches:
-                yield from batch
-        else:
-            timed = ctx.clock
-            for batch in batches:
-                started = perf_counter()
-                collated = collate(batch)
-                timed.collate += perf_counter() - started
-                yield collated
+        yield from reads.read(ctx, self, spec, skip, collate)
 
     def in_worker(self) -> bool:
         return get_worker_info() is not None

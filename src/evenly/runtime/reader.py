@@ -28,7 +28,7 @@ from evenly.runtime.clock import StageClock, perf_counter
 from evenly.runtime.rowtap import RowPieces, RowsTap
 from evenly.runtime.seeds import RngState, SeedSpreader
 
-__all__ = ["ReadContext", "read_batches"]
+__all__ = ["MAX_GROUP", "ReadContext", "read_columnar", "read_samples"]
 
 logger = logging.getLogger("evenly")
 
@@ -50,8 +50,6 @@ class ReadContext:
     skipped: torch.Tensor | None = None  # shared per-worker counters
     progress: list[int] = field(default_factory=lambda: [0])  # samples handed out so far
     generators: tuple[str, ...] = ("random", "numpy", "torch")
-    #: read batches with ``source.read_columns`` (a dict of columns per batch)
-    columnar: bool = False
     #: sees each batch's source indices and samples (the audit), after the transform
     tap: Callable[[list[int], list[Any]], list[Any]] | None = None
     #: times each batch's read and transform (``loader.stats()``)
@@ -85,19 +83,24 @@ class ReadContext:
         )
 
 
-def read_batches(ctx: ReadContext, skip: int = 0) -> Iterator[Any]:
+def _chunks(ctx: ReadContext, skip: int) -> tuple[Iterator[tuple[Any, int]], int]:
+    """This worker's plan chunks from its sample ``skip`` on, and the samples of the
+    first batch to drop; starts the clock."""
+    plan = ctx.plan
+    ctx.clock.start(ctx.view.io_stats)
+    first, drop = divmod(skip, plan.batch_size)
+    chunks = plan.iter_worker_chunks(ctx.rank, ctx.num_workers, ctx.worker_id, first=first)
+    return chunks, drop
+
+
+def read_samples(ctx: ReadContext, skip: int = 0) -> Iterator[list[Any]]:
     """Yield this worker's batches in order, from its sample ``skip`` on: a list of
-    samples per batch, or with ``ctx.columnar`` a dict of columns per batch."""
+    samples per batch."""
     plan = ctx.plan
     getitems, prefetch, tap = ctx.view.getitems, ctx.view.prefetch, ctx.tap
     clock, io_stats = ctx.clock, ctx.view.io_stats
-    clock.start(io_stats)
-    first, drop = divmod(skip, plan.batch_size)
-    chunks = plan.iter_worker_chunks(ctx.rank, ctx.num_workers, ctx.worker_id, first=first)
+    chunks, drop = _chunks(ctx, skip)
     spreader = SeedSpreader(ctx.generators) if ctx.transform is not None else None
-    if ctx.columnar:
-        yield from _read_columnar(ctx, chunks, drop)
-        return
     upcoming = ((p, plan.indices(p).tolist(), n) for p, n in chunks)
     current = next(upcoming, None)
     ahead = LookAhead(prefetch)
@@ -175,14 +178,16 @@ GROUP_BYTES = 8 << 20
 MAX_GROUP = 64
 
 
-def _read_columnar(ctx: ReadContext, chunks: Iterator[tuple[Any, int]], drop: int) -> Iterator[Any]:
-    """The columnar batches: with a source that reads several batches in one call
+def read_columnar(ctx: ReadContext, skip: int = 0) -> Iterator[dict[str, Any]]:
+    """This worker's batches in order, from its sample ``skip`` on, each a dict of
+    columns (``source.read_columns``): with a source that reads several batches in one call
     (``read_column_batches``), the batches of a plan chunk are read in groups of up to
     :data:`GROUP_BYTES` (sized from the first batch), so the per-read work (the lookup,
     the check that each mapped file is unchanged) is done once per group.  A group whose
     read fails is read again batch by batch: the batches before the failing one are
     handed out and the failing one raises, naming its own samples."""
     plan, clock, io_stats, prefetch = ctx.plan, ctx.clock, ctx.view.io_stats, ctx.view.prefetch
+    chunks, drop = _chunks(ctx, skip)
     grouped = ctx.view.read_column_batches
     group = 1  # batches per read: 1 until the first batch says how big a batch is
     upcoming = ((plan.indices(p), n) for p, n in chunks)

@@ -7,14 +7,17 @@ document orders, planned once per node and memory-mapped by every process.
   per piece, in ``cache_dir/packing/<key>-e<epoch>.items`` (written once by whichever
   process of the node comes first), a window of about half a million items at a time;
   every process then maps the file.
+- :class:`TokenMixRows`: the reader strategy of a packed token mixture: its units are
+  rows, packed from the epoch's pieces of documents, each piece cut from the whole
+  document read for it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -28,14 +31,24 @@ from evenly.core.mix.tokens import (
     segmented_chunks,
     token_segments,
 )
+from evenly.core.packing.pieces import Empty, RowTable, piece_tokens
 from evenly.core.packing.settings import Packing
+from evenly.core.plan import Order
+from evenly.core.source import SourceView
+from evenly.core.state import PassState
 from evenly.runtime.lengths import document_lengths
-from evenly.runtime.packed_plans import prune
+from evenly.runtime.packed_plans import PlanFiles, prune
+from evenly.runtime.packer import PackedRows, StoredDtype, documents, stored_dtype
+from evenly.runtime.reader import ReadContext
+from evenly.runtime.seeds import SeedSpreader
+from evenly.runtime.strategy import Plans
 from evenly.sources._cachedir import cache_subdir, publish
 
 __all__ = [
+    "TOKEN_MIX_READ",
     "MixLengths",
     "TokenItems",
+    "TokenMixRows",
     "is_token_mix",
     "mix_lengths",
     "token_items",
@@ -43,6 +56,14 @@ __all__ = [
 ]
 
 I64 = npt.NDArray[np.int64]
+
+
+#: Why a token mixture cannot be read as samples, or with a transform.
+TOKEN_MIX_READ = (
+    "an evenly.Mix(unit='tokens') is read packed, with no per-document transform"
+    " (its documents are cut into seq_len pieces, each placed on its own): pass "
+    "pack=evenly.Packing(seq_len, ...) and no transform"
+)
 
 
 def is_token_mix(source: Any) -> bool:
@@ -250,3 +271,101 @@ def token_reweighted(
         "weights": None if start.weights is None else list(start.weights),
         "changes": [*changes, [token, vector, list(at)]],
     }
+
+
+class TokenMixRows(PackedRows):
+    """Packed rows of an ``evenly.Mix(unit="tokens")``: the epoch's positions are pieces
+    of documents (each source's share of the epoch's tokens, :func:`token_items`), each
+    piece cut from the whole document read for it; no per-document transform."""
+
+    def __init__(self, packing: Packing) -> None:
+        super().__init__(packing)
+        self._items: dict[tuple[Any, ...], TokenItems] = {}
+
+    def files(self, view: SourceView) -> PlanFiles:
+        """The sources' lengths (each source's own) and the epochs' plan files."""
+        if self._files is None:
+            mixed, key = mix_lengths(view.source, self.packing)
+            total = sum(view.source.token_shares(mixed.totals))
+            self._files = PlanFiles(self.packing, mixed, key, total)
+        return self._files
+
+    def items(
+        self, view: SourceView, seed: int, epoch: int, shuffle: bool, part: Any = None
+    ) -> TokenItems:
+        """Epoch ``epoch``'s pieces of documents, in order."""
+        key = (seed, epoch, shuffle, repr(part or None))
+        found = self._items.get(key)
+        if found is None:
+            files = self.files(view)
+            found = token_items(
+                view.source,
+                self.packing,
+                files.lengths,
+                files.lengths_key,
+                seed=seed,
+                epoch=epoch,
+                shuffle=shuffle,
+                part=part,
+            )
+            if len(self._items) >= 3:
+                self._items.pop(next(iter(self._items)))
+            self._items[key] = found
+        return found
+
+    def epoch_rows(
+        self, plans: Plans, epoch: int, part: Any = None
+    ) -> tuple[RowTable, Order | None]:
+        """The order's positions are pieces of documents: epoch ``epoch``'s items."""
+        key = (plans.seed, plans.shuffle_mode, plans.block_shards)
+        items = self.items(plans.view, plans.seed, epoch, plans.shuffle_mode != "none", part)
+        return self.files(plans.view).table(epoch, key, items, items), items
+
+    def check_transform(self, transform: Callable[[Any], Any] | None) -> None:
+        if transform is not None:
+            raise ValueError(TOKEN_MIX_READ)
+
+    def reweighted(
+        self,
+        plans: Plans,
+        source_state: dict[str, Any],
+        state: PassState,
+        weights: Mapping[str, float],
+    ) -> dict[str, Any]:
+        """The part a pass carries from ``state``'s row on, under the new weights."""
+        source_state["part"] = token_reweighted(
+            plans.view.source,
+            self.packing,
+            self.files(plans.view).lengths,
+            state.source,
+            epoch=state.epoch,
+            position=state.position,
+            weights=weights,
+            seed=plans.seed,
+            shuffle=plans.shuffle_mode != "none",
+        )
+        return source_state
+
+    def tokens(
+        self,
+        ctx: ReadContext,
+        files: PlanFiles,
+        epoch: int,
+        order: Order | None,
+        where: I64,
+        index: I64,
+        pieces: npt.NDArray[np.void],
+        inverse: I64,
+        spreader: SeedSpreader | None,
+        alloc: Empty,
+    ) -> tuple[I64, StoredDtype, Any]:
+        """Each position's piece of the whole document read for it."""
+        items = cast(TokenItems, order)  # what epoch_rows gives as the order
+        whole = documents(ctx, self.packing, files, epoch, where, index, spreader)
+        cut = items.cut(where, whole)
+        return piece_tokens(pieces, cut, alloc), stored_dtype(cut), items.starts(pieces["pos"])
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["_items"] = {}
+        return state

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 import evenly.sources as es
+from evenly.errors import EvenlyWarning
 from evenly.sources._cache import ShardCache
 from evenly.sources._jsonl import JsonlSource
 from tests import s3server
@@ -75,6 +76,30 @@ def test_an_unwritable_cache_dir_for_remote_shards_is_named_when_the_source_open
     message = str(raised.value)
     assert f"{tmp_path / 'afile'} is a file, not a directory" in message, message
     assert "pass cache_dir= a writable local directory" in message, message
+
+
+def test_decoded_cache_bytes_for_remote_parquet_is_named_as_unused(
+    s3: S3Endpoint, s3_prefix: str, tmp_path: Path
+) -> None:
+    """A remote Parquet source keeps one copy on disk (the shard): an explicit
+    ``decoded_cache_bytes`` is not used, and says so instead of being ignored silently;
+    ``0`` (the cache off, what it gets) says nothing."""
+    url = upload(s3, s3_prefix, tmp_path, "parquet")
+    with pytest.warns(EvenlyWarning, match=r"decoded_cache_bytes=1048576 is not used for remote"):
+        src = es.from_parquet(
+            url,
+            storage_options=s3.storage_options,
+            cache_dir=str(tmp_path / "c"),
+            decoded_cache_bytes=1 << 20,
+        )
+    assert src.decoded_cache is None and src[5]["id"] == 5
+    quiet = es.from_parquet(  # warnings are errors in this suite
+        url,
+        storage_options=s3.storage_options,
+        cache_dir=str(tmp_path / "c"),
+        decoded_cache_bytes=0,
+    )
+    assert quiet.decoded_cache is None
 
 
 def test_manifest_cached_for_remote(

@@ -100,6 +100,16 @@ class ParquetSource(ArrowBatchSource):
             if self.cache is not None
             else _node_cache(kwargs.get("cache_dir"), decoded_cache_bytes)
         )
+        if self.cache is not None and decoded_cache_bytes:
+            warnings.warn(
+                f"evenly: decoded_cache_bytes={decoded_cache_bytes} is not used for remote "
+                f"Parquet ({self.urls[0] if self.urls else paths!r}): the one copy on disk is "
+                f"the downloaded shard, bounded by cache_bytes, and each worker keeps the "
+                f"decoded row groups it still reads, at most row_group_cache_bytes; drop "
+                f"decoded_cache_bytes (or pass 0) to silence this",
+                EvenlyWarning,
+                stacklevel=3,
+            )
 
     def _scan(self, k: int, url: str) -> tuple[int, dict[str, Any]]:
         fs, path = filesystem(url, self._shards.storage_options)

@@ -224,8 +224,16 @@ def prepare(data_dir: str, n: int, shards: int, names: list[str]) -> None:
             ("sample:evenly-tar", "sample:evenly-tar-block8", "sample:webdataset"),
         ),
         ("arrow", ev("arrow"), ("sample:evenly-arrow", "large:evenly-arrow")),
-        ("arrow-col", ev("arrow", True), ("columnar:evenly-arrow-columnar",)),
-        ("parquet-col", ev("parquet", True), ("columnar:evenly-parquet-columnar",)),
+        (
+            "arrow-col",
+            ev("arrow", True),
+            ("columnar:evenly-arrow-columnar", "columnar:evenly-arrow-procs"),
+        ),
+        (
+            "parquet-col",
+            ev("parquet", True),
+            ("columnar:evenly-parquet-columnar", "columnar:evenly-parquet-procs"),
+        ),
         ("litdata", lit(_litdata_item), ("sample:litdata", "large:litdata")),
         ("litdata-col", lit(_litdata_col_item), ("columnar:litdata",)),
         ("mds", mds, ("sample:mosaic-streaming",)),

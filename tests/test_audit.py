@@ -445,6 +445,12 @@ def rank0_fails_once_rank1_is_stuck(folder: str) -> Stuck:
     return Stuck(folder, fail_when=2 if os.environ["RANK"] == "0" else None)
 
 
+def _sigint_as_at_a_terminal() -> None:
+    """In the child before it runs Python: SIGINT's default disposition, so that Python
+    turns it into ``KeyboardInterrupt`` (it keeps SIGINT ignored if it starts so)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _running(pid: int) -> bool:
     """Whether ``pid`` is a live process (a zombie awaiting its reaper is not)."""
     try:
@@ -533,6 +539,8 @@ def test_an_interrupted_audit_stops_the_ranks_and_their_workers(
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     env = dict(os.environ, PYTHONPATH=path, **{STUCK_DIR: str(stuck_dir)})
     # No pipes: a process left behind holding one would only turn into a hang here.
+    # SIGINT as at a terminal: a suite started in the background by a non-interactive
+    # shell (`.ci/run &`) hands its children SIGINT ignored, and Python keeps it so.
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -550,6 +558,7 @@ def test_an_interrupted_audit_stops_the_ranks_and_their_workers(
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        preexec_fn=_sigint_as_at_a_terminal,
     )
     try:
         for _ in range(2400):  # until the 2 ranks' 4 workers are blocked (120 s at most)

@@ -237,26 +237,30 @@ class S3Proxy:
         self._loop.run_forever()
         # connections accepted while the proxy shut down: ended here, before the loop
         # closes (a task destroyed pending would warn, and its cleanup raise, at GC)
-        pending = [t for t in asyncio.all_tasks(self._loop) if not t.done()]
-        for task in pending:
-            task.cancel()
-        if pending:
-            self._loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        self._loop.run_until_complete(self._end_connections())
         self._loop.run_until_complete(self._loop.shutdown_asyncgens())
         self._loop.close()
 
     async def _shutdown(self) -> None:
         if self._server is not None:
             self._server.close()
+        await self._end_connections()
+        self._loop.call_soon(self._loop.stop)
+
+    async def _end_connections(self) -> None:
+        """End every connection's task, also one accepted after the first round.  Each
+        task first runs (one turn of the loop) so that its ``finally`` closes its socket
+        when cancelled: a task cancelled before its first step never runs its body, and
+        its socket would be left open."""
         me = asyncio.current_task()
-        while True:  # every connection's task, also one accepted after the first cancel
+        while True:
+            await asyncio.sleep(0)
             tasks = [t for t in asyncio.all_tasks() if t is not me and not t.done()]
             if not tasks:
-                break
+                return
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-        self._loop.call_soon(self._loop.stop)
 
     def _take_fault(self, req: _Request) -> _Fault | None:
         with self._lock:

@@ -153,6 +153,9 @@ class S3Proxy:
         self.reset_stats()
         self._loop = asyncio.new_event_loop()
         self._tasks: set[asyncio.Task[Any]] = set()
+        #: every connection's writer not closed yet (clients' and upstream ones): all
+        #: closed at shutdown, whatever was cut short
+        self._writers: set[asyncio.StreamWriter] = set()
         self._server: asyncio.Server | None = None
         self._closed = False
         ready = threading.Event()
@@ -257,10 +260,15 @@ class S3Proxy:
             await asyncio.sleep(0)
             tasks = [t for t in asyncio.all_tasks() if t is not me and not t.done()]
             if not tasks:
-                return
+                break
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+        for writer in list(self._writers):  # what a cut-short exchange left open
+            writer.close()
+        self._writers.clear()
+        for _ in range(3):  # a closed transport's socket is closed on a later turn
+            await asyncio.sleep(0)
 
     def _take_fault(self, req: _Request) -> _Fault | None:
         with self._lock:
@@ -281,6 +289,7 @@ class S3Proxy:
         task = asyncio.current_task()
         assert task is not None
         self._tasks.add(task)
+        self._writers.add(writer)
         conn = _Bucket(self.per_connection_bandwidth) if self.per_connection_bandwidth else None
         upstream: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
         try:
@@ -320,8 +329,10 @@ class S3Proxy:
         finally:
             if upstream is not None:
                 upstream[1].close()
+                self._writers.discard(upstream[1])
             if not writer.is_closing():
                 writer.close()
+            self._writers.discard(writer)
             self._tasks.discard(task)
 
     async def _exchange(
@@ -333,7 +344,9 @@ class S3Proxy:
             if fresh:
                 if upstream is not None:
                     upstream[1].close()
+                    self._writers.discard(upstream[1])
                 upstream = await asyncio.open_connection(*self.upstream)
+                self._writers.add(upstream[1])
             assert upstream is not None
             try:
                 upstream[1].write(req.raw())
@@ -341,7 +354,7 @@ class S3Proxy:
                 return upstream, await upstream[0].readuntil(b"\r\n\r\n")
             except (ConnectionError, asyncio.IncompleteReadError):
                 if fresh:
-                    raise
+                    raise  # the writer is closed at shutdown (self._writers)
         raise AssertionError("unreachable")
 
     async def _forward(

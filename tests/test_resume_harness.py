@@ -264,3 +264,13 @@ MIX: dict[str, tuple[Make, Layout, Layout, bool]] = {
 def test_a_mix_resumes_exactly_from_every_step_boundary(row: str) -> None:
     make, before, after, every_batch = MIX[row]
     run(make, before, after, every_batch, topology_free=False)
+
+
+def test_evenly_testing_lists_exactly_the_harness_names() -> None:
+    """``evenly.testing`` names the harness's exports by hand (to load it lazily, without
+    torch): the list and the harness's ``__all__`` are the same names."""
+    import evenly.audit._harness as harness
+    import evenly.testing as testing
+
+    assert set(testing._HARNESS) == set(harness.__all__)
+    assert all(getattr(testing, name) is getattr(harness, name) for name in harness.__all__)

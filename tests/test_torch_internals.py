@@ -2,9 +2,9 @@
 checked on a real multi-worker DataLoader (or a real process group).
 
 The iterator functions read with ``getattr`` and a default, so a torch release that
-renamed one would turn the fork-hang workaround (``evenly.loader.feed.settle``) into a
-silent no-op and bring the CPython 3.11 fork hang back: these tests fail instead.  What
-evenly relies on, function by function:
+renamed one would turn the fork-hang workaround (``evenly.loader.feed.TorchPass.settle``)
+into a silent no-op and bring the CPython 3.11 fork hang back: these tests fail instead.
+What evenly relies on, function by function:
 
 - ``is_persistent`` (``_persistent_workers``): the loader's ``persistent_workers``;
 - ``is_shut_down`` (``_shutdown``): False while the workers run, True once shut down;

@@ -76,7 +76,7 @@ def test_held_batches_outlive_a_killed_worker_and_a_dropped_loader() -> None:
     held = [next(it) for _ in range(6)]
     transport = loader._engine.feed.transport
     assert transport is not None and transport.held(0) + transport.held(1) >= 4
-    pids = [w.pid for w in it.inner._workers]  # type: ignore[attr-defined]
+    pids = [w.pid for w in it.inner.iterator._workers]  # type: ignore[attr-defined]
     os.kill(pids[0], signal.SIGKILL)
     with pytest.raises(RuntimeError, match="died"):
         for _ in range(60):

@@ -8,7 +8,7 @@ loop received."""
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -21,11 +21,10 @@ from evenly.core.plan import EpochPlan
 from evenly.core.source import SourceView
 from evenly.core.spec import PassSpec
 from evenly.core.stream import StreamPlan
-from evenly.loader.feed import Feed, PassIterator, pass_through, settle
+from evenly.loader.feed import Feed, PassIterator, Runner, TorchPass, pass_through
 from evenly.loader.threads import ThreadPass, thread_copy
 from evenly.runtime import torch_compat
 from evenly.runtime.channel import PassChannel
-from evenly.runtime.clock import StageClock
 from evenly.runtime.planner import Planner
 from evenly.runtime.strategy import ReadStrategy
 from evenly.transport.slots import HOLD, Transport
@@ -92,7 +91,7 @@ class Engine:
         down when its length, source fingerprint or generation changed since."""
         running = self._running()
         if running is not None and self._workers_view not in (None, view):
-            settle(running, shut_down=False)
+            TorchPass(running).settle()
             torch_compat.shut_down_workers(running)
             torch_compat.drop_iterator(self.loader)
 
@@ -105,40 +104,18 @@ class Engine:
             hold = HOLD if self.transport == "slots" else 0  # "copy": copied out at once
             self.feed.transport = Transport(self.num_workers, self.prefetch_factor + 1, hold)
 
-    def _thread_reads(
-        self, spec: PassSpec, reads: ReadStrategy
-    ) -> list[Callable[[], Iterator[Any]]]:
+    def _thread_reads(self, spec: PassSpec, reads: ReadStrategy) -> list[Callable[[], Any]]:
         """Each reader thread's share of the pass, read from its own source copy (kept
         while the dataset's source is the same object, its length and generation too);
         as many threads as the pass's reader strategy takes (a packed pass: one)."""
-        planner, feed = self.planner, self.feed
+        planner = self.planner
         workers = reads.readers(self.num_workers)
         key = (id(planner.view), *planner.main_view())
         if self._thread_views is None or self._thread_views[0] != key:
             views = [SourceView.of(thread_copy(planner.view.source)) for _ in range(workers)]
             self._thread_views = (key, views)
-        views = self._thread_views[1]
-        pin = self.pin_memory
-
-        def read(w: int) -> Iterator[Any]:
-            clock = StageClock()  # each item with its stage times, as the feed's
-            items = planner.read(
-                spec,
-                w,
-                workers,
-                collate=feed.collate,
-                columnar=reads.columnar,
-                skipped=feed.skipped,
-                view=views[w],
-                clock=clock,
-            )
-            if feed.per_sample is not None:
-                items = map(feed.per_sample, items)
-            if pin:
-                items = map(torch_compat.pin_memory, items)
-            return ((item, clock.take()) for item in items)
-
-        return [partial(read, w) for w in range(workers)]
+        views, share, pin = self._thread_views[1], self.feed.share, self.pin_memory
+        return [partial(share, spec, w, workers, view=views[w], pin=pin) for w in range(workers)]
 
     def start(
         self,
@@ -153,29 +130,26 @@ class Engine:
         """Publish the pass to the workers and start iterating the private loader (or,
         with ``threads``, start ``num_workers`` reader threads in this process); ``reads``:
         the pass's reader strategy."""
-        previous = self._iterator() if self._iterator is not None else None
+        previous = self.iterating()
         if previous is not None:  # the previous pass, finished or abandoned
-            if isinstance(previous.inner, ThreadPass):
-                previous.inner.close()
-            else:
-                settle(previous.inner, shut_down=True)
+            previous.inner.close()
         self.feed.columnar = reads.columnar
+        runner: Runner
         if threads:
             # batches a reader may hold beyond its queue: those of one read of several
             # batches (a columnar group, a packed read), so it reads the next meanwhile
             ahead = reads.ahead(spec.batch_size)
             readers = self._thread_reads(spec, reads)
-            inner = ThreadPass(readers, self.prefetch_factor, self.timeout, ahead)
-            iterator = PassIterator(inner, current, plan, on_end)
-            self._iterator = weakref.ref(iterator)
-            return iterator
-        view = (spec.num_samples, self.planner.source_fingerprint(), spec.generation)
-        self._restart_stale_workers(view)
-        if self._running() is None:
-            self._workers_view = view
-        if self.num_workers > 0 and (self._running() is None or not self.persistent_workers):
-            self._new_transport()
-        self.channel.publish(spec)
-        iterator = PassIterator(iter(self.loader), current, plan, on_end)
-        self._iterator = weakref.ref(iterator)  # a weak one: do not keep workers alive
+            runner = ThreadPass(readers, self.prefetch_factor, self.timeout, ahead)
+        else:
+            view = (spec.num_samples, self.planner.source_fingerprint(), spec.generation)
+            self._restart_stale_workers(view)
+            if self._running() is None:
+                self._workers_view = view
+            if self.num_workers > 0 and (self._running() is None or not self.persistent_workers):
+                self._new_transport()
+            self.channel.publish(spec)
+            runner = TorchPass(iter(self.loader))
+        iterator = PassIterator(runner, current, plan, on_end)
+        self.follow(iterator)  # a weak reference: it does not keep workers alive
         return iterator

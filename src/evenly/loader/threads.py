@@ -177,6 +177,12 @@ class ThreadPass(Iterator[Any]):
                     f"for reader thread {w}"
                 )
 
+    def settle(self) -> None:
+        """Nothing to wait for: the readers were stopped when the last one ended."""
+
+    def name_dead_workers(self, exc: BaseException) -> None:
+        """Nothing to name: a reader's error is raised as it is."""
+
     def close(self, wait: float = 10.0) -> None:
         """Stop the readers (each finishes the read it is in) and wait for them (up to
         ``wait`` seconds each)."""

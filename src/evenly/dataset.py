@@ -36,7 +36,7 @@ from evenly.runtime.own_passes import OwnPasses
 from evenly.runtime.planner import Planner
 from evenly.runtime.seeds import GENERATORS
 
-__all__ = ["Dataset"]
+__all__ = ["Dataset", "planner_of"]
 
 T_co = TypeVar("T_co", covariant=True)
 
@@ -428,3 +428,9 @@ class Dataset(IterableDataset[Any], Generic[T_co]):
             return
         self._passes.load(loaded, self._planner.carried(loaded))
         self._skipped.zero_()
+
+
+def planner_of(dataset: Dataset[Any]) -> Planner:
+    """How ``dataset`` plans, reads and checkpoints its passes: the one object its
+    loaders, framework adapters and the audit talk to."""
+    return dataset._planner

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from evenly.dataset import Dataset as EvenlyDataset
+from evenly.dataset import planner_of
 from evenly.mixture import Mix
 from evenly.runtime.packer import PackedRows
 from evenly.runtime.token_mix import TokenMixRows, token_reweighted
@@ -23,7 +24,7 @@ def mix_info(dataset: Any, settings: Settings) -> MixInfo | None:
     """The mixture an ``evenly.Dataset`` over an ``evenly.Mix`` read, else ``None``."""
     if not isinstance(dataset, EvenlyDataset) or not isinstance(dataset.source, Mix):
         return None
-    if dataset._planner.strategy.packing is not None:  # by tokens: judged by pack_info
+    if planner_of(dataset).strategy.packing is not None:  # by tokens: judged by pack_info
         return None
     mix = dataset.source
     offsets = tuple(tuple(mix.stream_offsets(e).values()) for e in range(settings.epochs))
@@ -56,7 +57,7 @@ def pack_info(dataset: Any, epochs: int, settings: Settings | None = None) -> Pa
     each epoch's planned pieces, after the weight changes ``settings.set_weights`` asks)."""
     if not isinstance(dataset, EvenlyDataset):
         return None
-    planner = dataset._planner
+    planner = planner_of(dataset)
     packer = planner.strategy
     if not isinstance(packer, PackedRows):
         return None

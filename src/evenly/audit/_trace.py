@@ -26,6 +26,7 @@ from torch.utils.data import Dataset as MapDataset
 from torch.utils.data import IterableDataset, default_collate, get_worker_info
 
 from evenly.dataset import Dataset as EvenlyDataset
+from evenly.dataset import planner_of
 from evenly.mixture import Mix
 from evenly.runtime.rowtap import RowPieces
 
@@ -215,7 +216,7 @@ def trace_evenly(dataset: EvenlyDataset[Any], id_fn: IdFn) -> EvenlyDataset[Any]
     on its planner, so workers started by any method get them with the dataset).  Its
     reader strategy calls the tap of its unit: samples (``tap``), or packed rows with
     their pieces (``rows_tap``; ``id_fn`` is not used)."""
-    planner = dataset._planner
+    planner = planner_of(dataset)
     planner.tap = EvenlyTap(id_fn, records_reads=isinstance(dataset.source, Mix))
     planner.rows_tap = RowsTapper()
     return dataset

@@ -34,7 +34,7 @@ import torch.utils.data
 from evenly.core.plan import EpochPlan
 from evenly.core.spec import PassSpec
 from evenly.core.state import PassState
-from evenly.dataset import Dataset
+from evenly.dataset import Dataset, planner_of
 from evenly.errors import check_int
 
 __all__ = ["FaultTolerantLoader"]
@@ -126,7 +126,7 @@ class FaultTolerantLoader:
                 f"FaultTolerantLoader needs an evenly.Dataset, got {type(dataset).__name__}; "
                 f"wrap it: FaultTolerantLoader(evenly.Dataset(your_data), manager, ...)"
             )
-        planner = dataset._planner
+        planner = planner_of(dataset)
         if planner.pad == "none":
             raise ValueError(
                 "FaultTolerantLoader cannot use pad='none': every group takes part in every "

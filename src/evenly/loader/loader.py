@@ -22,7 +22,7 @@ from evenly.core.plan import EpochPlan
 from evenly.core.spec import PassSpec
 from evenly.core.state import PassState
 from evenly.core.stream import StreamPlan
-from evenly.dataset import SKIP_SLOTS, Dataset
+from evenly.dataset import SKIP_SLOTS, Dataset, planner_of
 from evenly.errors import EvenlyWarning, check_int, check_timeout, warn_deprecated
 from evenly.loader import mixing
 from evenly.loader.choices import check_worker_type, use_columns, use_threads
@@ -195,7 +195,7 @@ class DataLoader(PassOwner, torch.utils.data.DataLoader[Any]):
         if infinite and batch_size is None:
             raise ValueError("evenly.DataLoader(infinite=True) needs a batch_size")
         if infinite:
-            dataset._planner.check_stream()
+            planner_of(dataset).check_stream()
         self.infinite = bool(infinite)
         timeout = _agreement_timeout(agreement_timeout, check_plan)
         effective_drop = dataset.drop_last if drop_last is None else bool(drop_last)
@@ -216,7 +216,7 @@ class DataLoader(PassOwner, torch.utils.data.DataLoader[Any]):
         self._skipped = torch.zeros(SKIP_SLOTS, dtype=torch.int64).share_memory_()  # type: ignore[no-untyped-call]
         # the dataset's planner (one object for the dataset's life; torch's DataLoader
         # does not let ``dataset`` be replaced): how this loader plans, reads, checkpoints
-        self._planner = dataset._planner
+        self._planner = planner_of(dataset)
         self._engine = Engine(
             self._planner,
             batched=batch_size is not None,

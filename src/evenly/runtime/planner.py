@@ -3,7 +3,7 @@ turns pass states into checkpoints and back.
 
 ``evenly.Dataset`` is the user's view (settings, ``set_epoch``, ``state_dict``, ``len``);
 ``evenly.DataLoader``, its feed, ``evenly.BatchSampler``'s shared checks and the audit
-talk to a dataset only through its :class:`Planner` (``dataset._planner``).  What the
+talk to a dataset only through its :class:`Planner` (``evenly.dataset.planner_of``).  What the
 source offers is found once (:class:`~evenly.core.source.SourceView`), when the source is
 set, not on each pass; so is the reader strategy (:func:`choose_strategy`: samples,
 packed rows or a token mixture's rows), which plans, reads and checkpoints what differs

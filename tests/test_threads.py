@@ -210,6 +210,29 @@ def test_single_samples_and_a_collate_fn_go_through_threads_as_through_processes
     assert run("thread", **pairs) == run("process", **pairs)
 
 
+@pytest.mark.parametrize("batch_size", [BATCH, None])
+@pytest.mark.parametrize("fmt", ["columns", "parquet"])
+def test_a_thread_pass_reports_the_stage_times_a_process_pass_does(
+    fmt: str, batch_size: int | None, sources: dict[str, str]
+) -> None:
+    """Each batch of a reader thread carries its own stage times to ``loader.stats()``,
+    as a worker process's does (a columnar pass, a per-sample one, single samples)."""
+
+    def run(worker_type: str) -> tuple[list[Any], evenly.EpochStats | None]:
+        source = getattr(evenly, f"from_{'arrow' if fmt == 'columns' else fmt}")(sources[fmt])
+        ds = evenly.Dataset(source, shuffle=True, seed=2)
+        loader = evenly.DataLoader(
+            ds, batch_size=batch_size, num_workers=2, worker_type=worker_type
+        )
+        return [decoded(b) for b in loader], loader.stats().last
+
+    (threads, t), (processes, p) = run("thread"), run("process")
+    assert threads == processes
+    assert t is not None and p is not None
+    assert (t.batches, t.samples, t.finished) == (p.batches, p.samples, True)
+    assert t.samples == N and t.read_seconds > 0 and p.read_seconds > 0
+
+
 _EXIT_MID_READ = """
 import sys, evenly
 ds = evenly.Dataset(evenly.from_arrow(sys.argv[1]), shuffle=True)

@@ -1,8 +1,7 @@
 """The pieces of a pass under ``evenly.DataLoader``: the feed (one worker's share of the
-pass, one collated batch per item: what a worker process iterates and what a reader
-thread runs), the two runners of a pass behind one interface (torch's DataLoader
-iterator with its worker hygiene, or reader threads), and the iterator that counts what
-the training loop received."""
+pass, one collated batch per item, in a worker process or a reader thread), the runners
+of a pass (torch's DataLoader iterator with its worker hygiene, or reader threads), and
+the iterator that counts what the training loop received."""
 
 from __future__ import annotations
 
@@ -107,8 +106,7 @@ class TorchPass(Iterator[Any]):
 
 class Feed(IterableDataset[Any]):
     """What the private loader's workers iterate: their share of the pass published in
-    the channel, one collated batch (or sample) per item; :meth:`share` is also what
-    each reader thread of a thread pass runs."""
+    the channel, one collated batch (or sample) per item (:meth:`share`)."""
 
     def __init__(
         self,

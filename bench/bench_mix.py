@@ -25,7 +25,7 @@ import psutil
 from evenly.core.mix.apportion import epoch_offsets, mix_counts
 from evenly.core.mix.order import MixOrder
 from evenly.core.spec import PassSpec
-from evenly.dataset import Dataset
+from evenly.dataset import Dataset, planner_of
 from evenly.mixture import Mix
 
 SOURCES = 100
@@ -68,7 +68,7 @@ def through_dataset(total: int) -> tuple[float, float]:
     spec = PassSpec(epoch=7, start=0, num_samples=EPOCH, batch_size=256, rank=3, world_size=8)
     t0 = time.perf_counter()
     for _ in range(100):
-        plan = ds._planner.plan_for(spec)
+        plan = planner_of(ds).plan_for(spec)
     per_plan = (time.perf_counter() - t0) / 100
     done, seconds = 0, 0.0
     first = EPOCH // 2 // (8 * 256)  # from the middle of the epoch, 32 batches per chunk

@@ -322,6 +322,21 @@ def _assert_full_batches(
     _require(batch_problems([[len(b) for b in r] for r in per_rank], batch, what=what))
 
 
+def _take(
+    rig: Rig, count: int | None = None, states: list[dict[str, Any]] | None = None
+) -> list[list[int]]:
+    """One pass of ``rig``, or its first ``count`` batches; each batch's state, as a
+    checkpoint file gives it back, is appended to ``states`` (but the ``count``-th's)."""
+    batches = []
+    for ids in rig:
+        batches.append(ids)
+        if len(batches) == count:
+            break
+        if states is not None:
+            states.append(round_trip(rig.state()))
+    return batches
+
+
 def _settle() -> None:
     """Drop the workers of loaders that are gone (persistent ones too)."""
     gc.collect()
@@ -394,11 +409,8 @@ def check_resume(
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             for e in range(_EPOCHS):
-                length, batches = rig.length(), []
-                for ids in rig:
-                    batches.append(ids)
-                    if e < _EPOCHS - 1:
-                        taken.append(round_trip(rig.state()))
+                length = rig.length()
+                batches = _take(rig, states=taken if e < _EPOCHS - 1 else None)
                 findings.length(length, len(batches), f"reference rank {rank} epoch {e}")
                 ref[e].append(batches)
         findings.warnings(caught, f"reference rank {rank}")
@@ -571,13 +583,7 @@ def _check_stream(
     for rank in range(before.world_size):
         rig = make(rank, before)
         taken = [round_trip(rig.state())]
-        batches = []
-        for ids in rig:
-            batches.append(ids)
-            if len(batches) == steps:
-                break
-            taken.append(round_trip(rig.state()))
-        ref.append(batches)
+        ref.append(_take(rig, steps, taken))
         states.append(taken)
         del rig
     _settle()
@@ -625,14 +631,7 @@ def _check_stream(
                 findings.lengths.append(f"{where}: an infinite loader has len() {rig.length()}")
         findings.shape(fresh[0], round_trip(fresh[0].state()), t)
         count = -(-(targets[t] - start) // after.step)
-        resumed = []
-        for rig in fresh:
-            batches = []
-            for ids in rig:
-                batches.append(ids)
-                if len(batches) == count:
-                    break
-            resumed.append(batches)
+        resumed = [_take(rig, count) for rig in fresh]
         del fresh, rig
         if after.num_workers:
             _settle()
@@ -656,110 +655,12 @@ def _loader_kwargs(layout: Layout) -> dict[str, Any]:
     return {"num_workers": layout.num_workers, "timeout": 60 if layout.num_workers else 0}
 
 
-class EvenlyLoaderRig(Rig):
-    """``evenly.DataLoader``: its own state, length and plan."""
-
-    def __init__(self, loader: DataLoader) -> None:
-        super().__init__()
-        self.loader = loader
-        self.plan_batch = int(loader.batch_size or 1)
-        self.infinite = loader.infinite
-
-    def _batches(self) -> Iterator[Any]:
-        return iter(self.loader)
-
-    def state(self) -> dict[str, Any]:
-        return self.loader.state_dict()
-
-    def load(self, state: dict[str, Any]) -> None:
-        self.loader.load_state_dict(state)
-
-    def length(self) -> int | None:
-        try:
-            return len(self.loader)
-        except TypeError:
-            if self.infinite:
-                return None
-            raise
-
-    def remaining(self) -> int | None:
-        return None if self.infinite else self.loader.remaining_batches
-
-    def padding(self) -> int | None:
-        return None if self.infinite else self.loader.plan.num_padded
-
-
-class TorchLoaderRig(Rig):
-    """A plain torch DataLoader over ``evenly.Dataset``: the dataset owns the pass, and is
-    told what the loop received (``state_dict(samples_received=...)``)."""
-
-    plan_batch = 1
-    #: the dataset cannot know the torch loader's batches: its state records none
-    records_batches = False
-
-    def __init__(self, dataset: Dataset[Any], loader: tud.DataLoader[Any]) -> None:
-        super().__init__()
-        self.dataset, self.loader = dataset, loader
-        self.in_order = loader.num_workers == 0
-
-    def _batches(self) -> Iterator[Any]:
-        return iter(self.loader)
-
-    def state(self) -> dict[str, Any]:
-        return self.dataset.state_dict(samples_received=self.samples_received)
-
-    def load(self, state: dict[str, Any]) -> None:
-        self.dataset.load_state_dict(state)
-
-    def length(self) -> int | None:
-        return len(self.loader)
-
-    def padding(self) -> int | None:
-        return self.dataset.plan().num_padded
-
-
-class SamplerRig(Rig):
-    """``evenly.BatchSampler`` under torch's DataLoader over a map-style dataset, told what
-    the loop received (``state_dict(batches_received=...)``)."""
-
-    def __init__(self, sampler: BatchSampler, loader: tud.DataLoader[Any]) -> None:
-        super().__init__()
-        self.sampler, self.loader = sampler, loader
-        self.plan_batch = sampler.batch_size
-
-    def _batches(self) -> Iterator[Any]:
-        return iter(self.loader)
-
-    def state(self) -> dict[str, Any]:
-        return self.sampler.state_dict(batches_received=self.batches_received)
-
-    def load(self, state: dict[str, Any]) -> None:
-        self.sampler.load_state_dict(state)
-
-    def length(self) -> int | None:
-        return len(self.loader)
-
-    def remaining(self) -> int | None:
-        return self.sampler.remaining_batches
-
-    def padding(self) -> int | None:
-        return self.sampler.plan.num_padded
-
-
-class StatefulRig(Rig):
-    """torchdata's ``StatefulDataLoader`` over ``evenly.Dataset``: the loader's own state
-    (torchdata's format, with evenly's states inside)."""
-
-    plan_batch = 1
-    resumes_finished_epoch = True
+class _LoaderRig(Rig):
+    """A rig over a loader: its passes, and by default its own state and ``len()``."""
 
     def __init__(self, loader: Any) -> None:
         super().__init__()
         self.loader = loader
-        workers = int(loader.num_workers)
-        self.in_order = workers == 0
-        # with workers the state holds each worker's progress and a per-rank base seed
-        self.rank_free_state = workers == 0
 
     def _batches(self) -> Iterator[Any]:
         return iter(self.loader)
@@ -773,6 +674,89 @@ class StatefulRig(Rig):
 
     def length(self) -> int | None:
         return len(self.loader)
+
+
+class EvenlyLoaderRig(_LoaderRig):
+    """``evenly.DataLoader``: its own state, length and plan."""
+
+    def __init__(self, loader: DataLoader) -> None:
+        super().__init__(loader)
+        self.plan_batch = int(loader.batch_size or 1)
+        self.infinite = loader.infinite
+
+    def length(self) -> int | None:
+        try:
+            return len(self.loader)
+        except TypeError:
+            if self.infinite:
+                return None
+            raise
+
+    def remaining(self) -> int | None:
+        return None if self.infinite else self.loader.remaining_batches  # type: ignore[no-any-return]
+
+    def padding(self) -> int | None:
+        return None if self.infinite else self.loader.plan.num_padded  # type: ignore[no-any-return]
+
+
+class TorchLoaderRig(_LoaderRig):
+    """A plain torch DataLoader over ``evenly.Dataset``: the dataset owns the pass, and is
+    told what the loop received (``state_dict(samples_received=...)``)."""
+
+    plan_batch = 1
+    #: the dataset cannot know the torch loader's batches: its state records none
+    records_batches = False
+
+    def __init__(self, dataset: Dataset[Any], loader: tud.DataLoader[Any]) -> None:
+        super().__init__(loader)
+        self.dataset = dataset
+        self.in_order = loader.num_workers == 0
+
+    def state(self) -> dict[str, Any]:
+        return self.dataset.state_dict(samples_received=self.samples_received)
+
+    def load(self, state: dict[str, Any]) -> None:
+        self.dataset.load_state_dict(state)
+
+    def padding(self) -> int | None:
+        return self.dataset.plan().num_padded
+
+
+class SamplerRig(_LoaderRig):
+    """``evenly.BatchSampler`` under torch's DataLoader over a map-style dataset, told what
+    the loop received (``state_dict(batches_received=...)``)."""
+
+    def __init__(self, sampler: BatchSampler, loader: tud.DataLoader[Any]) -> None:
+        super().__init__(loader)
+        self.sampler = sampler
+        self.plan_batch = sampler.batch_size
+
+    def state(self) -> dict[str, Any]:
+        return self.sampler.state_dict(batches_received=self.batches_received)
+
+    def load(self, state: dict[str, Any]) -> None:
+        self.sampler.load_state_dict(state)
+
+    def remaining(self) -> int | None:
+        return self.sampler.remaining_batches
+
+    def padding(self) -> int | None:
+        return self.sampler.plan.num_padded
+
+
+class StatefulRig(_LoaderRig):
+    """torchdata's ``StatefulDataLoader`` over ``evenly.Dataset``: the loader's own state
+    (torchdata's format, with evenly's states inside)."""
+
+    plan_batch = 1
+    resumes_finished_epoch = True
+
+    def __init__(self, loader: Any) -> None:
+        super().__init__(loader)
+        workers = int(loader.num_workers)
+        self.in_order = workers == 0
+        # with workers the state holds each worker's progress and a per-rank base seed
+        self.rank_free_state = workers == 0
 
     def recorded(self, state: dict[str, Any]) -> int:
         if "_num_yielded" in state:
@@ -795,6 +779,13 @@ class StatefulRig(Rig):
 
 
 # ---- factories ----------------------------------------------------------------------------
+def _dataset(
+    source: Callable[[], Any], rank: int, layout: Layout, kwargs: dict[str, Any]
+) -> Dataset[Any]:
+    """``evenly.Dataset(source(), ...)`` as simulated rank ``rank`` of ``layout``."""
+    return Dataset(source(), rank=rank, world_size=layout.world_size, **kwargs)
+
+
 def evenly_loader(
     source: Callable[[], Any],
     *,
@@ -806,9 +797,7 @@ def evenly_loader(
     ``worker_type``)."""
 
     def make(rank: int, layout: Layout) -> Rig:
-        ds: Dataset[Any] = Dataset(
-            source(), rank=rank, world_size=layout.world_size, **dataset_kwargs
-        )
+        ds = _dataset(source, rank, layout, dataset_kwargs)
         loader = DataLoader(
             ds,
             batch_size=layout.batch_size,
@@ -825,9 +814,7 @@ def torch_loader(source: Callable[[], Any], **dataset_kwargs: Any) -> Make:
     """A plain ``torch.utils.data.DataLoader`` over ``evenly.Dataset(source(), ...)``."""
 
     def make(rank: int, layout: Layout) -> Rig:
-        ds: Dataset[Any] = Dataset(
-            source(), rank=rank, world_size=layout.world_size, **dataset_kwargs
-        )
+        ds = _dataset(source, rank, layout, dataset_kwargs)
         loader = tud.DataLoader(ds, batch_size=layout.batch_size, **_loader_kwargs(layout))
         return TorchLoaderRig(ds, loader)
 
@@ -861,9 +848,7 @@ def stateful_loader(source: Callable[[], Any], **dataset_kwargs: Any) -> Make:
     def make(rank: int, layout: Layout) -> Rig:
         from torchdata.stateful_dataloader import StatefulDataLoader  # type: ignore[import-untyped]
 
-        ds: Dataset[Any] = Dataset(
-            source(), rank=rank, world_size=layout.world_size, **dataset_kwargs
-        )
+        ds = _dataset(source, rank, layout, dataset_kwargs)
         loader = StatefulDataLoader(ds, batch_size=layout.batch_size, **_loader_kwargs(layout))
         return StatefulRig(loader)
 

@@ -20,32 +20,16 @@ import pickle
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from evenly.dataset import Dataset as EvenlyDataset
-
-from ._collect import (
-    Columns,
-    Job,
-    RankResult,
-    _expected,
-    _inner,
-    _is_iterable,
-    _length,
-    _WarningLog,
-    build_loader,
-    epoch_objects,
-    is_stateful,
-    set_epoch,
-)
+from ._collect import Columns, Job, RankResult, _length, _WarningLog, build_loader
 from ._factory import describe
 from ._launch import launch, seen_here, tell, working_on
 from ._sourceinfo import mix_info, pack_info, reweigh
 from ._trace import metas_of
-from ._types import LoaderFactory, RankEpoch, Settings
+from ._types import RankEpoch, Settings
 
 __all__ = [
     "Resumed",
@@ -128,6 +112,8 @@ class Resumed:
     #: ``len(loader)`` after the load, if not what this rank had received in the
     #: interrupted epoch + the batches left (the standing rule)
     length_error: str | None = None
+    #: why the audit cannot save and load this loader's state (an uninterrupted run)
+    cannot: str | None = None
 
 
 def _last_line(exc: BaseException) -> str:
@@ -138,29 +124,6 @@ def _last_line(exc: BaseException) -> str:
 
 class _Saved(Exception):
     """The run reached its stop."""
-
-
-def resumable(dataset: Any, loader: Any, kwargs: dict[str, Any]) -> str | None:
-    """None when the audit can save and load this loader's state; else why not: an
-    ``evenly.Dataset`` (``evenly.DataLoader``), a ``LoaderFactory`` whose loader has a
-    state, a dataset with ``state_dict``/``load_state_dict`` or a map-style dataset whose
-    sampler has one (or none given: StatefulDataLoader's own sampler) resume."""
-    if isinstance(dataset, EvenlyDataset):
-        return None
-    if isinstance(dataset, LoaderFactory):
-        if is_stateful(loader):
-            return None
-        return f"its loader, a {type(loader).__name__}, has no state_dict/load_state_dict"
-    sampler = kwargs.get("batch_sampler") or kwargs.get("sampler")
-    if is_stateful(dataset) or is_stateful(sampler):
-        return None
-    if _is_iterable(dataset) or sampler is not None:
-        what = type(sampler).__name__ if sampler is not None else "dataset"
-        return (
-            f"a {type(dataset).__name__} without state_dict/load_state_dict "
-            f"({'its sampler, a ' + what + ', has none either' if sampler else 'iterable'})"
-        )
-    return None
 
 
 def _run(
@@ -185,17 +148,17 @@ def _run(
     with warnings.catch_warnings():
         warnings.simplefilter("always")
         warnings.showwarning = log
-        dataset, loader, kwargs, iterable = build_loader(job, settings)
-        managed = isinstance(dataset, EvenlyDataset)
+        built = build_loader(job, settings)
+        loader, managed = built.loader, built.managed
         if plain:
-            result.expected, result.expected_source = _expected(dataset, iterable)
+            result.expected, result.expected_source = built.expected()
         epoch = 0
         loaded: int | None = None  # the epoch set (and loaded) before the first pass
         length_after: int | None = None
         if start is not None and state is not None:
             epoch = start.epoch + 1 if start.end_of_pass else start.epoch
             if not managed:
-                set_epoch(epoch_objects(dataset, kwargs, loader), epoch)
+                built.set_epoch(epoch)
             try:
                 loader.load_state_dict(pickle.loads(state))
             except Exception as exc:
@@ -212,9 +175,9 @@ def _run(
                 if epoch >= settings.epochs:
                     break
                 if not managed and epoch != loaded:
-                    set_epoch(epoch_objects(dataset, kwargs, loader), epoch)
+                    built.set_epoch(epoch)
                 if plain:  # what the loader says the pass holds
-                    reported = _reported(dataset, loader, iterable)
+                    reported = built.reported()
                     reported_batches = _length(loader)
                 done = first_batch.get(epoch, 0)
                 samples = 0
@@ -251,24 +214,14 @@ def _run(
     if start is not None and state is not None and length_after is not None:
         out.length_error = _length_error(start, until, rank, length_after, columns.epochs)
     if plain:
-        result.mix = mix_info(_inner(dataset), settings)
-        result.pack = pack_info(_inner(dataset), settings.epochs, settings)
+        out.cannot = built.resumable()
+        result.mix = mix_info(built.inner, settings)
+        result.pack = pack_info(built.inner, settings.epochs, settings)
     columns.fill(result, first_batch)
     result.warnings = log.lines() + result.warnings
-    del loader
+    del loader, built
     gc.collect()  # the stopped loader's workers go now, not during the next run
     return out
-
-
-def _reported(dataset: Any, loader: Any, iterable: bool) -> int | None:
-    """The samples the loader says this rank's next pass holds: the pass
-    ``evenly.DataLoader`` plans (its batch size and drop_last), ``len(dataset)``, or the
-    sampler's length."""
-    if isinstance(dataset, EvenlyDataset):
-        return loader.plan.samples_per_rank  # type: ignore[no-any-return]
-    if iterable:
-        return _length(_inner(dataset))
-    return _length(getattr(loader.batch_sampler, "sampler", None))
 
 
 def _length_error(
@@ -319,13 +272,9 @@ def reference_task(
     out: list[tuple[RankResult, str | None, list[Stop], list[Resumed]]] = []
     for job in jobs:
         working_on(describe(job.factory))
-        reference = _run(job, settings, rank).result
+        plain = _run(job, settings, rank)
+        reference, why = plain.result, plain.cannot
         counts = [r.batches for r in sorted(reference.per_rank, key=lambda r: r.epoch)]
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the reference reported them
-            dataset, loader, kwargs, _ = build_loader(job, settings)
-            why = resumable(dataset, loader, kwargs)
-            del loader
         stops = choose_stops(_agree(counts), settings.epochs, settings.resume_at)
         if why is not None:
             out.append((reference, why, [], []))
@@ -339,17 +288,22 @@ def reference_task(
 
 
 #: One resumed run: the job, its settings, the stop it resumes from, the state of each
-#: rank saved there, whether to load every rank's own state, and where to stop again.
-ResumeItem = tuple[Job, Settings, Stop, list[bytes], bool, "Stop | None"]
+#: rank saved there, and where to stop again.
+ResumeItem = tuple[Job, Settings, Stop, list[bytes], "Stop | None"]
+
+
+def own_states(states: list[bytes]) -> bool:
+    """Whether the ranks saved different states (each rank then loads its own)."""
+    return len(set(states)) > 1
 
 
 def resume_task(rank: int, items: list[ResumeItem]) -> list[Resumed]:
     """Each item in a fresh loader: load the state, finish (or stop at ``then``)."""
     out = []
-    for i, (job, settings, stop, states, own, then) in enumerate(items):
+    for i, (job, settings, stop, states, then) in enumerate(items):
         working_on(f"{describe(job.factory)} resumed from {stop}")
         tell(f"resume {i + 1} of {len(items)}: {stop}")
-        state = states[rank] if own else states[0]
+        state = states[rank] if own_states(states) else states[0]
         out.append(_run(job, settings, rank, state=state, start=stop, until=then))
     return out
 

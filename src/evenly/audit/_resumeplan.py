@@ -29,9 +29,9 @@ import numpy as np
 from ._collect import Job, RankResult
 from ._coverage import merged_pieces, pieces_coverage, source_counts
 from ._launch import launch
-from ._resume import Resumed, ResumeItem, Stop, reference_task, resume_task
+from ._resume import Resumed, ResumeItem, Stop, own_states, reference_task, resume_task
 from ._resumecheck import Run, balance_problems, check_stop, prefix_matches
-from ._types import I64, Finding, MixInfo, PackInfo, Settings, Status
+from ._types import I64, Finding, MixInfo, PackInfo, Settings, Status, stacked
 
 __all__ = ["ResumeReport", "StopRun", "run_resume"]
 
@@ -162,8 +162,7 @@ def run_resume(
             if states is None:
                 target.error = f"the state saved at {stop} is unusable: {error}"
                 continue
-            own = any(s != states[0] for s in states)
-            if own and w2 != settings.world_size:
+            if own_states(states) and w2 != settings.world_size:
                 target.notes.append(
                     f"cannot resume onto another topology: the state differs per rank, so "
                     f"it resumed on {settings.world_size} ranks, not {w2}"
@@ -179,7 +178,6 @@ def run_resume(
                 ),
                 stop,
                 states,
-                own,
                 stop.then,
             )
             plan.add(item, target)
@@ -197,8 +195,8 @@ def run_resume(
             )
             target.world_size, target.num_workers = settings.world_size, settings.num_workers
             target.nodes = settings.nodes
-            job, _, stop, states, own, then = item
-            retry.append(((job, settings, stop, states, own, then), target))
+            job, _, stop, states, then = item
+            retry.append(((job, settings, stop, states, then), target))
             continue
         _finish(item, target, runs, plan)
     for item, target in retry:
@@ -219,29 +217,22 @@ def _finish(item: ResumeItem, target: StopRun, runs: list[Resumed], plan: _Plan)
         return
     target.segments.append([run.result for run in runs])
     target.length_errors += [run.length_error for run in runs if run.length_error]
-    job, settings, _, _, _, then = item
+    job, settings, _, _, then = item
     if then is None:
         return
     states, error = _states(runs)
     if states is None:
         target.error = f"the state saved again at {then} is unusable: {error}"
         return
-    own = any(s != states[0] for s in states)
-    plan.add((job, settings, then, states, own, None), target)
+    plan.add((job, settings, then, states, None), target)
 
 
 def _run_of(results: list[RankResult], codes: list[np.ndarray], seg: int, world: int) -> Run:
-    cols = {
-        "ids": np.concatenate(codes) if codes else np.zeros(0, dtype=np.int64),
-        "rank": np.concatenate(
-            [np.full(len(c), r.rank) for r, c in zip(results, codes, strict=True)]
-        ),
-        "epoch": np.concatenate([r.epoch for r in results]),
-        "batch": np.concatenate([r.batch for r in results]),
-        "pos": np.concatenate([r.pos for r in results]),
-    }
-    n = len(cols["ids"])
-    return Run(world_size=world, seg=np.full(n, seg, dtype=np.int64), **cols)
+    cols = stacked(results)
+    ids = np.concatenate(codes) if codes else np.zeros(0, dtype=np.int64)
+    seg_col = np.full(len(ids), seg, dtype=np.int64)
+    names = ("rank", "epoch", "batch", "pos")
+    return Run(world_size=world, ids=ids, seg=seg_col, **{n: cols[n] for n in names})
 
 
 def _next_epoch(segs: list[Run], stop: Stop, epochs: int, world_size: int) -> Run:
@@ -255,27 +246,32 @@ def _next_epoch(segs: list[Run], stop: Stop, epochs: int, world_size: int) -> Ru
     return Run.concat(parts, world_size)
 
 
+def _shifted(segments: list[list[RankResult]], later: bool) -> list[tuple[RankResult, int]]:
+    """Every result of the segments, with the epochs to add to its own (``later``: 1 after
+    the load, see ``_next_epoch``)."""
+    return [(r, int(later and k > 0)) for k, seg in enumerate(segments) for r in seg]
+
+
 def resumed_tokens(
     pack: PackInfo, segments: list[list[RankResult]], epochs: int, later: bool = False
 ) -> list[str]:
     """The token accounting of a stopped and resumed packed run, per epoch (``later``:
     the passes after the load count one epoch later, see ``_next_epoch``)."""
-    results = [r for seg in segments for r in seg]
-    shift = [int(later and k > 0) for k, seg in enumerate(segments) for _ in seg]
+    pairs = _shifted(segments, later)
     found = pieces_coverage(
         pack.lengths,
         epochs,
-        np.concatenate([r.epoch + d for r, d in zip(results, shift, strict=True)]),
-        np.concatenate([np.full(len(r.epoch), r.rank) for r in results]),
-        merged_pieces(results),
+        np.concatenate([r.epoch + d for r, d in pairs]),
+        np.concatenate([np.full(len(r.epoch), r.rank) for r, _ in pairs]),
+        merged_pieces([r for r, _ in pairs]),
     )
     return [f"epoch {c.epoch}: {c.text}" for c in found]
 
 
-def _per_source(mix: MixInfo, results: list[RankResult], shift: list[int], epochs: int) -> I64:
-    """Samples per epoch and source of ``results`` (``shift``: epochs added to each
-    result's, as ``_next_epoch`` does; samples of no known source are not counted)."""
-    kept = [(r, d) for r, d in zip(results, shift, strict=True) if len(r.reads) == len(r.epoch)]
+def _per_source(mix: MixInfo, pairs: list[tuple[RankResult, int]], epochs: int) -> I64:
+    """Samples per epoch and source of the results of ``pairs`` (each with the epochs
+    added to its own, see ``_shifted``; samples of no known source are not counted)."""
+    kept = [(r, d) for r, d in pairs if len(r.reads) == len(r.epoch)]
     if not kept:
         return np.zeros((epochs, len(mix.names)), dtype=np.int64)
     reads = np.concatenate([np.asarray(r.reads, dtype=np.int64).reshape(-1) for r, _ in kept])
@@ -295,10 +291,8 @@ def resumed_shares(
     uninterrupted run's, beyond what padding or ``drop_last`` can move: the reference's
     own (its samples more or fewer than ``sum(mix.counts)``) and the resumed run's, less
     than one global ``step`` (the larger one)."""
-    want = _per_source(mix, refs, [0] * len(refs), epochs)
-    results = [r for seg in segments for r in seg]
-    shift = [int(later and k > 0) for k, seg in enumerate(segments) for _ in seg]
-    have = _per_source(mix, results, shift, epochs)
+    want = _per_source(mix, _shifted([refs], False), epochs)
+    have = _per_source(mix, _shifted(segments, later), epochs)
     n = int(sum(mix.counts))
     out = []
     for e in range(epochs):

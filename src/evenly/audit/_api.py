@@ -248,7 +248,7 @@ def audit_many(
             found = all_findings(records)
             results.append(AuditResult(describe(factory), settings, records, found))
         return results
-    from ._resumeplan import resume_findings, run_resume
+    from ._resume import resume_findings, run_resume
 
     outcome = run_resume(
         [Job(f, id_fn, stateful=True) for f in factories],

@@ -139,28 +139,35 @@ class _Findings:
         if got is not None and got != want:
             self.lengths.append(f"{what}: len(loader) {got}, {want} expected")
 
-    def passes(self, rig: Rig, count: int, what: str) -> list[list[list[int]]]:
+    def passes(
+        self,
+        rig: Rig,
+        count: int,
+        what: str,
+        *,
+        each: str = ", pass",
+        first: bool = False,
+        states: list[dict[str, Any]] | None = None,
+    ) -> list[list[list[int]]]:
         """``count`` passes of ``rig``, each after asking ``len()`` (as a loop showing its
-        progress does): torch's stale-length warning is a length finding."""
+        progress does), which must be the batches the pass then yields (the first pass's
+        only with ``first``: else its caller checks it); torch's stale-length warning is a
+        length finding, the other warnings are warned again.  The state after each batch
+        of every pass but the last is appended to ``states``, where given."""
         out = []
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             for i in range(count):
-                length = rig.length() if i else None  # the first is checked by the caller
-                batches = list(rig)
-                if i:
-                    self.length(length, len(batches), f"{what}, pass {i}")
+                length = rig.length() if i or first else None
+                batches = _take(rig, states=states if i < count - 1 else None)
+                self.length(length, len(batches), f"{what}{each} {i}")
                 out.append(batches)
-        self.warnings(caught, what)
-        return out
-
-    def warnings(self, caught: list[warnings.WarningMessage], what: str) -> None:
-        """Torch's stale-length warnings are length findings; the others are warned again."""
         for w in caught:
             if _TORCH_LENGTH_WARNING in str(w.message):
                 self.lengths.append(f"{what}: torch warned: {w.message}")
             else:
                 warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        return out
 
     def raise_any(self) -> None:
         problems: list[AssertionError] = []
@@ -322,6 +329,27 @@ def _assert_full_batches(
     _require(batch_problems([[len(b) for b in r] for r in per_rank], batch, what=what))
 
 
+def _assert_epoch(
+    per_rank: Sequence[Sequence[list[int]]],
+    order: Sequence[int],
+    layout: Layout,
+    plan_batch: int,
+    in_order: bool,
+    positions: bool,
+    what: str,
+) -> None:
+    """A whole epoch from its start under ``layout``: the epoch's samples plus exactly the
+    plan's padding, full batches (checked by size when ``in_order``), and (``positions``)
+    every plan position holding ``order``'s sample."""
+    n = len(order)
+    plan = EpochPlan(num_samples=n, world_size=layout.world_size, batch_size=plan_batch)
+    _assert_multiset([x for r in per_rank for b in r for x in b], order, plan.num_padded, what)
+    _assert_full_batches(per_rank, layout.batch_size if in_order else None, what)
+    if positions:
+        got = _undeal(per_rank, n, layout.world_size, plan_batch, 0, True, what)
+        _require(position_problems(got, order, what=what))
+
+
 def _take(
     rig: Rig, count: int | None = None, states: list[dict[str, Any]] | None = None
 ) -> list[list[int]]:
@@ -406,14 +434,10 @@ def check_resume(
     for rank in range(before.world_size):
         rig = make(rank, before)
         taken = [round_trip(rig.state())]
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            for e in range(_EPOCHS):
-                length = rig.length()
-                batches = _take(rig, states=taken if e < _EPOCHS - 1 else None)
-                findings.length(length, len(batches), f"reference rank {rank} epoch {e}")
-                ref[e].append(batches)
-        findings.warnings(caught, f"reference rank {rank}")
+        what = f"reference rank {rank}"
+        passes = findings.passes(rig, _EPOCHS, what, each=" epoch", first=True, states=taken)
+        for e, batches in enumerate(passes):
+            ref[e].append(batches)
         states.append(taken)
         del rig
     _settle()
@@ -436,15 +460,8 @@ def check_resume(
         assert len(order) == num_samples, (e, len(order))
         if samples is not None:
             assert Counter(order) == Counter(samples), f"epoch {e} is not every sample once"
-        plan = EpochPlan(
-            num_samples=num_samples, world_size=before.world_size, batch_size=plan_batch
-        )
         what = f"reference epoch {e} under {before}"
-        _assert_multiset([x for r in ref[e] for b in r for x in b], order, plan.num_padded, what)
-        _assert_full_batches(ref[e], before.batch_size if in_order else None, what)
-        if in_order and topology_free:
-            got = _undeal(ref[e], num_samples, before.world_size, plan_batch, 0, True, what)
-            _require(position_problems(got, order, what=what))
+        _assert_epoch(ref[e], order, before, plan_batch, in_order, in_order and topology_free, what)
     # a shuffled source: so that replaying an epoch cannot pass for the next one
     assert orders[0] != orders[1], "the epochs have the same order"
 
@@ -552,16 +569,36 @@ def check_resume(
 
         # the following epoch, from its start
         what = f"{where}: the following epoch {epoch + 1}"
-        ids = [x for r in following for b in r for x in b]
-        _assert_multiset(ids, orders[epoch + 1], nxt.num_padded, what)
-        _assert_full_batches(following, after.batch_size if after_in_order else None, what)
-        if order_defined:
-            got = _undeal(following, num_samples, after.world_size, after_plan_batch, 0, True, what)
-            _require(position_problems(got, orders[epoch + 1], what=what))
+        _assert_epoch(
+            following,
+            orders[epoch + 1],
+            after,
+            after_plan_batch,
+            after_in_order,
+            order_defined,
+            what,
+        )
 
     findings.raise_any()
     report.shape = next(iter(findings.shapes))
     return report
+
+
+def _stream_positions(
+    per_rank: Sequence[Sequence[list[int]]], layout: Layout, start: int, count: int, what: str
+) -> dict[int, int]:
+    """Stream position -> sample, from ``count`` full batches per rank of ``layout`` from
+    stream position ``start`` (one global step after the other)."""
+    for r, batches in enumerate(per_rank):
+        assert len(batches) == count and all(len(b) == layout.batch_size for b in batches), (
+            f"{what}: rank {r}: batch sizes {[len(b) for b in batches]}"
+        )
+    return {
+        start + s * layout.step + r * layout.batch_size + i: x
+        for r, batches in enumerate(per_rank)
+        for s, b in enumerate(batches)
+        for i, x in enumerate(b)
+    }
 
 
 def _check_stream(
@@ -611,15 +648,8 @@ def _check_stream(
     def check(got: dict[int, int], upto: int, what: str) -> None:
         _require(stream_problems(got, stream, upto, what=what))
 
-    ref_got = {
-        s * before.step + r * before.batch_size + i: x
-        for r, batches in enumerate(ref)
-        for s, b in enumerate(batches)
-        for i, x in enumerate(b)
-    }
+    ref_got = _stream_positions(ref, before, 0, steps, f"reference under {before}")
     check(ref_got, steps * before.step, f"reference under {before}")
-    for r, batches in enumerate(ref):
-        assert all(len(b) == before.batch_size for b in batches), f"rank {r}: a partial batch"
 
     for t in stops:
         start = t * before.step
@@ -636,13 +666,7 @@ def _check_stream(
         if after.num_workers:
             _settle()
         got = {p: x for p, x in ref_got.items() if p < start}
-        for r, batches in enumerate(resumed):
-            assert len(batches) == count and all(len(b) == after.batch_size for b in batches), (
-                f"{where}: rank {r}: batch sizes {[len(b) for b in batches]}"
-            )
-            for s, b in enumerate(batches):
-                for i, x in enumerate(b):
-                    got[start + s * after.step + r * after.batch_size + i] = x
+        got.update(_stream_positions(resumed, after, start, count, where))
         check(got, start + count * after.step, where)
     findings.raise_any()
     report.shape = next(iter(findings.shapes))

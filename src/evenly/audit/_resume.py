@@ -412,10 +412,15 @@ class ResumeReport:
         }
 
 
+def _errors(runs: list[Resumed]) -> str:
+    """Each rank's error, named ("" when none failed)."""
+    return "; ".join(f"rank {r}: {run.error}" for r, run in enumerate(runs) if run.error)
+
+
 def _states(runs: list[Resumed]) -> tuple[list[bytes] | None, str | None]:
-    errors = [f"rank {r}: {run.error}" for r, run in enumerate(runs) if run.error]
+    errors = _errors(runs)
     if errors:
-        return None, "; ".join(errors)
+        return None, errors
     states = [run.state for run in runs]
     if any(s is None for s in states):
         return None, "a rank ended before the stop (fewer batches than the others?)"
@@ -430,10 +435,22 @@ class _Plan:
     """The resumes still to run: items grouped by world size and nodes, and where each
     goes."""
 
-    def __init__(self) -> None:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
         self.items: dict[tuple[int, int], list[tuple[ResumeItem, StopRun]]] = {}
 
-    def add(self, item: ResumeItem, target: StopRun) -> None:
+    def add(
+        self, job: Job, stop: Stop, states: list[bytes], then: Stop | None, target: StopRun
+    ) -> None:
+        """Resume ``job`` from the ``states`` saved at ``stop`` onto ``target``'s topology
+        (and stop again at ``then``)."""
+        settings = replace(
+            self.settings,
+            num_workers=target.num_workers,
+            world_size=target.world_size,
+            nodes=target.nodes,
+        )
+        item: ResumeItem = (job, settings, stop, states, then)
         self.items.setdefault((target.world_size, target.nodes), []).append((item, target))
 
     def run(
@@ -474,7 +491,7 @@ def run_resume(
         nodes=settings.nodes,
     )
     out: list[tuple[list[RankResult], ResumeReport]] = []
-    plan = _Plan()
+    plan = _Plan(settings)
     for j, job in enumerate(jobs):
         refs = [per_rank[r][j][0] for r in range(settings.world_size)]
         report = ResumeReport(cannot=per_rank[0][j][1])
@@ -493,63 +510,46 @@ def run_resume(
                     f"it resumed on {settings.world_size} ranks, not {w2}"
                 )
                 target.world_size, target.nodes = settings.world_size, settings.nodes
-            item: ResumeItem = (
-                job,
-                replace(
-                    settings,
-                    num_workers=target.num_workers,
-                    world_size=target.world_size,
-                    nodes=target.nodes,
-                ),
-                stop,
-                states,
-                stop.then,
-            )
-            plan.add(item, target)
+            plan.add(job, stop, states, stop.then, target)
     say(f"resumed runs on {w2} ranks x {k2} workers" + (f" on {n2} nodes" if n2 > 1 else ""))
-    retry: list[tuple[ResumeItem, StopRun]] = []
-    for item, target, runs in plan.run(settings.timeout, say):
-        if any(run.error for run in runs) and (target.world_size, target.num_workers) != (
-            settings.world_size,
-            settings.num_workers,
-        ):
-            errors = "; ".join(f"rank {r}: {x.error}" for r, x in enumerate(runs) if x.error)
-            target.notes.append(
-                f"cannot resume onto {target.world_size} ranks x {target.num_workers} workers "
-                f"({errors}): resumed on {settings.world_size} x {settings.num_workers}"
-            )
-            target.world_size, target.num_workers = settings.world_size, settings.num_workers
-            target.nodes = settings.nodes
-            job, _, stop, states, then = item
-            retry.append(((job, settings, stop, states, then), target))
-            continue
-        _finish(item, target, runs, plan)
-    for item, target in retry:
-        plan.add(item, target)
-    for item, target, runs in plan.run(settings.timeout, say):
-        _finish(item, target, runs, plan)
-    say("second resume")
-    for item, target, runs in plan.run(settings.timeout, say):
-        _finish(item, target, runs, plan)
+    home = (settings.world_size, settings.num_workers)
+    # three rounds: the resumes (a failed one onto another topology is tried again at
+    # home), then those retries and the second resumes, then the retries' second resumes
+    for round_ in range(3):
+        if round_ == 2:
+            say("second resume")
+        for item, target, runs in plan.run(settings.timeout, say):
+            errors = _errors(runs)
+            if round_ == 0 and errors and (target.world_size, target.num_workers) != home:
+                target.notes.append(
+                    f"cannot resume onto {target.world_size} ranks x {target.num_workers} "
+                    f"workers ({errors}): resumed on {home[0]} x {home[1]}"
+                )
+                target.world_size, target.num_workers = home
+                target.nodes = settings.nodes
+                job, _, stop, states, then = item
+                plan.add(job, stop, states, then, target)
+                continue
+            _finish(item, target, runs, plan)
     return out
 
 
 def _finish(item: ResumeItem, target: StopRun, runs: list[Resumed], plan: _Plan) -> None:
     """Record a resumed run; queue the second resume from where it saved again."""
-    errors = [f"rank {r}: {x.error}" for r, x in enumerate(runs) if x.error]
+    errors = _errors(runs)
     if errors:
-        target.error = "cannot resume: load_state_dict raised: " + "; ".join(errors)
+        target.error = "cannot resume: load_state_dict raised: " + errors
         return
     target.segments.append([run.result for run in runs])
     target.length_errors += [run.length_error for run in runs if run.length_error]
-    job, settings, _, _, then = item
+    job, _, _, _, then = item
     if then is None:
         return
     states, error = _states(runs)
     if states is None:
         target.error = f"the state saved again at {then} is unusable: {error}"
         return
-    plan.add((job, settings, then, states, None), target)
+    plan.add(job, then, states, None, target)
 
 
 def _run_of(results: list[RankResult], codes: list[np.ndarray], seg: int, world: int) -> Run:

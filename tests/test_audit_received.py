@@ -34,7 +34,7 @@ import evenly
 from evenly.audit import LoaderFactory, run
 from evenly.audit._collect import RankResult
 from evenly.audit._coverage import coverage
-from evenly.audit._resumeplan import resumed_shares
+from evenly.audit._resume import resumed_shares
 from evenly.audit._sourceinfo import mix_info
 from evenly.audit._trace import MetaBatch, batch_ids, default_id, received
 from evenly.audit._types import Settings

@@ -20,7 +20,16 @@ from ._coverage import merged_pieces
 from ._factory import Factory, describe, resolve
 from ._findings import all_findings
 from ._result import AuditResult
-from ._types import I64, AuditError, IdFn, Records, Settings, ranks_per_node, row_label
+from ._types import (
+    I64,
+    AuditError,
+    IdFn,
+    Records,
+    Settings,
+    ranks_per_node,
+    row_label,
+    stacked,
+)
 
 I64_EMPTY = np.zeros(0, dtype=np.int64)
 
@@ -73,18 +82,11 @@ def build_records(
     shard_fn: Callable[[Any], Any] | None = None,
 ) -> Records:
     """Merge the ranks' results into one ``Records``."""
-    cols: list[list[Any]] = [[], [], [], [], [], []]
+    cols = stacked(ranks)
     reads: list[I64] = []
     for result in ranks:
-        worker, epoch, batch, pos, draws = result.arrays()
         read = np.asarray(result.reads, dtype=np.int64).reshape(-1)
         reads.append(read if len(read) == len(result.ids) else np.full(len(result.ids), -1))
-        for col, arr in zip(
-            cols,
-            (np.full(len(worker), result.rank), worker, epoch, batch, pos, draws),
-            strict=True,
-        ):
-            col.append(arr)
     codes, labels, distinct = _encode(_joined_ids(ranks))
     rank0 = ranks[0]
     mix = rank0.mix
@@ -102,12 +104,12 @@ def build_records(
             reference, source = seen, "distinct ids seen"
     return Records(
         ids=codes,
-        rank=np.concatenate(cols[0]).astype(np.int64),
-        worker=np.concatenate(cols[1]),
-        epoch=np.concatenate(cols[2]),
-        batch=np.concatenate(cols[3]),
-        pos=np.concatenate(cols[4]),
-        draws=np.concatenate(cols[5]).reshape(-1, 3),
+        rank=cols["rank"],
+        worker=cols["worker"],
+        epoch=cols["epoch"],
+        batch=cols["batch"],
+        pos=cols["pos"],
+        draws=cols["draws"],
         per_rank=[r for result in ranks for r in result.per_rank],
         world_size=settings.world_size,
         num_workers=settings.num_workers,
@@ -246,7 +248,7 @@ def audit_many(
             found = all_findings(records)
             results.append(AuditResult(describe(factory), settings, records, found))
         return results
-    from ._resumeplan import resume_findings, run_resume
+    from ._resume import resume_findings, run_resume
 
     outcome = run_resume(
         [Job(f, id_fn, stateful=True) for f in factories],

@@ -5,7 +5,7 @@ DataLoader with ``num_workers`` worker processes: an ``evenly.Dataset`` through
 ``evenly.DataLoader`` (which advances epochs by itself); anything else through
 ``torch.utils.data.DataLoader`` (torchdata's ``StatefulDataLoader`` for a resume audit),
 with ``set_epoch(epoch)`` called before each epoch on the dataset, the sampler and the
-batch sampler when they have one (``epoch_objects``), as a careful user would.
+batch sampler when they have one (``Built.set_epoch``), as a careful user would.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ from ._types import (
 
 __all__ = [
     "AuditError",
+    "Built",
     "Columns",
     "Job",
     "RankResult",
@@ -94,14 +95,6 @@ class RankResult:
     #: what the rank saw of its place: torchrun's variables, its host name
     seen: dict[str, Any] = field(default_factory=dict)
 
-    def arrays(self) -> tuple[I64, I64, I64, I64, F64]:
-        """(worker, epoch, batch, pos, draws) as numpy arrays."""
-        as_int = [
-            np.asarray(v, dtype=np.int64) for v in (self.worker, self.epoch, self.batch, self.pos)
-        ]
-        draws = np.asarray(self.draws, dtype=np.float64).reshape(-1, 3)
-        return as_int[0], as_int[1], as_int[2], as_int[3], draws
-
 
 def _length(obj: Any) -> int | None:
     try:
@@ -110,31 +103,90 @@ def _length(obj: Any) -> int | None:
         return None
 
 
-def _inner(dataset: Any) -> Any:
-    """The dataset itself (a ``LoaderFactory``'s ``dataset``)."""
-    return dataset.dataset if isinstance(dataset, LoaderFactory) else dataset
-
-
-def epoch_objects(dataset: Any, kwargs: dict[str, Any], loader: Any) -> list[Any]:
-    """What a careful loop calls ``set_epoch`` on: the dataset, its sampler and batch
-    sampler, and a loader the factory made itself."""
-    objects = [_inner(dataset), kwargs.get("sampler"), kwargs.get("batch_sampler")]
-    return [*objects, loader] if isinstance(dataset, LoaderFactory) else objects
-
-
-def set_epoch(objects: list[Any], epoch: int) -> None:
-    """``obj.set_epoch(epoch)`` on each object that has it."""
-    for obj in objects:
-        setter = getattr(obj, "set_epoch", None)
-        if callable(setter):
-            setter(epoch)
-
-
 def is_stateful(obj: Any) -> bool:
     """Whether ``obj`` saves and loads a state (``state_dict``/``load_state_dict``)."""
     return callable(getattr(obj, "state_dict", None)) and callable(
         getattr(obj, "load_state_dict", None)
     )
+
+
+@dataclass
+class Built:
+    """A factory's dataset, traced, in its loader, and what a loop asks of it by kind: an
+    ``evenly.Dataset`` (``evenly.DataLoader``, which knows its epoch), a ``LoaderFactory``
+    (its own loader), an iterable or a map-style dataset (torch's or torchdata's loader)."""
+
+    #: what the factory returned: a dataset or a ``LoaderFactory``
+    dataset: Any
+    loader: Any
+    #: the factory's DataLoader arguments
+    kwargs: dict[str, Any]
+    iterable: bool
+
+    @property
+    def inner(self) -> Any:
+        """The dataset itself (a ``LoaderFactory``'s ``dataset``)."""
+        factory = isinstance(self.dataset, LoaderFactory)
+        return self.dataset.dataset if factory else self.dataset
+
+    @property
+    def managed(self) -> bool:
+        """``evenly.DataLoader`` over an ``evenly.Dataset``: it advances epochs itself."""
+        return isinstance(self.dataset, EvenlyDataset)
+
+    def set_epoch(self, epoch: int) -> None:
+        """``set_epoch(epoch)`` where a careful loop calls it: the dataset, its sampler and
+        batch sampler, and a loader the factory made itself."""
+        objects = [self.inner, self.kwargs.get("sampler"), self.kwargs.get("batch_sampler")]
+        if isinstance(self.dataset, LoaderFactory):
+            objects.append(self.loader)
+        for obj in objects:
+            setter = getattr(obj, "set_epoch", None)
+            if callable(setter):
+                setter(epoch)
+
+    def expected(self) -> tuple[int | None, str]:
+        """Distinct samples an epoch should deliver across all ranks, and where that is
+        from."""
+        if isinstance(self.inner, EvenlyDataset):
+            return _length(self.inner.source), "len(source)"
+        n = _length(self.inner)
+        if n is None:
+            return None, "unknown"
+        return n, "len(dataset)" if not self.iterable else "len(dataset) on rank 0"
+
+    def reported(self) -> int | None:
+        """The samples the loader says this rank's next pass holds: the pass
+        ``evenly.DataLoader`` plans (its batch size and drop_last), ``len(dataset)``, or
+        the sampler's length."""
+        if self.managed:
+            return self.loader.plan.samples_per_rank  # type: ignore[no-any-return]
+        if self.iterable:
+            return _length(self.inner)
+        return _length(getattr(self.loader.batch_sampler, "sampler", None))
+
+    def resumable(self) -> str | None:
+        """None when the audit can save and load this loader's state; else why not: an
+        ``evenly.Dataset`` (``evenly.DataLoader``), a ``LoaderFactory`` whose loader has a
+        state, a dataset with ``state_dict``/``load_state_dict`` or a map-style dataset
+        whose sampler has one (or none given: StatefulDataLoader's own sampler) resume."""
+        dataset, loader = self.dataset, self.loader
+        if self.managed:
+            return None
+        if isinstance(dataset, LoaderFactory):
+            if is_stateful(loader):
+                return None
+            return f"its loader, a {type(loader).__name__}, has no state_dict/load_state_dict"
+        sampler = self.kwargs.get("batch_sampler") or self.kwargs.get("sampler")
+        if is_stateful(dataset) or is_stateful(sampler):
+            return None
+        if _is_iterable(dataset) or sampler is not None:
+            what = type(sampler).__name__ if sampler is not None else "dataset"
+            return (
+                f"a {type(dataset).__name__} without state_dict/load_state_dict "
+                f"({'its sampler, a ' + what + ', has none either' if sampler else 'iterable'})"
+            )
+        return None
 
 
 def _split(made: Any, name: str) -> tuple[Any, dict[str, Any]]:
@@ -210,18 +262,6 @@ def _build(
         cls = StatefulDataLoader
     loader = cls(traced, num_workers=settings.num_workers, collate_fn=collate, **kwargs)
     return loader, iterable
-
-
-def _expected(dataset: Any, iterable: bool) -> tuple[int | None, str]:
-    """Distinct samples an epoch should deliver across all ranks, and where that is from."""
-    if isinstance(dataset, LoaderFactory):
-        dataset = dataset.dataset
-    if isinstance(dataset, EvenlyDataset):
-        return _length(dataset.source), "len(source)"
-    n = _length(dataset)
-    if n is None:
-        return None, "unknown"
-    return n, "len(dataset)" if not iterable else "len(dataset) on rank 0"
 
 
 class _WarningLog:
@@ -310,12 +350,12 @@ class Columns:
             ]
 
 
-def build_loader(job: Job, settings: Settings) -> tuple[Any, Any, dict[str, Any], bool]:
-    """The factory's dataset, traced, in its loader: ``(dataset, loader, kwargs, iterable)``."""
+def build_loader(job: Job, settings: Settings) -> Built:
+    """The factory's dataset, traced, in its loader."""
     name = describe(job.factory)
     factory = resolve(job.factory) if isinstance(job.factory, str) else job.factory
     dataset, kwargs = _split(factory(), name)
     loader, iterable = _build(
         dataset, kwargs, job.id_fn or default_id, settings, name, job.stateful
     )
-    return dataset, loader, kwargs, iterable
+    return Built(dataset, loader, kwargs, iterable)

@@ -139,28 +139,35 @@ class _Findings:
         if got is not None and got != want:
             self.lengths.append(f"{what}: len(loader) {got}, {want} expected")
 
-    def passes(self, rig: Rig, count: int, what: str) -> list[list[list[int]]]:
+    def passes(
+        self,
+        rig: Rig,
+        count: int,
+        what: str,
+        *,
+        each: str = ", pass",
+        first: bool = False,
+        states: list[dict[str, Any]] | None = None,
+    ) -> list[list[list[int]]]:
         """``count`` passes of ``rig``, each after asking ``len()`` (as a loop showing its
-        progress does): torch's stale-length warning is a length finding."""
+        progress does), which must be the batches the pass then yields (the first pass's
+        only with ``first``: else its caller checks it); torch's stale-length warning is a
+        length finding, the other warnings are warned again.  The state after each batch
+        of every pass but the last is appended to ``states``, where given."""
         out = []
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             for i in range(count):
-                length = rig.length() if i else None  # the first is checked by the caller
-                batches = list(rig)
-                if i:
-                    self.length(length, len(batches), f"{what}, pass {i}")
+                length = rig.length() if i or first else None
+                batches = _take(rig, states=states if i < count - 1 else None)
+                self.length(length, len(batches), f"{what}{each} {i}")
                 out.append(batches)
-        self.warnings(caught, what)
-        return out
-
-    def warnings(self, caught: list[warnings.WarningMessage], what: str) -> None:
-        """Torch's stale-length warnings are length findings; the others are warned again."""
         for w in caught:
             if _TORCH_LENGTH_WARNING in str(w.message):
                 self.lengths.append(f"{what}: torch warned: {w.message}")
             else:
                 warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        return out
 
     def raise_any(self) -> None:
         problems: list[AssertionError] = []
@@ -322,6 +329,42 @@ def _assert_full_batches(
     _require(batch_problems([[len(b) for b in r] for r in per_rank], batch, what=what))
 
 
+def _assert_epoch(
+    per_rank: Sequence[Sequence[list[int]]],
+    order: Sequence[int],
+    layout: Layout,
+    plan_batch: int,
+    in_order: bool,
+    positions: bool,
+    what: str,
+) -> None:
+    """A whole epoch from its start under ``layout``: the epoch's samples plus exactly the
+    plan's padding, full batches (checked by size when ``in_order``), and (``positions``)
+    every plan position holding ``order``'s sample."""
+    n = len(order)
+    plan = EpochPlan(num_samples=n, world_size=layout.world_size, batch_size=plan_batch)
+    _assert_multiset([x for r in per_rank for b in r for x in b], order, plan.num_padded, what)
+    _assert_full_batches(per_rank, layout.batch_size if in_order else None, what)
+    if positions:
+        got = _undeal(per_rank, n, layout.world_size, plan_batch, 0, True, what)
+        _require(position_problems(got, order, what=what))
+
+
+def _take(
+    rig: Rig, count: int | None = None, states: list[dict[str, Any]] | None = None
+) -> list[list[int]]:
+    """One pass of ``rig``, or its first ``count`` batches; each batch's state, as a
+    checkpoint file gives it back, is appended to ``states`` (but the ``count``-th's)."""
+    batches = []
+    for ids in rig:
+        batches.append(ids)
+        if len(batches) == count:
+            break
+        if states is not None:
+            states.append(round_trip(rig.state()))
+    return batches
+
+
 def _settle() -> None:
     """Drop the workers of loaders that are gone (persistent ones too)."""
     gc.collect()
@@ -391,17 +434,10 @@ def check_resume(
     for rank in range(before.world_size):
         rig = make(rank, before)
         taken = [round_trip(rig.state())]
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            for e in range(_EPOCHS):
-                length, batches = rig.length(), []
-                for ids in rig:
-                    batches.append(ids)
-                    if e < _EPOCHS - 1:
-                        taken.append(round_trip(rig.state()))
-                findings.length(length, len(batches), f"reference rank {rank} epoch {e}")
-                ref[e].append(batches)
-        findings.warnings(caught, f"reference rank {rank}")
+        what = f"reference rank {rank}"
+        passes = findings.passes(rig, _EPOCHS, what, each=" epoch", first=True, states=taken)
+        for e, batches in enumerate(passes):
+            ref[e].append(batches)
         states.append(taken)
         del rig
     _settle()
@@ -424,15 +460,8 @@ def check_resume(
         assert len(order) == num_samples, (e, len(order))
         if samples is not None:
             assert Counter(order) == Counter(samples), f"epoch {e} is not every sample once"
-        plan = EpochPlan(
-            num_samples=num_samples, world_size=before.world_size, batch_size=plan_batch
-        )
         what = f"reference epoch {e} under {before}"
-        _assert_multiset([x for r in ref[e] for b in r for x in b], order, plan.num_padded, what)
-        _assert_full_batches(ref[e], before.batch_size if in_order else None, what)
-        if in_order and topology_free:
-            got = _undeal(ref[e], num_samples, before.world_size, plan_batch, 0, True, what)
-            _require(position_problems(got, order, what=what))
+        _assert_epoch(ref[e], order, before, plan_batch, in_order, in_order and topology_free, what)
     # a shuffled source: so that replaying an epoch cannot pass for the next one
     assert orders[0] != orders[1], "the epochs have the same order"
 
@@ -540,16 +569,36 @@ def check_resume(
 
         # the following epoch, from its start
         what = f"{where}: the following epoch {epoch + 1}"
-        ids = [x for r in following for b in r for x in b]
-        _assert_multiset(ids, orders[epoch + 1], nxt.num_padded, what)
-        _assert_full_batches(following, after.batch_size if after_in_order else None, what)
-        if order_defined:
-            got = _undeal(following, num_samples, after.world_size, after_plan_batch, 0, True, what)
-            _require(position_problems(got, orders[epoch + 1], what=what))
+        _assert_epoch(
+            following,
+            orders[epoch + 1],
+            after,
+            after_plan_batch,
+            after_in_order,
+            order_defined,
+            what,
+        )
 
     findings.raise_any()
     report.shape = next(iter(findings.shapes))
     return report
+
+
+def _stream_positions(
+    per_rank: Sequence[Sequence[list[int]]], layout: Layout, start: int, count: int, what: str
+) -> dict[int, int]:
+    """Stream position -> sample, from ``count`` full batches per rank of ``layout`` from
+    stream position ``start`` (one global step after the other)."""
+    for r, batches in enumerate(per_rank):
+        assert len(batches) == count and all(len(b) == layout.batch_size for b in batches), (
+            f"{what}: rank {r}: batch sizes {[len(b) for b in batches]}"
+        )
+    return {
+        start + s * layout.step + r * layout.batch_size + i: x
+        for r, batches in enumerate(per_rank)
+        for s, b in enumerate(batches)
+        for i, x in enumerate(b)
+    }
 
 
 def _check_stream(
@@ -571,13 +620,7 @@ def _check_stream(
     for rank in range(before.world_size):
         rig = make(rank, before)
         taken = [round_trip(rig.state())]
-        batches = []
-        for ids in rig:
-            batches.append(ids)
-            if len(batches) == steps:
-                break
-            taken.append(round_trip(rig.state()))
-        ref.append(batches)
+        ref.append(_take(rig, steps, taken))
         states.append(taken)
         del rig
     _settle()
@@ -605,15 +648,8 @@ def _check_stream(
     def check(got: dict[int, int], upto: int, what: str) -> None:
         _require(stream_problems(got, stream, upto, what=what))
 
-    ref_got = {
-        s * before.step + r * before.batch_size + i: x
-        for r, batches in enumerate(ref)
-        for s, b in enumerate(batches)
-        for i, x in enumerate(b)
-    }
+    ref_got = _stream_positions(ref, before, 0, steps, f"reference under {before}")
     check(ref_got, steps * before.step, f"reference under {before}")
-    for r, batches in enumerate(ref):
-        assert all(len(b) == before.batch_size for b in batches), f"rank {r}: a partial batch"
 
     for t in stops:
         start = t * before.step
@@ -625,25 +661,12 @@ def _check_stream(
                 findings.lengths.append(f"{where}: an infinite loader has len() {rig.length()}")
         findings.shape(fresh[0], round_trip(fresh[0].state()), t)
         count = -(-(targets[t] - start) // after.step)
-        resumed = []
-        for rig in fresh:
-            batches = []
-            for ids in rig:
-                batches.append(ids)
-                if len(batches) == count:
-                    break
-            resumed.append(batches)
+        resumed = [_take(rig, count) for rig in fresh]
         del fresh, rig
         if after.num_workers:
             _settle()
         got = {p: x for p, x in ref_got.items() if p < start}
-        for r, batches in enumerate(resumed):
-            assert len(batches) == count and all(len(b) == after.batch_size for b in batches), (
-                f"{where}: rank {r}: batch sizes {[len(b) for b in batches]}"
-            )
-            for s, b in enumerate(batches):
-                for i, x in enumerate(b):
-                    got[start + s * after.step + r * after.batch_size + i] = x
+        got.update(_stream_positions(resumed, after, start, count, where))
         check(got, start + count * after.step, where)
     findings.raise_any()
     report.shape = next(iter(findings.shapes))
@@ -656,110 +679,12 @@ def _loader_kwargs(layout: Layout) -> dict[str, Any]:
     return {"num_workers": layout.num_workers, "timeout": 60 if layout.num_workers else 0}
 
 
-class EvenlyLoaderRig(Rig):
-    """``evenly.DataLoader``: its own state, length and plan."""
-
-    def __init__(self, loader: DataLoader) -> None:
-        super().__init__()
-        self.loader = loader
-        self.plan_batch = int(loader.batch_size or 1)
-        self.infinite = loader.infinite
-
-    def _batches(self) -> Iterator[Any]:
-        return iter(self.loader)
-
-    def state(self) -> dict[str, Any]:
-        return self.loader.state_dict()
-
-    def load(self, state: dict[str, Any]) -> None:
-        self.loader.load_state_dict(state)
-
-    def length(self) -> int | None:
-        try:
-            return len(self.loader)
-        except TypeError:
-            if self.infinite:
-                return None
-            raise
-
-    def remaining(self) -> int | None:
-        return None if self.infinite else self.loader.remaining_batches
-
-    def padding(self) -> int | None:
-        return None if self.infinite else self.loader.plan.num_padded
-
-
-class TorchLoaderRig(Rig):
-    """A plain torch DataLoader over ``evenly.Dataset``: the dataset owns the pass, and is
-    told what the loop received (``state_dict(samples_received=...)``)."""
-
-    plan_batch = 1
-    #: the dataset cannot know the torch loader's batches: its state records none
-    records_batches = False
-
-    def __init__(self, dataset: Dataset[Any], loader: tud.DataLoader[Any]) -> None:
-        super().__init__()
-        self.dataset, self.loader = dataset, loader
-        self.in_order = loader.num_workers == 0
-
-    def _batches(self) -> Iterator[Any]:
-        return iter(self.loader)
-
-    def state(self) -> dict[str, Any]:
-        return self.dataset.state_dict(samples_received=self.samples_received)
-
-    def load(self, state: dict[str, Any]) -> None:
-        self.dataset.load_state_dict(state)
-
-    def length(self) -> int | None:
-        return len(self.loader)
-
-    def padding(self) -> int | None:
-        return self.dataset.plan().num_padded
-
-
-class SamplerRig(Rig):
-    """``evenly.BatchSampler`` under torch's DataLoader over a map-style dataset, told what
-    the loop received (``state_dict(batches_received=...)``)."""
-
-    def __init__(self, sampler: BatchSampler, loader: tud.DataLoader[Any]) -> None:
-        super().__init__()
-        self.sampler, self.loader = sampler, loader
-        self.plan_batch = sampler.batch_size
-
-    def _batches(self) -> Iterator[Any]:
-        return iter(self.loader)
-
-    def state(self) -> dict[str, Any]:
-        return self.sampler.state_dict(batches_received=self.batches_received)
-
-    def load(self, state: dict[str, Any]) -> None:
-        self.sampler.load_state_dict(state)
-
-    def length(self) -> int | None:
-        return len(self.loader)
-
-    def remaining(self) -> int | None:
-        return self.sampler.remaining_batches
-
-    def padding(self) -> int | None:
-        return self.sampler.plan.num_padded
-
-
-class StatefulRig(Rig):
-    """torchdata's ``StatefulDataLoader`` over ``evenly.Dataset``: the loader's own state
-    (torchdata's format, with evenly's states inside)."""
-
-    plan_batch = 1
-    resumes_finished_epoch = True
+class _LoaderRig(Rig):
+    """A rig over a loader: its passes, and by default its own state and ``len()``."""
 
     def __init__(self, loader: Any) -> None:
         super().__init__()
         self.loader = loader
-        workers = int(loader.num_workers)
-        self.in_order = workers == 0
-        # with workers the state holds each worker's progress and a per-rank base seed
-        self.rank_free_state = workers == 0
 
     def _batches(self) -> Iterator[Any]:
         return iter(self.loader)
@@ -773,6 +698,89 @@ class StatefulRig(Rig):
 
     def length(self) -> int | None:
         return len(self.loader)
+
+
+class EvenlyLoaderRig(_LoaderRig):
+    """``evenly.DataLoader``: its own state, length and plan."""
+
+    def __init__(self, loader: DataLoader) -> None:
+        super().__init__(loader)
+        self.plan_batch = int(loader.batch_size or 1)
+        self.infinite = loader.infinite
+
+    def length(self) -> int | None:
+        try:
+            return len(self.loader)
+        except TypeError:
+            if self.infinite:
+                return None
+            raise
+
+    def remaining(self) -> int | None:
+        return None if self.infinite else self.loader.remaining_batches  # type: ignore[no-any-return]
+
+    def padding(self) -> int | None:
+        return None if self.infinite else self.loader.plan.num_padded  # type: ignore[no-any-return]
+
+
+class TorchLoaderRig(_LoaderRig):
+    """A plain torch DataLoader over ``evenly.Dataset``: the dataset owns the pass, and is
+    told what the loop received (``state_dict(samples_received=...)``)."""
+
+    plan_batch = 1
+    #: the dataset cannot know the torch loader's batches: its state records none
+    records_batches = False
+
+    def __init__(self, dataset: Dataset[Any], loader: tud.DataLoader[Any]) -> None:
+        super().__init__(loader)
+        self.dataset = dataset
+        self.in_order = loader.num_workers == 0
+
+    def state(self) -> dict[str, Any]:
+        return self.dataset.state_dict(samples_received=self.samples_received)
+
+    def load(self, state: dict[str, Any]) -> None:
+        self.dataset.load_state_dict(state)
+
+    def padding(self) -> int | None:
+        return self.dataset.plan().num_padded
+
+
+class SamplerRig(_LoaderRig):
+    """``evenly.BatchSampler`` under torch's DataLoader over a map-style dataset, told what
+    the loop received (``state_dict(batches_received=...)``)."""
+
+    def __init__(self, sampler: BatchSampler, loader: tud.DataLoader[Any]) -> None:
+        super().__init__(loader)
+        self.sampler = sampler
+        self.plan_batch = sampler.batch_size
+
+    def state(self) -> dict[str, Any]:
+        return self.sampler.state_dict(batches_received=self.batches_received)
+
+    def load(self, state: dict[str, Any]) -> None:
+        self.sampler.load_state_dict(state)
+
+    def remaining(self) -> int | None:
+        return self.sampler.remaining_batches
+
+    def padding(self) -> int | None:
+        return self.sampler.plan.num_padded
+
+
+class StatefulRig(_LoaderRig):
+    """torchdata's ``StatefulDataLoader`` over ``evenly.Dataset``: the loader's own state
+    (torchdata's format, with evenly's states inside)."""
+
+    plan_batch = 1
+    resumes_finished_epoch = True
+
+    def __init__(self, loader: Any) -> None:
+        super().__init__(loader)
+        workers = int(loader.num_workers)
+        self.in_order = workers == 0
+        # with workers the state holds each worker's progress and a per-rank base seed
+        self.rank_free_state = workers == 0
 
     def recorded(self, state: dict[str, Any]) -> int:
         if "_num_yielded" in state:
@@ -795,6 +803,13 @@ class StatefulRig(Rig):
 
 
 # ---- factories ----------------------------------------------------------------------------
+def _dataset(
+    source: Callable[[], Any], rank: int, layout: Layout, kwargs: dict[str, Any]
+) -> Dataset[Any]:
+    """``evenly.Dataset(source(), ...)`` as simulated rank ``rank`` of ``layout``."""
+    return Dataset(source(), rank=rank, world_size=layout.world_size, **kwargs)
+
+
 def evenly_loader(
     source: Callable[[], Any],
     *,
@@ -806,9 +821,7 @@ def evenly_loader(
     ``worker_type``)."""
 
     def make(rank: int, layout: Layout) -> Rig:
-        ds: Dataset[Any] = Dataset(
-            source(), rank=rank, world_size=layout.world_size, **dataset_kwargs
-        )
+        ds = _dataset(source, rank, layout, dataset_kwargs)
         loader = DataLoader(
             ds,
             batch_size=layout.batch_size,
@@ -825,9 +838,7 @@ def torch_loader(source: Callable[[], Any], **dataset_kwargs: Any) -> Make:
     """A plain ``torch.utils.data.DataLoader`` over ``evenly.Dataset(source(), ...)``."""
 
     def make(rank: int, layout: Layout) -> Rig:
-        ds: Dataset[Any] = Dataset(
-            source(), rank=rank, world_size=layout.world_size, **dataset_kwargs
-        )
+        ds = _dataset(source, rank, layout, dataset_kwargs)
         loader = tud.DataLoader(ds, batch_size=layout.batch_size, **_loader_kwargs(layout))
         return TorchLoaderRig(ds, loader)
 
@@ -861,9 +872,7 @@ def stateful_loader(source: Callable[[], Any], **dataset_kwargs: Any) -> Make:
     def make(rank: int, layout: Layout) -> Rig:
         from torchdata.stateful_dataloader import StatefulDataLoader  # type: ignore[import-untyped]
 
-        ds: Dataset[Any] = Dataset(
-            source(), rank=rank, world_size=layout.world_size, **dataset_kwargs
-        )
+        ds = _dataset(source, rank, layout, dataset_kwargs)
         loader = StatefulDataLoader(ds, batch_size=layout.batch_size, **_loader_kwargs(layout))
         return StatefulRig(loader)
 

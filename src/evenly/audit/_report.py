@@ -31,10 +31,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ._resumecheck import Run, first_occurrences
-from ._types import I64, AuditError, Finding, Records, passed
+from ._types import I64, AuditError, Finding, Records, passed, unique_rows
 
 if TYPE_CHECKING:
-    from ._resumeplan import ResumeReport
+    from ._resume import ResumeReport
 
 __all__ = ["DPI", "INSTALL", "MAX_POINTS", "image_size", "require_matplotlib", "write_report"]
 
@@ -86,10 +86,11 @@ def _save(fig: Any, path: Path) -> None:
     plt.close(fig)
 
 
-def _stream(rec: Records) -> I64:
-    """Global worker index of each row: rank * workers + worker."""
-    out: I64 = rec.rank * max(rec.num_workers, 1) + rec.worker
-    return out
+def _stream(rec: Records) -> tuple[I64, int]:
+    """Global worker index of each row (rank * workers + worker), and how many there are."""
+    per_rank = max(rec.num_workers, 1)
+    out: I64 = rec.rank * per_rank + rec.worker
+    return out, rec.world_size * per_rank
 
 
 def _colors(n: int) -> Any:
@@ -140,9 +141,8 @@ def _columns(rec: Records) -> tuple[I64, bool]:
 def plot_delivery(rec: Records, path: Path) -> None:
     fig, axes = _figure("delivery", rec.epochs, nrows=rec.epochs)
     columns, by_id = _columns(rec)
-    n_streams = rec.world_size * max(rec.num_workers, 1)
+    stream, n_streams = _stream(rec)
     cmap = _colors(n_streams)
-    stream = _stream(rec)
     for e in range(rec.epochs):
         ax = axes[e][0]
         rows = np.flatnonzero(rec.epoch == e)
@@ -170,8 +170,7 @@ def plot_delivery(rec: Records, path: Path) -> None:
 def plot_order(rec: Records, path: Path) -> None:
     fig, axes = _figure("order", rec.epochs, ncols=rec.epochs)
     order = rec.global_order()
-    stream = _stream(rec)
-    n_streams = rec.world_size * max(rec.num_workers, 1)
+    stream, n_streams = _stream(rec)
     rng = np.random.default_rng(0)
     for e in range(rec.epochs):
         ax = axes[0][e]
@@ -201,12 +200,7 @@ def plot_order(rec: Records, path: Path) -> None:
 def plot_batches(rec: Records, path: Path) -> None:
     fig, axes = _figure("batches", rec.epochs)
     ax = axes[0][0]
-    key = np.stack([rec.epoch, rec.rank, rec.batch], axis=1)
-    uniq, sizes = (
-        np.unique(key, axis=0, return_counts=True)
-        if len(key)
-        else (np.zeros((0, 3), int), np.zeros(0, int))
-    )
+    uniq, _, sizes = unique_rows(rec.epoch, rec.rank, rec.batch)
     steps_per_epoch = [
         int(uniq[uniq[:, 0] == e][:, 2].max()) + 1 if (uniq[:, 0] == e).any() else 0
         for e in range(rec.epochs)

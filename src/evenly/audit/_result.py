@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from ._types import Finding, Records, Settings, passed
 
 if TYPE_CHECKING:
-    from ._resumeplan import ResumeReport
+    from ._resume import ResumeReport
 
 __all__ = ["AuditResult"]
 

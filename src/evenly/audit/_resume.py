@@ -1,59 +1,70 @@
-"""The rank side of ``evenly audit``: one run of the factory's loader through the epochs,
-as a training loop drives it, recording every sample it delivers.
+"""``evenly audit``'s runs of a factory's loader through the epochs, and ``--resume``.
 
-The plain audit runs every epoch uninterrupted, with the lengths the loader reported
-before each pass (``collect``).  ``--resume`` adds the runs that stop at a batch and save
-the loader's state, and the fresh runs that load it and finish (``reference_task``,
-``resume_task``); all are the same run (``_run``).  ``evenly.DataLoader`` knows its epoch
-(``loader.epoch``): after a load the loop runs passes until it reaches the audit's last
-epoch.  Any other loader (torch's or torchdata's ``StatefulDataLoader`` over a dataset,
-a ``LoaderFactory``'s own loader) is told the epoch: ``set_epoch(e)`` before each pass,
-and after a load the loop starts at the stop's epoch (the next one for a state saved
-after the pass ended: an epoch-boundary checkpoint).  A state is pickled where it is
-saved and unpickled where it is loaded, as a checkpoint file would carry it.
+The rank side: one run of the loader as a training loop drives it, recording every sample
+it delivers (``_run``).  The plain audit runs every epoch uninterrupted, with the lengths
+the loader reported before each pass (``collect``).  ``--resume`` adds the runs that stop
+at a batch and save the loader's state, and the fresh runs that load it and finish
+(``reference_task``, ``resume_task``): the same run.  ``evenly.DataLoader`` knows its
+epoch (``loader.epoch``): after a load the loop runs passes until it reaches the audit's
+last epoch.  Any other loader (torch's or torchdata's ``StatefulDataLoader`` over a
+dataset, a ``LoaderFactory``'s own loader) is told the epoch: ``set_epoch(e)`` before
+each pass, and after a load the loop starts at the stop's epoch (the next one for a state
+saved after the pass ended: an epoch-boundary checkpoint).  A state is pickled where it
+is saved and unpickled where it is loaded, as a checkpoint file would carry it.
+
+The launches of ``--resume`` (``run_resume``), and the findings they lead to:
+
+1. The reference: ``world_size`` fresh ranks run every job uninterrupted (its records
+   are the plain audit's), then, for each stop, a fresh loader that stops every rank at
+   that batch and saves its state.
+2. The resumes: fresh rank processes (``resume_world_size`` x ``resume_workers`` where
+   the state does not depend on the rank: every rank saved the same bytes; otherwise the
+   same world size, and a "cannot resume onto another topology" warning) build the loader
+   fresh, load the state and finish the epochs.  A state that does not load onto the
+   other topology is tried again on the original one (a warning too).
+3. The second resume: the run resumed from the "second resume" stop saves again later
+   on; fresh processes load that and finish.
+
+Every stop is then compared with the reference (``_resumecheck``): one finding per stop,
+FAIL on a defect (missing, repeated, reordered, wrong epoch, ranks with unequal batches
+after a load), and a ``resume`` finding that says onto what the loader resumed, WARN
+where it could not.
 """
 
 from __future__ import annotations
 
+import functools
 import gc
 import pickle
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
-from evenly.dataset import Dataset as EvenlyDataset
-
-from ._collect import (
-    Columns,
-    Job,
-    RankResult,
-    _expected,
-    _inner,
-    _is_iterable,
-    _length,
-    _WarningLog,
-    build_loader,
-    epoch_objects,
-    is_stateful,
-    set_epoch,
-)
+from ._collect import Columns, Job, RankResult, _length, _WarningLog, build_loader
+from ._coverage import merged_pieces, pieces_coverage, source_counts
 from ._factory import describe
 from ._launch import launch, seen_here, tell, working_on
+from ._resumecheck import Run, balance_problems, check_stop, prefix_matches
 from ._sourceinfo import mix_info, pack_info, reweigh
 from ._trace import metas_of
-from ._types import LoaderFactory, RankEpoch, Settings
+from ._types import I64, Finding, MixInfo, PackInfo, RankEpoch, Settings, Status, stacked
 
 __all__ = [
+    "ResumeReport",
     "Resumed",
     "Stop",
+    "StopRun",
     "choose_stops",
     "collect",
     "reference_task",
+    "resume_findings",
     "resume_task",
+    "run_resume",
 ]
 
 #: Batches between two progress lines from rank 0 (uninterrupted runs).
@@ -128,6 +139,8 @@ class Resumed:
     #: ``len(loader)`` after the load, if not what this rank had received in the
     #: interrupted epoch + the batches left (the standing rule)
     length_error: str | None = None
+    #: why the audit cannot save and load this loader's state (an uninterrupted run)
+    cannot: str | None = None
 
 
 def _last_line(exc: BaseException) -> str:
@@ -138,29 +151,6 @@ def _last_line(exc: BaseException) -> str:
 
 class _Saved(Exception):
     """The run reached its stop."""
-
-
-def resumable(dataset: Any, loader: Any, kwargs: dict[str, Any]) -> str | None:
-    """None when the audit can save and load this loader's state; else why not: an
-    ``evenly.Dataset`` (``evenly.DataLoader``), a ``LoaderFactory`` whose loader has a
-    state, a dataset with ``state_dict``/``load_state_dict`` or a map-style dataset whose
-    sampler has one (or none given: StatefulDataLoader's own sampler) resume."""
-    if isinstance(dataset, EvenlyDataset):
-        return None
-    if isinstance(dataset, LoaderFactory):
-        if is_stateful(loader):
-            return None
-        return f"its loader, a {type(loader).__name__}, has no state_dict/load_state_dict"
-    sampler = kwargs.get("batch_sampler") or kwargs.get("sampler")
-    if is_stateful(dataset) or is_stateful(sampler):
-        return None
-    if _is_iterable(dataset) or sampler is not None:
-        what = type(sampler).__name__ if sampler is not None else "dataset"
-        return (
-            f"a {type(dataset).__name__} without state_dict/load_state_dict "
-            f"({'its sampler, a ' + what + ', has none either' if sampler else 'iterable'})"
-        )
-    return None
 
 
 def _run(
@@ -185,17 +175,17 @@ def _run(
     with warnings.catch_warnings():
         warnings.simplefilter("always")
         warnings.showwarning = log
-        dataset, loader, kwargs, iterable = build_loader(job, settings)
-        managed = isinstance(dataset, EvenlyDataset)
+        built = build_loader(job, settings)
+        loader, managed = built.loader, built.managed
         if plain:
-            result.expected, result.expected_source = _expected(dataset, iterable)
+            result.expected, result.expected_source = built.expected()
         epoch = 0
         loaded: int | None = None  # the epoch set (and loaded) before the first pass
         length_after: int | None = None
         if start is not None and state is not None:
             epoch = start.epoch + 1 if start.end_of_pass else start.epoch
             if not managed:
-                set_epoch(epoch_objects(dataset, kwargs, loader), epoch)
+                built.set_epoch(epoch)
             try:
                 loader.load_state_dict(pickle.loads(state))
             except Exception as exc:
@@ -212,9 +202,9 @@ def _run(
                 if epoch >= settings.epochs:
                     break
                 if not managed and epoch != loaded:
-                    set_epoch(epoch_objects(dataset, kwargs, loader), epoch)
+                    built.set_epoch(epoch)
                 if plain:  # what the loader says the pass holds
-                    reported = _reported(dataset, loader, iterable)
+                    reported = built.reported()
                     reported_batches = _length(loader)
                 done = first_batch.get(epoch, 0)
                 samples = 0
@@ -251,24 +241,14 @@ def _run(
     if start is not None and state is not None and length_after is not None:
         out.length_error = _length_error(start, until, rank, length_after, columns.epochs)
     if plain:
-        result.mix = mix_info(_inner(dataset), settings)
-        result.pack = pack_info(_inner(dataset), settings.epochs, settings)
+        out.cannot = built.resumable()
+        result.mix = mix_info(built.inner, settings)
+        result.pack = pack_info(built.inner, settings.epochs, settings)
     columns.fill(result, first_batch)
     result.warnings = log.lines() + result.warnings
-    del loader
+    del loader, built
     gc.collect()  # the stopped loader's workers go now, not during the next run
     return out
-
-
-def _reported(dataset: Any, loader: Any, iterable: bool) -> int | None:
-    """The samples the loader says this rank's next pass holds: the pass
-    ``evenly.DataLoader`` plans (its batch size and drop_last), ``len(dataset)``, or the
-    sampler's length."""
-    if isinstance(dataset, EvenlyDataset):
-        return loader.plan.samples_per_rank  # type: ignore[no-any-return]
-    if iterable:
-        return _length(_inner(dataset))
-    return _length(getattr(loader.batch_sampler, "sampler", None))
 
 
 def _length_error(
@@ -319,13 +299,9 @@ def reference_task(
     out: list[tuple[RankResult, str | None, list[Stop], list[Resumed]]] = []
     for job in jobs:
         working_on(describe(job.factory))
-        reference = _run(job, settings, rank).result
+        plain = _run(job, settings, rank)
+        reference, why = plain.result, plain.cannot
         counts = [r.batches for r in sorted(reference.per_rank, key=lambda r: r.epoch)]
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the reference reported them
-            dataset, loader, kwargs, _ = build_loader(job, settings)
-            why = resumable(dataset, loader, kwargs)
-            del loader
         stops = choose_stops(_agree(counts), settings.epochs, settings.resume_at)
         if why is not None:
             out.append((reference, why, [], []))
@@ -339,17 +315,22 @@ def reference_task(
 
 
 #: One resumed run: the job, its settings, the stop it resumes from, the state of each
-#: rank saved there, whether to load every rank's own state, and where to stop again.
-ResumeItem = tuple[Job, Settings, Stop, list[bytes], bool, "Stop | None"]
+#: rank saved there, and where to stop again.
+ResumeItem = tuple[Job, Settings, Stop, list[bytes], "Stop | None"]
+
+
+def own_states(states: list[bytes]) -> bool:
+    """Whether the ranks saved different states (each rank then loads its own)."""
+    return len(set(states)) > 1
 
 
 def resume_task(rank: int, items: list[ResumeItem]) -> list[Resumed]:
     """Each item in a fresh loader: load the state, finish (or stop at ``then``)."""
     out = []
-    for i, (job, settings, stop, states, own, then) in enumerate(items):
+    for i, (job, settings, stop, states, then) in enumerate(items):
         working_on(f"{describe(job.factory)} resumed from {stop}")
         tell(f"resume {i + 1} of {len(items)}: {stop}")
-        state = states[rank] if own else states[0]
+        state = states[rank] if own_states(states) else states[0]
         out.append(_run(job, settings, rank, state=state, start=stop, until=then))
     return out
 
@@ -378,3 +359,393 @@ def collect(
         nodes=settings.nodes,
     )
     return [[per_rank[r][j] for r in range(settings.world_size)] for j in range(len(jobs))]
+
+
+@dataclass
+class StopRun:
+    """One stop of one job: where it resumed, the per-rank runs (seg 0: before the stop
+    under the audit's topology, 1: after the load, 2: after the second load)."""
+
+    stop: Stop
+    world_size: int
+    num_workers: int
+    segments: list[list[RankResult]] = field(default_factory=list)
+    error: str | None = None
+    notes: list[str] = field(default_factory=list)
+    #: every delivered sample of the run, encoded (set by ``resume_findings``)
+    run: Run | None = None
+    #: ``len(loader)`` after a load that broke the standing rule, per rank
+    length_errors: list[str] = field(default_factory=list)
+    #: the simulated nodes it resumed on
+    nodes: int = 1
+
+    def onto(self) -> str:
+        """Where it resumed: ranks x workers, and the nodes where more than one."""
+        on = f" on {self.nodes} nodes" if self.nodes > 1 else ""
+        return f"{self.world_size} ranks x {self.num_workers} workers{on}"
+
+
+@dataclass
+class ResumeReport:
+    """What the resume audit of one job ran and found."""
+
+    cannot: str | None = None
+    stops: list[StopRun] = field(default_factory=list)
+    findings: list[Finding] = field(default_factory=list)
+    #: the uninterrupted run, encoded (set by ``resume_findings``)
+    reference: Run | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "cannot_resume": self.cannot,
+            "stops": [
+                {
+                    "stop": str(s.stop),
+                    "world_size": s.world_size,
+                    "num_workers": s.num_workers,
+                    "nodes": s.nodes,
+                    "error": s.error,
+                    "notes": s.notes,
+                }
+                for s in self.stops
+            ],
+        }
+
+
+def _errors(runs: list[Resumed]) -> str:
+    """Each rank's error, named ("" when none failed)."""
+    return "; ".join(f"rank {r}: {run.error}" for r, run in enumerate(runs) if run.error)
+
+
+def _states(runs: list[Resumed]) -> tuple[list[bytes] | None, str | None]:
+    errors = _errors(runs)
+    if errors:
+        return None, errors
+    states = [run.state for run in runs]
+    if any(s is None for s in states):
+        return None, "a rank ended before the stop (fewer batches than the others?)"
+    return [s for s in states if s is not None], None
+
+
+def _slug(stop: Stop) -> str:
+    return "resume_" + "".join(c if c.isalnum() else "_" for c in stop.name)
+
+
+class _Plan:
+    """The resumes still to run: items grouped by world size and nodes, and where each
+    goes."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.items: dict[tuple[int, int], list[tuple[ResumeItem, StopRun]]] = {}
+
+    def add(
+        self, job: Job, stop: Stop, states: list[bytes], then: Stop | None, target: StopRun
+    ) -> None:
+        """Resume ``job`` from the ``states`` saved at ``stop`` onto ``target``'s topology
+        (and stop again at ``then``)."""
+        settings = replace(
+            self.settings,
+            num_workers=target.num_workers,
+            world_size=target.world_size,
+            nodes=target.nodes,
+        )
+        item: ResumeItem = (job, settings, stop, states, then)
+        self.items.setdefault((target.world_size, target.nodes), []).append((item, target))
+
+    def run(
+        self, timeout: float, say: Callable[[str], None]
+    ) -> list[tuple[ResumeItem, StopRun, list[Resumed]]]:
+        done = []
+        for (world_size, nodes), pairs in sorted(self.items.items()):
+            items = [item for item, _ in pairs]
+            per_rank = launch(world_size, timeout, resume_task, items, say, nodes=nodes)
+            for i, (item, target) in enumerate(pairs):
+                done.append((item, target, [per_rank[r][i] for r in range(world_size)]))
+        self.items = {}
+        return done
+
+
+def run_resume(
+    jobs: list[Job],
+    settings: Settings,
+    *,
+    world_size: int | None = None,
+    num_workers: int | None = None,
+    nodes: int | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> list[tuple[list[RankResult], ResumeReport]]:
+    """Per job: the reference's rank results and the resume report (findings unset:
+    ``resume_findings`` computes them once the ids are encoded)."""
+    say = progress or (lambda _: None)
+    w2 = settings.world_size if world_size is None else world_size
+    k2 = settings.num_workers if num_workers is None else num_workers
+    n2 = settings.nodes if nodes is None else nodes
+    say(f"reference and interrupted runs on {settings.world_size} ranks")
+    per_rank = launch(
+        settings.world_size,
+        settings.timeout,
+        reference_task,
+        (jobs, settings),
+        say,
+        nodes=settings.nodes,
+    )
+    out: list[tuple[list[RankResult], ResumeReport]] = []
+    plan = _Plan(settings)
+    for j, job in enumerate(jobs):
+        refs = [per_rank[r][j][0] for r in range(settings.world_size)]
+        report = ResumeReport(cannot=per_rank[0][j][1])
+        out.append((refs, report))
+        for i, stop in enumerate(per_rank[0][j][2]):
+            runs = [per_rank[r][j][3][i] for r in range(settings.world_size)]
+            target = StopRun(stop, w2, k2, segments=[[run.result for run in runs]], nodes=n2)
+            report.stops.append(target)
+            states, error = _states(runs)
+            if states is None:
+                target.error = f"the state saved at {stop} is unusable: {error}"
+                continue
+            if own_states(states) and w2 != settings.world_size:
+                target.notes.append(
+                    f"cannot resume onto another topology: the state differs per rank, so "
+                    f"it resumed on {settings.world_size} ranks, not {w2}"
+                )
+                target.world_size, target.nodes = settings.world_size, settings.nodes
+            plan.add(job, stop, states, stop.then, target)
+    say(f"resumed runs on {w2} ranks x {k2} workers" + (f" on {n2} nodes" if n2 > 1 else ""))
+    home = (settings.world_size, settings.num_workers)
+    # three rounds: the resumes (a failed one onto another topology is tried again at
+    # home), then those retries and the second resumes, then the retries' second resumes
+    for round_ in range(3):
+        if round_ == 2:
+            say("second resume")
+        for item, target, runs in plan.run(settings.timeout, say):
+            errors = _errors(runs)
+            if round_ == 0 and errors and (target.world_size, target.num_workers) != home:
+                target.notes.append(
+                    f"cannot resume onto {target.world_size} ranks x {target.num_workers} "
+                    f"workers ({errors}): resumed on {home[0]} x {home[1]}"
+                )
+                target.world_size, target.num_workers = home
+                target.nodes = settings.nodes
+                job, _, stop, states, then = item
+                plan.add(job, stop, states, then, target)
+                continue
+            _finish(item, target, runs, plan)
+    return out
+
+
+def _finish(item: ResumeItem, target: StopRun, runs: list[Resumed], plan: _Plan) -> None:
+    """Record a resumed run; queue the second resume from where it saved again."""
+    errors = _errors(runs)
+    if errors:
+        target.error = "cannot resume: load_state_dict raised: " + errors
+        return
+    target.segments.append([run.result for run in runs])
+    target.length_errors += [run.length_error for run in runs if run.length_error]
+    job, _, _, _, then = item
+    if then is None:
+        return
+    states, error = _states(runs)
+    if states is None:
+        target.error = f"the state saved again at {then} is unusable: {error}"
+        return
+    plan.add(job, then, states, None, target)
+
+
+def _run_of(results: list[RankResult], codes: list[np.ndarray], seg: int, world: int) -> Run:
+    cols = stacked(results)
+    ids = np.concatenate(codes) if codes else np.zeros(0, dtype=np.int64)
+    seg_col = np.full(len(ids), seg, dtype=np.int64)
+    names = ("rank", "epoch", "batch", "pos")
+    return Run(world_size=world, ids=ids, seg=seg_col, **{n: cols[n] for n in names})
+
+
+def _next_epoch(segs: list[Run], stop: Stop, epochs: int, world_size: int) -> Run:
+    """The run with every pass after the load counted one epoch later (the epochs past
+    the audit's last dropped), as if the loop had known the state was the next epoch's."""
+    parts = [segs[0]]
+    for seg in segs[1:]:
+        batch = np.where(seg.epoch == stop.epoch, seg.batch - stop.batch, seg.batch)
+        moved = replace(seg, epoch=seg.epoch + 1, batch=batch)
+        parts.append(moved.select(moved.epoch < epochs))
+    return Run.concat(parts, world_size)
+
+
+def _shifted(segments: list[list[RankResult]], later: bool) -> list[tuple[RankResult, int]]:
+    """Every result of the segments, with the epochs to add to its own (``later``: 1 after
+    the load, see ``_next_epoch``)."""
+    return [(r, int(later and k > 0)) for k, seg in enumerate(segments) for r in seg]
+
+
+def resumed_tokens(
+    pack: PackInfo, segments: list[list[RankResult]], epochs: int, later: bool = False
+) -> list[str]:
+    """The token accounting of a stopped and resumed packed run, per epoch (``later``:
+    the passes after the load count one epoch later, see ``_next_epoch``)."""
+    pairs = _shifted(segments, later)
+    found = pieces_coverage(
+        pack.lengths,
+        epochs,
+        np.concatenate([r.epoch + d for r, d in pairs]),
+        np.concatenate([np.full(len(r.epoch), r.rank) for r, _ in pairs]),
+        merged_pieces([r for r, _ in pairs]),
+    )
+    return [f"epoch {c.epoch}: {c.text}" for c in found]
+
+
+def _per_source(mix: MixInfo, pairs: list[tuple[RankResult, int]], epochs: int) -> I64:
+    """Samples per epoch and source of the results of ``pairs`` (each with the epochs
+    added to its own, see ``_shifted``; samples of no known source are not counted)."""
+    kept = [(r, d) for r, d in pairs if len(r.reads) == len(r.epoch)]
+    if not kept:
+        return np.zeros((epochs, len(mix.names)), dtype=np.int64)
+    reads = np.concatenate([np.asarray(r.reads, dtype=np.int64).reshape(-1) for r, _ in kept])
+    epoch = np.concatenate([np.asarray(r.epoch, dtype=np.int64) + d for r, d in kept])
+    return source_counts(mix, reads, epoch, epochs)
+
+
+def resumed_shares(
+    mix: MixInfo,
+    refs: list[RankResult],
+    segments: list[list[RankResult]],
+    epochs: int,
+    step: int,
+    later: bool = False,
+) -> list[str]:
+    """Each source's samples per epoch in a stopped and resumed run of a Mix against the
+    uninterrupted run's, beyond what padding or ``drop_last`` can move: the reference's
+    own (its samples more or fewer than ``sum(mix.counts)``) and the resumed run's, less
+    than one global ``step`` (the larger one)."""
+    want = _per_source(mix, _shifted([refs], False), epochs)
+    have = _per_source(mix, _shifted(segments, later), epochs)
+    n = int(sum(mix.counts))
+    out = []
+    for e in range(epochs):
+        w, h = want[e], have[e]
+        slack = abs(int(w.sum()) - n) + min(abs(int(h.sum()) - n), step - 1)
+        off = [d for d in range(len(mix.names)) if abs(int(h[d]) - int(w[d])) > slack]
+        if off:
+            shown = ", ".join(
+                f"{mix.names[d]!r} {int(h[d])} ({int(w[d])} uninterrupted)" for d in off
+            )
+            out.append(f"epoch {e}: samples per source {shown}")
+    return out
+
+
+def resume_findings(
+    report: ResumeReport,
+    refs: list[RankResult],
+    codes: dict[int, np.ndarray],
+    settings: Settings,
+    label: Callable[[int], str],
+) -> list[Finding]:
+    """The ``resume`` finding and one per stop (``codes``: ``id(result)`` -> its ids'
+    integer codes, one code space for every run; ``label`` names a code)."""
+
+    def encode(result: RankResult) -> np.ndarray:
+        return codes[id(result)]
+
+    if report.cannot is not None:
+        return [Finding("resume", "Resume", "WARN", 0, f"cannot resume: {report.cannot}")]
+    ref = _run_of(refs, [encode(r) for r in refs], 0, settings.world_size)
+    whole = ref  # with a packed dataset's pad rows: batch counts include them
+    pack = refs[0].pack if refs else None
+    # a Mix by samples is apportioned on world_size x batch_size steps: its order after
+    # a resume onto another world size is another one by design (docs/mixtures.md)
+    mix = refs[0].mix if refs and pack is None else None
+    if pack is not None:  # pad rows hold no data (their count may differ on another topology)
+        ref = ref.select(ref.ids >= 0)
+    # what the uninterrupted run got wrong already is its own finding (``tokens``)
+    unresumed = set() if pack is None else set(resumed_tokens(pack, [refs], settings.epochs))
+    report.reference = ref
+    findings: list[Finding] = []
+    notes: list[str] = []
+    for s in report.stops:
+        status: Status = "PASS"
+        if s.error is not None:
+            status, detail = "WARN", s.error
+        else:
+            segs = [
+                _run_of(
+                    rs, [encode(r) for r in rs], k, settings.world_size if k == 0 else s.world_size
+                )
+                for k, rs in enumerate(s.segments)
+            ]
+            # every rank the same number of batches after each load (the rule the
+            # uninterrupted run is held to: a rank with more blocks DDP)
+            balance = balance_problems(whole, Run.concat(segs, s.world_size))
+            if pack is not None:
+                segs = [seg.select(seg.ids >= 0) for seg in segs]
+            got = Run.concat(segs, s.world_size)
+            s.run = got
+            judge = functools.partial(
+                check_stop,
+                ref,
+                batch_size=settings.batch_size,
+                reproducible=prefix_matches(ref, segs[0]),
+                label=label,
+                topology_free=mix is None,
+            )
+            check = judge(got)
+            later = False  # the passes after the load counted one epoch later
+            if check.problems and s.stop.last and not s.stop.end_of_pass:
+                # a state saved after an epoch's last batch may be the next epoch's start
+                # (evenly's, litdata's): the loop's first pass after the load is that epoch
+                shifted = _next_epoch(segs, s.stop, settings.epochs, s.world_size)
+                other = judge(shifted)
+                if not other.problems:
+                    check = other
+                    check.notes.append(
+                        "the state saved after the epoch's last batch resumed at the next "
+                        "epoch's start (the loop's first pass after the load was that epoch)"
+                    )
+                    got = s.run = shifted
+                    later = True
+            if pack is not None:  # packed: every token once, resumed too
+                tokens = resumed_tokens(pack, s.segments, settings.epochs, later)
+                check.problems += [t for t in tokens if t not in unresumed]
+            moved = mix is not None and s.world_size != settings.world_size
+            if mix is not None and moved:  # judged by exactly-once and each source's share
+                step = max(s.world_size, settings.world_size) * settings.batch_size
+                check.problems += resumed_shares(
+                    mix, refs, s.segments, settings.epochs, step, later
+                )
+            check.problems += balance + s.length_errors
+            if check.problems:
+                status = "FAIL"
+            elif check.notes:
+                status = "WARN"
+            where = f"onto {s.onto()}"
+            if moved:
+                where += (
+                    " (a Mix's order depends on world_size x batch_size: judged by "
+                    "exactly-once and samples per source, not by order)"
+                )
+            detail = "; ".join(check.problems + check.notes) or f"exact after resuming {where}"
+        notes.extend(s.notes)
+        findings.append(Finding(_slug(s.stop), f"Resume: {s.stop}", status, 0, detail))
+    errors = [s.error for s in report.stops if s.error is not None]
+    if not report.stops:
+        head = Finding("resume", "Resume", "WARN", 0, "no batch to stop at")
+    elif len(errors) == len(report.stops):
+        head = Finding("resume", "Resume", "WARN", len(errors), f"at no stop: {errors[0]}")
+    elif errors:
+        head = Finding(
+            "resume",
+            "Resume",
+            "WARN",
+            len(errors),
+            f"cannot resume at {len(errors)} of {len(report.stops)} stops: {errors[0]}",
+        )
+    elif notes:
+        head = Finding("resume", "Resume", "WARN", len(notes), "; ".join(sorted(set(notes))))
+    else:
+        s0 = report.stops[0]
+        head = Finding(
+            "resume",
+            "Resume",
+            "PASS",
+            0,
+            f"{len(report.stops)} stops resumed onto {s0.onto()}",
+        )
+    return [head, *findings]

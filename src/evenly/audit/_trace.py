@@ -250,22 +250,9 @@ class MetaBatch(NamedTuple):
     dropped: list[Any] | None = None
 
     @property
-    def worker(self) -> I64:
-        return np.asarray(self.table["worker"], dtype=np.int64)
-
-    @property
     def ids(self) -> I64 | list[Any]:
         """An int64 array when every id is an integer, else a list."""
         return np.asarray(self.table["id"]) if self.labels is None else self.labels
-
-    @property
-    def draws(self) -> F64:
-        """``(k, 3)`` in ``GENERATORS`` order."""
-        return draws_of(self.table)
-
-    @property
-    def reads(self) -> I64:
-        return np.asarray(self.table["read"], dtype=np.int64)
 
     @property
     def samples(self) -> int:

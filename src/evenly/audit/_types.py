@@ -33,6 +33,7 @@ __all__ = [
     "ranks_per_node",
     "row_id",
     "row_label",
+    "stacked",
     "unique_rows",
 ]
 
@@ -357,6 +358,23 @@ def unique_rows(*cols: I64) -> tuple[I64, I64, I64]:
         rows[:, j] = rest % spans[j] + lows[j]
         rest //= spans[j]
     return rows, inverse.reshape(-1).astype(np.int64), counts.astype(np.int64)
+
+
+def stacked(results: Sequence[Any]) -> dict[str, Any]:
+    """The columns of several ranks' results (``_collect.RankResult``) one after the
+    other: ``rank``, ``worker``, ``epoch``, ``batch``, ``pos`` (int64) and ``draws``
+    (``(n, 3)`` floats)."""
+    empty = np.zeros(0, dtype=np.int64)
+    names = ("worker", "epoch", "batch", "pos")
+    cols = {n: [np.asarray(getattr(r, n), dtype=np.int64) for r in results] for n in names}
+    out: dict[str, Any] = {n: np.concatenate(c or [empty]) for n, c in cols.items()}
+    ranks = zip(results, cols["epoch"], strict=True)
+    out["rank"] = np.concatenate(
+        [np.full(len(e), r.rank, dtype=np.int64) for r, e in ranks] or [empty]
+    )
+    draws = [np.asarray(r.draws, dtype=np.float64).reshape(-1, 3) for r in results]
+    out["draws"] = np.concatenate(draws or [np.zeros((0, 3))])
+    return out
 
 
 def batch_sizes(rec: Records) -> tuple[I64, I64, I64]:

@@ -173,3 +173,23 @@ def test_a_forked_worker_s3_client_reuses_the_parent_parsed_service_models(
     finally:
         child.join(60)
     assert child.exitcode == 0
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "webdataset"])
+def test_the_workers_do_not_list_the_shards_again_before_the_first_batch(
+    s3: S3Endpoint, s3_prefix: str, proxy: S3Proxy, tmp_path: Path, fmt: str
+) -> None:
+    """The loader's main process lists the shards at the pass start (a changed object is
+    an error there); its workers read that pass without listing them again.  Before: each
+    worker made an S3 client of its own and listed the shards again before reading its
+    first batch (one listing per worker on the first batch's path).  The requests served
+    when the first batch is yielded are the main process's listing and shard GETs only."""
+    _, url = upload(s3, s3_prefix, tmp_path, fmt)
+    loader = _loader(url, fmt, via(s3, proxy), str(tmp_path / "c"))
+    proxy.reset_stats()  # what opening the source requested is not counted
+    batches = iter(loader)
+    next(batches)
+    stats = proxy.stats()
+    assert stats["requests"] - sum(stats["gets_by_key"].values()) == 1, stats["requests"]
+    for _ in batches:
+        pass

@@ -131,6 +131,7 @@ class Engine:
                 skipped=feed.skipped,
                 view=views[w],
                 clock=clock,
+                checked=True,  # the loader's main process checked at the pass start
             )
             if feed.per_sample is not None:
                 items = map(feed.per_sample, items)

@@ -107,6 +107,7 @@ class Feed(IterableDataset[Any]):
             columnar=self.columnar,
             skipped=self.skipped,
             clock=clock,
+            checked=True,  # the loader's main process checked at the pass start
         )
         if per_sample is not None:
             items = map(per_sample, items)

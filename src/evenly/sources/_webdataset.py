@@ -35,7 +35,11 @@ from ._manifest import FileEntry, pack_array, unpack_array
 from ._ranges import RangeReader, per_process
 from ._tarread import read_batch, sample_spans, split_name
 
-__all__ = ["WebDatasetSource", "from_webdataset", "split_name"]
+__all__ = ["FIRST_BY_RANGE", "WebDatasetSource", "from_webdataset", "split_name"]
+
+#: a pass's first batch read through the shard cache reads its samples by range where
+#: their bytes are at most this part of the bytes of their shards not cached yet
+FIRST_BY_RANGE = 1 / 8
 
 
 def check_member_name(name: str) -> None:
@@ -58,8 +62,10 @@ class WebDatasetSource(ShardedSource):
     :mod:`evenly.sources._ranges`): each sample's members, the next batches' ahead,
     nothing downloaded whole; a shard already in the local cache is read from there.
     Otherwise a process's first batch of a pass reads its samples of shards not yet in
-    the cache by range too (its own members, not their whole shards: the shards
-    download after it), and every later batch through the shard cache.
+    the cache by range too, where they are a small part of those shards
+    (:data:`FIRST_BY_RANGE`; a block shuffle's first batch has a few samples of every
+    shard of its window): its own members, not their whole shards, which download after
+    it; every later batch reads through the shard cache.
     """
 
     format = "webdataset"
@@ -190,19 +196,23 @@ class WebDatasetSource(ShardedSource):
         in shards not in the cache yet, read by range (each request carries the listed
         ETag), so that it waits for its own members, not for their whole shards (a block
         shuffle's first batch has samples of every shard of its window).  None: not the
-        first batch, or all its shards are here (read from their copies)."""
+        first batch, all its shards are here (read from their copies), or its samples
+        are more than :data:`FIRST_BY_RANGE` of the shards' bytes (read whole)."""
         limit, self._first_limit = self._first_limit, None
         cache = self.cache
         if limit is None or cache is None:
             return None
         shards = np.unique(self.shard_of(idx)).tolist()
-        away = {
+        away = [
             k
             for k in shards
             if not os.path.exists(cache.path_for(self.urls[k], self._fingerprints[k]))
-        }
-        if not away:
-            return None
+        ]
+        ks, lo, hi = sample_spans(self, idx)
+        spans = int((hi - lo)[np.isin(ks, away)].sum())
+        whole = sum(self._shards.sizes[k] for k in away) if self._shards.sizes else 0
+        if not spans or spans > whole * FIRST_BY_RANGE:
+            return None  # the shards whole cost about as much, and nothing is read twice
         reader = RangeReader(
             self.urls,
             self._fingerprints,
@@ -213,7 +223,7 @@ class WebDatasetSource(ShardedSource):
             cache.obstore,
         )
         try:
-            return reader.read(idx, away.__contains__)
+            return reader.read(idx, set(away).__contains__)
         finally:
             self._count(**reader.counters())
             reader.close()

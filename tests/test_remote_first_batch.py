@@ -237,3 +237,23 @@ def test_a_tar_first_batch_reads_its_own_members_by_range_then_the_shards_downlo
     assert sorted(seen) == list(range(N))  # exactly once
     names = [n.split("-", 1)[1] for n in cached(cache_dir)]
     assert sorted(names) == [f"shard-{k:05d}.tar" for k in range(SHARDS)]  # whole, once each
+
+
+def test_opening_a_directory_of_objects_lists_it_once(
+    s3: S3Endpoint, s3_prefix: str, proxy: S3Proxy, tmp_path: Path
+) -> None:
+    """A remote directory is listed at once: one listing request (then the manifest's
+    GET) before the first batch can be planned.  Before: a HEAD of the path and a listing
+    of one key (s3fs's ``info``: is it a directory?), then the listing of its files.  A
+    URL of one object is still that object alone."""
+    _, url = upload(s3, s3_prefix, tmp_path, "parquet")
+    options = via(s3, proxy)
+    src = es.from_parquet(url, storage_options=options, cache_dir=str(tmp_path / "c"))
+    stats = proxy.stats()
+    assert len(src) == N
+    assert stats["requests"] - sum(stats["gets_by_key"].values()) == 1, stats["requests"]
+    one = es.from_parquet(
+        f"{url}/shard-00003.parquet", storage_options=options, cache_dir=str(tmp_path / "c")
+    )
+    assert len(one) == PER_SHARD and one.urls == (f"{url}/shard-00003.parquet",)
+    assert [int(s["id"]) for s in as_list([one[0], one[PER_SHARD - 1]])] == [72, 95]

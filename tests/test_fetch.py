@@ -24,7 +24,14 @@ from filelock import FileLock
 import evenly
 import evenly.sources as es
 from evenly.sources._cache import ShardCache
-from evenly.sources._fetch import PART_BYTES, pinned_elsewhere, pins, write_pins
+from evenly.sources._fetch import (
+    MIN_PART_BYTES,
+    PART_BYTES,
+    Fetcher,
+    pinned_elsewhere,
+    pins,
+    write_pins,
+)
 from tests import s3server
 from tests.distributed import run_ranks
 from tests.s3server import S3Endpoint
@@ -232,6 +239,48 @@ def test_a_large_object_is_fetched_in_parallel_range_parts_that_reproduce_its_by
     assert proxy.served_for("big.bin") == size
     assert proxy.agents == {s3server.AGENTS[fetch_path]: 4}  # the parts, by that client
     assert [n for n in os.listdir(cache.cache_dir) if ".part-" in n] == []
+
+
+def test_the_shards_a_reader_waits_for_are_started_one_after_the_other(
+    s3: S3Endpoint,
+    s3_prefix: str,
+    tmp_path: Path,
+    proxy: CountingProxy,
+    monkeypatch: pytest.MonkeyPatch,
+    fetch_path: str,
+) -> None:
+    """A batch waits for 3 shards (a block shuffle's first batch), each split in 2 parts,
+    with 4 download threads: each shard's parts are handed out before the next shard is
+    started, so the shards arrive one after the other at the link's whole rate and the
+    reader decodes the first while the next ones download.  Before: the idle threads each
+    started a shard of their own while the first was being opened, and the parts of all
+    of them shared the link (all arriving together, at the end)."""
+    size = 2 * MIN_PART_BYTES  # waited for, over 4 threads: 2 parts of MIN_PART_BYTES
+    fs = s3.fs()
+    items = []
+    for k in range(3):
+        key = f"{s3.bucket}/{s3_prefix}/w{k}.bin"
+        fs.pipe_file(key, bytes([k]) * size)
+        items.append((f"s3://{key}", f"{size}:{fs.info(key)['ETag']}", size))
+    handed: list[tuple[str, str]] = []  # (shard, "start" or "part"), in the order handed out
+    real = Fetcher._next
+
+    def logged(self: Fetcher) -> Any:
+        unit = real(self)
+        if unit is not None:
+            handed.append((unit[0].url[-6:], "start" if unit[1] is None else "part"))
+        return unit
+
+    monkeypatch.setattr(Fetcher, "_next", logged)
+    cache = ShardCache(str(tmp_path / "c"), 1 << 30, via(s3, proxy), max_in_flight=4)
+    cache.prefetch(items, now=True)  # all three needed by the batch being read
+    for k, (url, fingerprint, _) in enumerate(items):
+        with open(cache.fetch(url, fingerprint, size), "rb") as f:
+            assert f.read() == bytes([k]) * size
+    assert handed == [
+        (f"w{k}.bin", what) for k in range(3) for what in ("start", "part", "part")
+    ], handed
+    assert proxy.served_for(".bin") == 3 * size
 
 
 def test_one_process_never_has_more_requests_in_flight_than_the_bound(

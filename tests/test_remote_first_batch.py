@@ -24,6 +24,7 @@ import pytest
 import evenly
 import evenly.sources as es
 from evenly.sources import _manifest
+from evenly.sources._webdataset import FIRST_BY_RANGE
 from tests import s3server
 from tests.s3proxy import S3Proxy
 from tests.s3server import S3Endpoint
@@ -75,13 +76,23 @@ def ids(batch: list[dict[str, Any]]) -> list[int]:
     return [int(s["id"]) for s in batch]
 
 
-def _loader(url: str, fmt: str, options: dict[str, Any], cache_dir: str, **kw: Any) -> Any:
+def _loader(
+    url: str,
+    fmt: str,
+    options: dict[str, Any],
+    cache_dir: str,
+    workers: int = 2,
+    batch: int = BATCH,
+    **kw: Any,
+) -> Any:
     """2 DataLoader workers, windows of 2 shards (the first batch reads 2 shards; the
     look-ahead, had it started, would have more in flight beside them)."""
     read = es.from_parquet if fmt == "parquet" else es.from_webdataset
     src = read(url, storage_options=options, cache_dir=cache_dir, **kw)
     ds = evenly.Dataset(src, shuffle="block", seed=5, block_shards=2)
-    return evenly.DataLoader(ds, batch_size=BATCH, num_workers=2, collate_fn=as_list, timeout=60)
+    return evenly.DataLoader(
+        ds, batch_size=batch, num_workers=workers, collate_fn=as_list, timeout=60
+    )
 
 
 @pytest.mark.parametrize("fmt", ["parquet", "webdataset"])
@@ -173,3 +184,76 @@ def test_a_forked_worker_s3_client_reuses_the_parent_parsed_service_models(
     finally:
         child.join(60)
     assert child.exitcode == 0
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "webdataset"])
+def test_the_workers_do_not_list_the_shards_again_before_the_first_batch(
+    s3: S3Endpoint, s3_prefix: str, proxy: S3Proxy, tmp_path: Path, fmt: str
+) -> None:
+    """The loader's main process lists the shards at the pass start (a changed object is
+    an error there); its workers read that pass without listing them again.  Before: each
+    worker made an S3 client of its own and listed the shards again before reading its
+    first batch (one listing per worker on the first batch's path).  The requests served
+    when the first batch is yielded are the main process's listing and shard GETs only."""
+    _, url = upload(s3, s3_prefix, tmp_path, fmt)
+    loader = _loader(url, fmt, via(s3, proxy), str(tmp_path / "c"))
+    proxy.reset_stats()  # what opening the source requested is not counted
+    batches = iter(loader)
+    next(batches)
+    stats = proxy.stats()
+    assert stats["requests"] - sum(stats["gets_by_key"].values()) == 1, stats["requests"]
+    for _ in batches:
+        pass
+
+
+def test_a_tar_first_batch_reads_its_own_members_by_range_then_the_shards_download(
+    s3: S3Endpoint, s3_prefix: str, tmp_path: Path
+) -> None:
+    """A block shuffle's first batch has a few samples of every shard of its window
+    (here 4 of a window's 48, under ``FIRST_BY_RANGE`` of its bytes): it reads those
+    samples' members by range, not their whole shards, which download after it (and every
+    later batch reads them from the cache).  When the first batch is yielded, the proxy
+    has served less than its shards' bytes (before: all of them); then the epoch is
+    exactly once, in the local order, each shard downloaded once into the cache.  (The
+    test above: a first batch of a third of its shards reads them whole.)"""
+    small = 4
+    assert small * (PAYLOAD + 3 * 512) < 2 * PER_SHARD * PAYLOAD * FIRST_BY_RANGE
+    local, url = upload(s3, s3_prefix, tmp_path, "webdataset")
+    cache_dir = tmp_path / "c"
+    # one worker: nothing else reads; slow enough that the look-ahead started after the
+    # batch has served little when the batch reaches the loop
+    with S3Proxy(s3.endpoint_url, delay=0.05, bandwidth=0.5e6) as proxy:
+        loader = _loader(url, "webdataset", via(s3, proxy), str(cache_dir), 1, small)
+        proxy.reset_stats()
+        batches = iter(loader)
+        first = ids(next(batches))
+        served = proxy.stats()["bytes"]
+        seen = first + [i for b in batches for i in ids(b)]
+    theirs = shard_bytes(local, "tar", {i // PER_SHARD for i in first})
+    assert small * PAYLOAD <= served < theirs / 2, (served, theirs)
+    here = evenly.Dataset(es.from_webdataset(str(local)), shuffle="block", seed=5, block_shards=2)
+    loader = evenly.DataLoader(here, batch_size=small, collate_fn=as_list)
+    assert seen == [i for b in loader for i in ids(b)]
+    assert sorted(seen) == list(range(N))  # exactly once
+    names = [n.split("-", 1)[1] for n in cached(cache_dir)]
+    assert sorted(names) == [f"shard-{k:05d}.tar" for k in range(SHARDS)]  # whole, once each
+
+
+def test_opening_a_directory_of_objects_lists_it_once(
+    s3: S3Endpoint, s3_prefix: str, proxy: S3Proxy, tmp_path: Path
+) -> None:
+    """A remote directory is listed at once: one listing request (then the manifest's
+    GET) before the first batch can be planned.  Before: a HEAD of the path and a listing
+    of one key (s3fs's ``info``: is it a directory?), then the listing of its files.  A
+    URL of one object is still that object alone."""
+    _, url = upload(s3, s3_prefix, tmp_path, "parquet")
+    options = via(s3, proxy)
+    src = es.from_parquet(url, storage_options=options, cache_dir=str(tmp_path / "c"))
+    stats = proxy.stats()
+    assert len(src) == N
+    assert stats["requests"] - sum(stats["gets_by_key"].values()) == 1, stats["requests"]
+    one = es.from_parquet(
+        f"{url}/shard-00003.parquet", storage_options=options, cache_dir=str(tmp_path / "c")
+    )
+    assert len(one) == PER_SHARD and one.urls == (f"{url}/shard-00003.parquet",)
+    assert [int(s["id"]) for s in as_list([one[0], one[PER_SHARD - 1]])] == [72, 95]

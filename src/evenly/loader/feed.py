@@ -169,6 +169,7 @@ class Feed(IterableDataset[Any]):
             skipped=self.skipped,
             view=view,
             clock=clock,
+            checked=True,  # the loader's main process checked at the pass start
         )
         if self.per_sample is not None:
             items = map(self.per_sample, items)

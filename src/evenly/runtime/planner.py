@@ -316,15 +316,22 @@ class Planner:
         seen: list[int] | None = None,
         view: SourceView | None = None,
         clock: StageClock | None = None,
+        checked: bool = False,
     ) -> Iterator[Any]:
         """This worker's share of the pass ``spec``: single samples, or with ``collate``
         (or ``columnar``) one collated batch per plan batch.  A generator: every check
         runs on the first ``next()``.  ``seen``: (len, fingerprint, generation) as the
         main process last saw them, for the dataset's own passes.  ``view``: the source
         to read (a reader thread's own copy; default: the dataset's).  ``clock``: times
-        the stages of each batch (``loader.stats()``)."""
+        the stages of each batch (``loader.stats()``).  ``checked``: the owner of the pass
+        checked the source's files as it started the pass (``evenly.DataLoader``'s main
+        process, just before its workers read it), so not again here: a remote source's
+        check is a fresh listing, and each worker's own (a client of its own, then the
+        listing) was on the first batch's path.  A shard changed since is still caught: its
+        download checks the version the source listed."""
         check_current(spec, self.num_samples(), self.generation, seen, self.source_fingerprint)
-        self.check_files()
+        if not checked:
+            self.check_files()
         reads = self.pass_strategy(columnar)
         plan = reads.stream_plan(self, spec) if spec.infinite else reads.plan(self, spec)
         ctx = ReadContext(

@@ -400,6 +400,11 @@ class Fetcher:
             if job.state == "running" and job.parts:
                 job.busy += 1
                 return job, job.parts.popleft()
+            if job.state == "starting" and job.demand and (job.size or 0) > self.part_bytes(job):
+                # a shard a reader waits for, about to be split: its parts before the next
+                # shard (which would share the link with it), so that the shards a batch
+                # waits for arrive one after the other; woken when it has started
+                return None
             if job.state != "queued":
                 continue
             if not job.demand:

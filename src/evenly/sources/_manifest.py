@@ -210,6 +210,7 @@ def resolve(
         raise ValueError(f"{what}: no paths given; pass a directory, a glob or a list of files")
     options = with_timeouts(items[0], storage_options)
     fs, _ = filesystem(items[0], options)
+    local = _is_local(fs)
     infos: dict[str, dict[str, Any]] = {}
     for item in items:
         item_fs, path = filesystem(item, options)
@@ -224,28 +225,35 @@ def resolve(
                 raise FileNotFoundError(f"{what}: the glob {item!r} matches no file")
             infos.update({k: v for k, v in found.items() if v.get("type") != "directory"})
             continue
-        try:
-            info = item_fs.info(path)
-        except FileNotFoundError:
-            raise FileNotFoundError(f"{what}: file not found: {item!r}") from None
-        if info.get("type") == "directory":
+        root = path.rstrip("/")
+        found = None
+        if not local and not root.endswith(extensions):
+            # most likely a directory: listed at once (an object store's info is a HEAD,
+            # then a listing, before the listing of its files)
             found = item_fs.find(path, detail=True)
-            root = path.rstrip("/")
-            matched = {
-                k: v
-                for k, v in found.items()
-                if k.endswith(extensions) and not _hidden(posixpath.relpath(k, root))
-            }
-            if not matched:
-                raise FileNotFoundError(
-                    f"{what}: the directory {item!r} holds no file ending in "
-                    f"{' or '.join(extensions)}"
-                )
-            infos.update(matched)
-        else:
-            infos[info["name"]] = info
+            if not found or set(found) == {root}:  # nothing under it, or a file itself
+                found = None
+        if found is None:
+            try:
+                info = item_fs.info(path)
+            except FileNotFoundError:
+                raise FileNotFoundError(f"{what}: file not found: {item!r}") from None
+            if info.get("type") == "directory":
+                found = item_fs.find(path, detail=True)
+            else:
+                infos[info["name"]] = info
+                continue
+        matched = {
+            k: v
+            for k, v in found.items()
+            if k.endswith(extensions) and not _hidden(posixpath.relpath(k, root))
+        }
+        if not matched:
+            raise FileNotFoundError(
+                f"{what}: the directory {item!r} holds no file ending in {' or '.join(extensions)}"
+            )
+        infos.update(matched)
     names = sorted(infos) if len(items) == 1 else list(dict.fromkeys(infos))
-    local = _is_local(fs)
     return Shards(
         fs=fs,
         urls=tuple(_unstrip(fs, n) for n in names),

@@ -35,7 +35,11 @@ from ._manifest import FileEntry, pack_array, unpack_array
 from ._ranges import RangeReader, per_process
 from ._tarread import read_batch, sample_spans, split_name
 
-__all__ = ["WebDatasetSource", "from_webdataset", "split_name"]
+__all__ = ["FIRST_BY_RANGE", "WebDatasetSource", "from_webdataset", "split_name"]
+
+#: a pass's first batch read through the shard cache reads its samples by range where
+#: their bytes are at most this part of the bytes of their shards not cached yet
+FIRST_BY_RANGE = 1 / 8
 
 
 def check_member_name(name: str) -> None:
@@ -57,6 +61,11 @@ class WebDatasetSource(ShardedSource):
     Remote shards read in a global shuffle are read by byte range (see
     :mod:`evenly.sources._ranges`): each sample's members, the next batches' ahead,
     nothing downloaded whole; a shard already in the local cache is read from there.
+    Otherwise a process's first batch of a pass reads its samples of shards not yet in
+    the cache by range too, where they are a small part of those shards
+    (:data:`FIRST_BY_RANGE`; a block shuffle's first batch has a few samples of every
+    shard of its window): its own members, not their whole shards, which download after
+    it; every later batch reads through the shard cache.
     """
 
     format = "webdataset"
@@ -70,6 +79,9 @@ class WebDatasetSource(ShardedSource):
         self._ranges: RangeReader | None = None
         #: shard -> read from its local cached copy (True) or by range (False), this pass
         self._local: dict[int, bool] = {}
+        #: requests in flight for this process's first batch of a pass read through the
+        #: shard cache, read by range (None: that batch is read, or no pass is)
+        self._first_limit: int | None = None
         super().__init__(paths, **kwargs)
 
     def _scan(self, k: int, url: str) -> tuple[int, dict[str, Any]]:
@@ -98,11 +110,14 @@ class WebDatasetSource(ShardedSource):
         remote shards are read by range (the node's ``max_in_flight`` requests shared
         by its ranks and each rank's ``readers``), else through the shard cache."""
         self._local = {}
+        limit = per_process(getattr(self.cache, "max_in_flight", None), readers)
+        self._first_limit = None
         if shuffle != "global" or self.cache is None:
             self._close_ranges()
             self._range_limit = None
+            if self.cache is not None:
+                self._first_limit = limit
             return
-        limit = per_process(getattr(self.cache, "max_in_flight", None), readers)
         if limit != self._range_limit:
             self._close_ranges()
         elif self._ranges is not None and self._ranges.pid == os.getpid():
@@ -169,9 +184,49 @@ class WebDatasetSource(ShardedSource):
         idx = self._check_indices(indices)
         reader = self._reader()
         if reader is None:
+            fetched = self._first_by_range(idx)
+            if fetched is not None:
+                return read_batch(self, idx, fetched)
             self.prefetch(idx.tolist())
             return read_batch(self, idx)
         return read_batch(self, idx, reader.read(idx, self._is_remote))
+
+    def _first_by_range(self, idx: npt.NDArray[np.int64]) -> dict[tuple[int, int], bytes] | None:
+        """The first batch of a pass read through the shard cache: the spans of its samples
+        in shards not in the cache yet, read by range (each request carries the listed
+        ETag), so that it waits for its own members, not for their whole shards (a block
+        shuffle's first batch has samples of every shard of its window).  None: not the
+        first batch, all its shards are here (read from their copies), or its samples
+        are more than :data:`FIRST_BY_RANGE` of the shards' bytes (read whole)."""
+        limit, self._first_limit = self._first_limit, None
+        cache = self.cache
+        if limit is None or cache is None:
+            return None
+        shards = np.unique(self.shard_of(idx)).tolist()
+        away = [
+            k
+            for k in shards
+            if not os.path.exists(cache.path_for(self.urls[k], self._fingerprints[k]))
+        ]
+        ks, lo, hi = sample_spans(self, idx)
+        spans = int((hi - lo)[np.isin(ks, away)].sum())
+        whole = sum(self._shards.sizes[k] for k in away) if self._shards.sizes else 0
+        if not spans or spans > whole * FIRST_BY_RANGE:
+            return None  # the shards whole cost about as much, and nothing is read twice
+        reader = RangeReader(
+            self.urls,
+            self._fingerprints,
+            self._shards.storage_options,
+            lambda i: sample_spans(self, i),
+            cache.retrying,
+            limit,
+            cache.obstore,
+        )
+        try:
+            return reader.read(idx, set(away).__contains__)
+        finally:
+            self._count(**reader.counters())
+            reader.close()
 
     def _close_ranges(self) -> None:
         reader, self._ranges = self._ranges, None
@@ -181,7 +236,7 @@ class WebDatasetSource(ShardedSource):
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        state.update(_ranges=None, _local={})
+        state.update(_ranges=None, _local={}, _first_limit=None)
         return state
 
     def close(self) -> None:

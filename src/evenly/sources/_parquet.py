@@ -298,7 +298,7 @@ class ParquetSource(ArrowBatchSource):
         self._group_access.pop(key, None)
         self._group_views.pop(key, None)
         self._touch_due.pop(key, None)
-        if size:  # a decoded table (a mapped one holds no heap)
+        if size and self.decoded_cache is None:  # a decoded table (mapped: no heap)
             _release_unused()
 
     def _chunk_views(self, k: int, g: int, handle: Any) -> list[npt.NDArray[Any]] | None:

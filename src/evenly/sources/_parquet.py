@@ -237,7 +237,6 @@ class ParquetSource(ArrowBatchSource):
         else:
             table = self._decode(k, g, handle)
             size = int(table.get_total_buffer_size())
-            _release_unused()  # the decode's scratch buffers
         self._groups[key] = (table, size)
         self._group_bytes += size
         self._evict()
@@ -395,11 +394,11 @@ class _Deferred:
 
 
 def _release_unused() -> None:
-    """Hand the memory Arrow's pool holds free back to the OS: its default allocator
-    (mimalloc) keeps freed pages of decoded row groups, 70-140 MiB per DataLoader worker
-    over a remote epoch (each worker's memory, not shared).  Called after a decode and
-    when a decoded row group is dropped: a few per window, each far cheaper than the
-    decode."""
+    """Hand the memory Arrow's pool holds free back to the OS when a decoded row group is
+    dropped (its default allocator, mimalloc, keeps freed pages: a worker that has left a
+    window keeps none of it).  Not after each decode: its scratch (about twice the row
+    group) would then be faulted in again by the next decode, a decode-bound epoch
+    (warm cache) at half speed on bench_remote's workload, for ~40 MiB per worker."""
     pa.default_memory_pool().release_unused()
 
 

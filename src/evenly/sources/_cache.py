@@ -296,27 +296,25 @@ class ShardCache:
         ranged = self.retrying(attempt, f"download {url}", f"the download of {url}")
         return ranged, ranged.size
 
-    def read_part(self, url: str, ranged: Any, start: int, end: int) -> bytes:
-        """Bytes ``[start, end)`` of ``url`` through ``ranged`` (a range request, retried
-        after a transient error; a short body is one)."""
+    def write_part(self, url: str, ranged: Any, start: int, end: int, fd: int) -> None:
+        """Bytes ``[start, end)`` of ``url`` through ``ranged`` written to the file ``fd``
+        at ``start`` (a range request, retried after a transient error; a short body is
+        one)."""
         tries = 0
 
-        def attempt() -> bytes:
+        def attempt() -> int:
             nonlocal tries
             tries += 1
-            data: bytes = ranged.read(start, end)
-            if len(data) != end - start:
-                raise ConnectionError(
-                    f"short read of {url} bytes {start}-{end}: {len(data)} bytes came"
-                )
-            return data
+            got: int = ranged.read_into(start, end, fd)
+            if got != end - start:
+                raise ConnectionError(f"short read of {url} bytes {start}-{end}: {got} bytes came")
+            return got
 
         try:
-            data = self.retrying(attempt, f"download {url}", f"the download of {url}")
+            got = self.retrying(attempt, f"download {url}", f"the download of {url}")
         finally:
             self.count(fetch_requests=tries)  # retries are counted by retrying()
-        self.count(bytes_fetched=len(data))
-        return data
+        self.count(bytes_fetched=got)
 
     def _download(self, url: str, target: str, size: int | None, fingerprint: str) -> None:
         """Download ``url`` to ``target`` through a ``.part-`` file, retrying transient
@@ -459,6 +457,12 @@ class _Ranged:
                 raise _changed(self.url, self.fingerprint, "a newer version") from exc
             raise
 
+    def read_into(self, start: int, end: int, fd: int) -> int:
+        """:meth:`read`, written to the file ``fd`` at ``start``; the bytes written."""
+        data = self.read(start, end)
+        os.pwrite(fd, memoryview(data)[: end - start], start)  # never another part's bytes
+        return len(data)
+
     def close(self) -> None:
         with contextlib.suppress(Exception):
             self.file.close()
@@ -481,9 +485,11 @@ class _StoreRanged:
             size = got
         self.size = size
 
-    def read(self, start: int, end: int) -> bytes:
+    def read_into(self, start: int, end: int, fd: int) -> int:
+        """Bytes ``[start, end)`` streamed to the file ``fd`` at ``start``; the bytes that
+        came."""
         try:
-            return self.store.read(self.url, start, end, self.etag)
+            return self.store.read_into(self.url, start, end, self.etag, fd)
         except VersionChanged as exc:
             raise _changed(self.url, self.fingerprint, "a newer version") from exc
 

@@ -182,7 +182,7 @@ def _workers_here() -> int:
 class Ranged(Protocol):
     """An object opened for range reads, at the version the listing gave."""
 
-    def read(self, start: int, end: int) -> bytes: ...
+    def read_into(self, start: int, end: int, fd: int) -> int: ...
 
     def close(self) -> None: ...
 
@@ -201,8 +201,9 @@ class Store(Protocol):
     def open_ranged(self, url: str, fingerprint: str, size: int | None) -> tuple[Ranged, int]:
         """The object opened for range reads (version checked), and its size."""
 
-    def read_part(self, url: str, ranged: Ranged, start: int, end: int) -> bytes:
-        """Bytes ``[start, end)`` of the object (retried, checked)."""
+    def write_part(self, url: str, ranged: Ranged, start: int, end: int, fd: int) -> None:
+        """Bytes ``[start, end)`` of the object written to ``fd`` at ``start`` (retried,
+        checked)."""
 
     def evict(self, keep: str | Collection[str] | None = None) -> list[str]: ...
 
@@ -528,9 +529,8 @@ class Fetcher:
         written = False
         try:
             if job.state == "running" and job.ranged is not None:
-                with self.request():
-                    data = self.store.read_part(job.url, job.ranged, start, end)
-                os.pwrite(job.fd, data, start)
+                with self.request():  # streamed to the file: no buffer of the part
+                    self.store.write_part(job.url, job.ranged, start, end, job.fd)
                 written = True
         finally:
             with self._cond:

@@ -11,6 +11,7 @@ Documents hold tokens that name them: document ``i``'s token ``t`` is ``1000 * (
 from __future__ import annotations
 
 import multiprocessing
+import os
 import threading
 import warnings
 from typing import Any
@@ -25,6 +26,7 @@ from hypothesis import strategies as st
 import evenly
 from evenly.core.packing.concat import ConcatRows, concat_checkpoints
 from evenly.core.packing.pieces import IGNORE, PIECE, piece_tokens, place
+from evenly.dataset import planner_of
 from evenly.runtime.packer import PackedRows
 from evenly.sources._tokens import TokenSpan
 
@@ -298,6 +300,46 @@ def test_infinite_best_fit_in_worker_processes_and_threads_is_the_in_process_str
     assert stream(num_workers=2, worker_type="thread") == alone
     assert stream(num_workers=2, worker_type="process") == alone
     assert stream(num_workers=1, multiprocessing_context="spawn") == alone
+
+
+def test_workers_forked_while_a_reader_thread_holds_the_plan_lock_read_the_same_rows(tmp_path):
+    """A reader thread of an abandoned ``worker_type="thread"`` pass may hold the packing
+    plan's lock at the instant the next loader forks its workers: the workers must not
+    inherit it held (they hung in ``PlanFiles.table`` for ever)."""
+    pack = evenly.Packing(SEQ, strategy="best_fit", open_rows=2, window=16)
+    ds = evenly.Dataset(_arrow(tmp_path, _docs()), shuffle=True, seed=4, pack=pack)
+    alone = [b["input_ids"].tolist() for b in evenly.DataLoader(ds, batch_size=4)]
+    planner = planner_of(ds)
+    lock = planner.strategy.files(planner.view)._lock  # what a reader thread takes
+    armed, held, release = [True], threading.Event(), threading.Event()
+
+    def reader_thread() -> None:
+        with lock:
+            held.set()
+            release.wait(120)
+
+    def before_the_first_fork() -> None:  # a thread takes the lock, then the fork
+        if armed[0]:
+            armed[0] = False
+            threading.Thread(target=reader_thread, daemon=True).start()
+            held.wait(30)
+
+    os.register_at_fork(before=before_the_first_fork, after_in_parent=release.set)
+    try:
+        loader = evenly.DataLoader(
+            ds,
+            batch_size=4,
+            num_workers=2,
+            worker_type="process",
+            multiprocessing_context="fork",
+            timeout=60,
+        )
+        got = [b["input_ids"].tolist() for b in loader]
+    finally:
+        armed[0] = False
+        release.set()
+    assert held.is_set()  # the first worker was forked with the lock held
+    assert got == alone
 
 
 def _arrow_files(tmp_path: Any, docs: list[list[int]], kind: pa.DataType) -> str:

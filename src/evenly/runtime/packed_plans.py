@@ -19,12 +19,12 @@ import contextlib
 import hashlib
 import os
 import struct
-import threading
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
+from evenly.core.locks import ForkSafeLock
 from evenly.core.packing.best_fit import ROW_STRIDE, FittedRows, best_fit_chunks
 from evenly.core.packing.concat import STRIDE, ConcatRows, concat_checkpoints
 from evenly.core.packing.pieces import PIECE, Lengths, RowTable
@@ -95,17 +95,12 @@ class PlanFiles:
         #: an epoch's tokens (all the documents', or a token mixture's tokens_per_epoch)
         self.total = int(np.sum(lengths, dtype=np.int64)) if total is None else int(total)
         self._open: dict[tuple[Any, ...], RowTable] = {}
-        self._lock = threading.Lock()  # reader threads share it; no reliance on the GIL
+        self._lock = ForkSafeLock()  # reader threads share it; no reliance on the GIL
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        del state["_lock"]
         state["_open"] = {}  # memory maps are mapped again
         return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._lock = threading.Lock()
 
     @property
     def num_docs(self) -> int:

@@ -15,7 +15,6 @@ many blocks (planning a whole epoch) go to the order directly.
 
 from __future__ import annotations
 
-import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -23,6 +22,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from evenly.core.locks import ForkSafeLock
 from evenly.core.packing.pieces import distinct
 
 __all__ = ["BLOCK", "BlockOrder"]
@@ -42,7 +42,7 @@ class BlockOrder:
     ) -> None:
         self.order, self.n, self.block, self.keep = order, int(n), int(block), int(keep)
         self._blocks: OrderedDict[int, I64] = OrderedDict()
-        self._lock = threading.Lock()  # reader threads share it; no reliance on the GIL
+        self._lock = ForkSafeLock()  # reader threads share it; no reliance on the GIL
 
     def __getstate__(self) -> dict[str, Any]:
         return {"order": self.order, "n": self.n, "block": self.block, "keep": self.keep}

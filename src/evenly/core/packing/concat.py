@@ -20,11 +20,10 @@ Pure numpy: no torch, no I/O.
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import numpy.typing as npt
 
+from evenly.core.locks import ForkSafeLock
 from evenly.core.packing.pieces import Lengths, distinct, pieces_of
 
 __all__ = ["STRIDE", "ConcatRows", "concat_checkpoints"]
@@ -66,7 +65,7 @@ class ConcatRows:
         self.stride = stride
         self.total = int(cum[-1]) if cum.size else 0
         self._blocks: dict[int, I64] = {}
-        self._lock = threading.Lock()  # reader threads share it; no reliance on the GIL
+        self._lock = ForkSafeLock()  # reader threads share it; no reliance on the GIL
 
     @property
     def num_rows(self) -> int:

@@ -352,3 +352,42 @@ def test_the_look_ahead_skips_a_shard_another_process_is_downloading(
         other.release()
     reader.join(timeout=60)
     assert got == [first] and cache.downloads == 2  # nothing downloaded twice
+
+
+def test_the_look_ahead_downloads_while_the_first_batch_is_still_being_read(
+    s3: S3Endpoint, s3_prefix: str, tmp_path: Path, proxy: CountingProxy
+) -> None:
+    """The pass's look-ahead does not wait for its first batch to be read (decoded)
+    before its downloads start: once that batch has the shards it asked for, the next
+    shards download while it is still being read (the link idled for the whole first
+    read before).  The first read is held, inside the source, until a shard beyond the
+    first window is in the cache (60 s at most); nothing is fetched twice and the
+    epoch is whole."""
+    n, per, window = 256, 16, 4
+    url, _ = upload_jsonl(s3, s3_prefix, tmp_path, n, per)
+    src = es.from_jsonl(url, storage_options=via(s3, proxy), cache_dir=str(tmp_path / "c"))
+    cache = src.cache
+    assert cache is not None
+    wait, held = cache.wait, []
+
+    def shards_cached() -> int:
+        names = os.listdir(cache.cache_dir) if os.path.isdir(cache.cache_dir) else []
+        return sum(1 for f in names if f.endswith(".jsonl") and ".part" not in f)
+
+    def first_read_waits_for_the_look_ahead(*args: Any) -> str:
+        path = wait(*args)
+        if not held:  # the pass's first batch, its first shard in hand
+            deadline = time.monotonic() + 60
+            while shards_cached() <= window and time.monotonic() < deadline:
+                time.sleep(0.01)
+            held.append(shards_cached())
+        return path
+
+    cache.wait = first_read_waits_for_the_look_ahead  # type: ignore[method-assign]
+    ds = evenly.Dataset(src, shuffle=True, seed=3, block_shards=window)
+    loader = evenly.DataLoader(ds, batch_size=8, num_workers=0, collate_fn=as_list)
+    ids = sorted(int(s["id"]) for batch in loader for s in batch)
+    assert ids == list(range(n))
+    assert held and held[0] > window, f"only {held} shards cached during the first read"
+    dataset = sum(p.stat().st_size for p in (tmp_path / "local").glob("shard-*.jsonl"))
+    assert proxy.served_for(".jsonl") == dataset  # each shard fetched once

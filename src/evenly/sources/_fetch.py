@@ -97,7 +97,7 @@ class Hold:
     ...     Hold.current() is hold
     True
     >>> Hold.current() is None, hold.released
-    (False, False)
+    (True, False)
     """
 
     __slots__ = ("_fetchers", "released")

@@ -118,7 +118,7 @@ def read_samples(ctx: ReadContext, skip: int = 0) -> Iterator[list[Any]]:
         for lo in range(0, len(indices), length):
             batch, pos = indices[lo : lo + length], where[lo : lo + length]
             if ahead.before_first:
-                ahead.reading(indices[lo + length :])
+                ahead.reading(indices[lo:])
             started = perf_counter()
             samples = _fetch(ctx, getitems, batch, pos)
             read = perf_counter()
@@ -177,9 +177,10 @@ class LookAhead:
         """Whether the pass's first batch is still to be read (hints held)."""
         return self._held is not None
 
-    def reading(self, rest: list[int]) -> None:
-        """A batch is about to be read; before the pass's first one, ``rest`` (the
-        samples after it in its plan chunk) and the held hints go out, in plan order,
+    def reading(self, upcoming: list[int]) -> None:
+        """A batch is about to be read; before the pass's first one, ``upcoming`` (the
+        samples of its plan chunk from that batch on: a source counting the reads it
+        was told of counts this one too) and the held hints go out, in plan order,
         behind its reads."""
         held, self._held = self._held, None
         if held is None or self._prefetch is None:
@@ -188,7 +189,7 @@ class LookAhead:
 
         self._hold = Hold()
         with self._hold.holding():
-            for indices in (rest, *held):
+            for indices in (upcoming, *held):
                 if indices:
                     self._prefetch(indices)
 
@@ -232,7 +233,7 @@ def read_columnar(ctx: ReadContext, skip: int = 0) -> Iterator[dict[str, Any]]:
             part, batches = batches[: 1 if alone else group], batches[1 if alone else group :]
             alone = max(0, alone - 1)
             if ahead.before_first:
-                ahead.reading(np.concatenate(batches).tolist() if batches else [])
+                ahead.reading(np.concatenate(part + batches).tolist())
             if grouped is not None and len(part) > 1:
                 found = _fetch_group(grouped, part)
                 if found is None:  # read again batch by batch: the error names its batch

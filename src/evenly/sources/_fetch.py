@@ -19,9 +19,10 @@ whose download threads together with every other process's on the node keep at m
   the first while the next ones download.
 - **Behind the first read**: look-ahead hinted under a :class:`Hold` (the reader's
   hints for a pass, given just before its first batch is read) waits until that batch
-  has every shard it asked for, or the hold is released (after the batch is read), so
-  that the first batch has the link to itself and the look-ahead starts as soon as its
-  downloads end, not after its decode.
+  has every shard it asked for (and every other download of the process not held has
+  ended), or the hold is released (after the batch is read), so that the first batch
+  has the link to itself and the look-ahead starts as soon as its downloads end, not
+  after its decode.  A held shard hinted again without a hold is held no more.
 - **Cooperation**: a thread that finds a shard's lock held by another process (a
   worker or rank downloading it) does not wait: it goes on to the next shard; only a
   reader that needs that shard now waits for the other process's download.
@@ -89,8 +90,9 @@ _holding = threading.local()  # .hold: the Hold that hints of this thread go und
 class Hold:
     """Look-ahead hinted inside :meth:`holding` (in this thread) waits behind the
     reads: a fetcher starts it once its process's reader asked for a shard after the
-    hint and has every shard it asked for, or once :meth:`release` is called, whichever
-    comes first.  What is held is only delayed, never dropped.
+    hint and has every shard it asked for (no download not held is left), or once
+    :meth:`release` is called, whichever comes first.  What is held is only delayed,
+    never dropped.
 
     >>> hold = Hold()
     >>> with hold.holding():
@@ -357,6 +359,8 @@ class Fetcher:
                 target = self.store.path_for(url, fingerprint)
                 job = self._jobs.get(target)
                 if job is not None and job.state not in ("failed", "elsewhere"):
+                    if hold is None:  # hinted for a read, not behind one: held no more
+                        job.held = None
                     if now and job.state == "queued" and not job.demand:
                         self._queue.remove(job)
                         job.demand = True
@@ -396,8 +400,6 @@ class Fetcher:
                     return target
                 if started is None:
                     started = time.perf_counter()
-                    with self._cond:
-                        self._asks += 1
                 job, fresh = self._demand(url, fingerprint, size, target)
                 self._start_threads()
                 job.done.wait()
@@ -445,6 +447,7 @@ class Fetcher:
                 self._queue.remove(job)
                 self._queue.insert(0, job)
             job.demand = True
+            self._asks += 1  # with the demand marked: held jobs see both at once
             self._cond.notify_all()
             return job, fresh
 
@@ -488,7 +491,7 @@ class Fetcher:
             if not job.demand:
                 if job.held is not None:
                     if waiting is None:
-                        waiting = self._reader_waits()
+                        waiting = self._reads_wait()
                     hold, asks = job.held
                     if not hold.released and (waiting or self._asks <= asks):
                         self._held_back = True  # looked at again soon (see _run)
@@ -508,11 +511,12 @@ class Fetcher:
             return job, None
         return None
 
-    def _reader_waits(self) -> bool:
-        """Whether a shard this process's reader asked for is not in the cache yet
-        (downloading here or in another process)."""
+    def _reads_wait(self) -> bool:
+        """Whether a shard not held behind the reads (one a reader asked for, or one
+        hinted for a read) is not in the cache yet (downloading here or in another
+        process)."""
         return any(
-            j.demand
+            (j.demand or j.held is None)
             and (
                 j.state in ("queued", "starting", "running")
                 or (j.state == "elsewhere" and not os.path.exists(j.target))

@@ -391,3 +391,32 @@ def test_the_look_ahead_downloads_while_the_first_batch_is_still_being_read(
     assert held and held[0] > window, f"only {held} shards cached during the first read"
     dataset = sum(p.stat().st_size for p in (tmp_path / "local").glob("shard-*.jsonl"))
     assert proxy.served_for(".jsonl") == dataset  # each shard fetched once
+
+
+def test_hints_of_shards_already_queued_do_not_drop_the_look_ahead(
+    s3: S3Endpoint, s3_prefix: str, tmp_path: Path
+) -> None:
+    """A reader that hints the shards of each batch it reads (a tar source does), all of
+    them queued by the plan's look-ahead long before, leaves that look-ahead queued:
+    every shard is downloaded by it, once, with no reader waiting for it.  Before, three
+    such hints dropped the queued shards as stale (a pass left early): a tar pass's
+    look-ahead shrank to the shards its batches waited for."""
+    slow = CountingProxy(s3.endpoint_url, delay=1.0)  # the one thread is busy meanwhile
+    try:
+        fs = s3.fs()
+        urls = []
+        for k in range(6):
+            fs.pipe_file(f"{s3.bucket}/{s3_prefix}/s{k}.bin", bytes([k]) * 1000)
+            urls.append(f"s3://{s3.bucket}/{s3_prefix}/s{k}.bin")
+        cache = ShardCache(str(tmp_path / "c"), 1 << 20, via(s3, slow), max_in_flight=1)
+        cache.prefetch((u, "", 1000) for u in urls)  # the plan's look-ahead
+        for _ in range(4):  # batches hinting their shards, queued already
+            cache.prefetch((u, "", 1000) for u in urls[:2])
+        targets = [cache.path_for(u) for u in urls]
+        deadline = time.monotonic() + 60
+        while not all(os.path.exists(t) for t in targets) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [os.path.exists(t) for t in targets] == [True] * 6
+        assert cache.downloads == 6 and slow.served_for(".bin") == 6 * 1000
+    finally:
+        slow.close()

@@ -352,7 +352,7 @@ class Fetcher:
         if hold is not None and hold.released:
             hold = None
         with self._cond:
-            self._hints += not now
+            number = self._hints + 1  # this hint's number, if it queues a look-ahead job
             self._asks += now
             front: list[Job] = []
             for url, fingerprint, size in items:
@@ -368,8 +368,13 @@ class Fetcher:
                     continue
                 if os.path.exists(target):  # cached: never fetched again
                     continue
-                job = Job(url, fingerprint, size, target, self._hints)
+                job = Job(url, fingerprint, size, target, number)
                 job.demand = now
+                if not now:
+                    # only a hint that queues a new look-ahead job ages the queued ones
+                    # (see _drop_stale): a tar batch hints the shards it reads, queued
+                    # long ago, and three of them dropped the pass's look-ahead
+                    self._hints = number
                 if hold is not None:
                     job.held = (hold, self._asks)
                 self._jobs[target] = job

@@ -15,7 +15,7 @@ connection gets its own upstream connection, reused across requests (keep-alive)
 - ``bandwidth``: bytes/s of response bodies, all connections together;
   ``per_connection_bandwidth``: bytes/s per client connection.  Request bodies are not
   throttled (uploads are the tests' set-up).
-- ``stats()``: ``requests``, ``bytes`` (response body bytes sent), ``gets_by_key``
+- ``stats()``: ``requests``, ``listings``, ``bytes`` (response body bytes sent), ``gets_by_key``
   (``{"bucket/key": GETs of that object received}``, faulted ones included, listings
   excluded), ``max_concurrent``
   (requests in flight at once), ``served_at_end`` (``[("bucket/key", bytes)]``: each
@@ -173,10 +173,12 @@ class S3Proxy:
 
     # ---- control (any thread) ----------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        """``requests``, ``bytes``, ``gets_by_key`` and ``max_concurrent`` so far."""
+        """``requests``, ``listings`` (GETs on the bucket), ``bytes``, ``gets_by_key`` and
+        ``max_concurrent`` so far."""
         with self._lock:
             return {
                 "requests": self._requests,
+                "listings": self._listings,
                 "bytes": self._bytes,
                 "gets_by_key": dict(self._gets),
                 "max_concurrent": self._max_concurrent,
@@ -187,6 +189,7 @@ class S3Proxy:
     def reset_stats(self) -> None:
         with self._lock:
             self._requests = self._bytes = self._max_concurrent = self._in_flight = 0
+            self._listings = 0
             self._gets: dict[str, int] = {}
             self._ends: list[tuple[str, int]] = []
             self._agents: dict[str, dict[str, int]] = {}
@@ -303,6 +306,8 @@ class S3Proxy:
                     return
                 with self._lock:
                     self._requests += 1
+                    if req.method == "GET" and "/" not in req.key.strip("/"):
+                        self._listings += 1  # a GET on the bucket: ListObjects
                     if req.method == "GET" and "/" in req.key.strip("/"):
                         self._gets[req.key] = self._gets.get(req.key, 0) + 1
                         agent = _client_name(req.header("user-agent") or "")

@@ -359,9 +359,7 @@ class Fetcher:
             for url, fingerprint, size in items:
                 target = self.store.path_for(url, fingerprint)
                 job = self._jobs.get(target)
-                # a shard another process downloads stays its (a reader that needs it
-                # waits for it, and downloads it if that process failed)
-                if job is not None and job.state != "failed":
+                if job is not None and job.state not in ("failed", "elsewhere"):
                     if hold is None:  # hinted for a read, not behind one: held no more
                         job.held = None
                     if now and job.state == "queued" and not job.demand:

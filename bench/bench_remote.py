@@ -51,7 +51,8 @@ A profile is ``DELAY,BANDWIDTH[,PER_CONNECTION]`` (``80ms,30MB/s``; MB = 10^6 by
 ``--json PATH`` writes every run's figures.  ``--also-src LABEL=PATH`` adds the evenly
 contenders imported from ``PATH`` (another commit's ``src``) as ``NAME@LABEL``, in the
 same rounds.  Every evenly tree a child imports is a compiled copy (bytecode written, as
-``pip install`` does), like the peers' installed packages.  Pass ``--child`` / ``--serve-s3`` only internally.
+``pip install`` does), like the peers' installed packages.  Pass ``--child`` /
+``--serve-s3`` only internally.
 """
 
 from __future__ import annotations

@@ -91,7 +91,7 @@ def _loader(
     src = read(url, storage_options=options, cache_dir=cache_dir, **kw)
     ds = evenly.Dataset(src, shuffle="block", seed=5, block_shards=2)
     return evenly.DataLoader(
-        ds, batch_size=batch, num_workers=workers, collate_fn=as_list, timeout=60
+        ds, batch_size=batch, num_workers=workers, collate_fn=as_list, timeout=60 if workers else 0
     )
 
 
@@ -187,26 +187,55 @@ def test_a_forked_worker_s3_client_reuses_the_parent_parsed_service_models(
 
 
 @pytest.mark.parametrize("fmt", ["parquet", "webdataset"])
-def test_the_workers_do_not_list_the_shards_again_before_the_first_batch(
+def test_the_shards_are_listed_once_before_the_first_batch_and_again_at_the_next_pass(
     s3: S3Endpoint, s3_prefix: str, proxy: S3Proxy, tmp_path: Path, fmt: str
 ) -> None:
-    """The loader's main process lists the shards at the pass start (a changed object is
-    an error there); its workers read that pass without listing them again.  Before: each
-    worker made an S3 client of its own and listed the shards again before reading its
-    first batch (one listing per worker on the first batch's path).  When the first batch
-    is yielded, the proxy has served one listing: the main process's."""
+    """Opening the source lists the shards; the first pass start, moments later in the
+    same process, uses that listing (a shard changed since is caught by its read: the
+    test below), and the workers read that pass without listing them again.  Before: the
+    pass start listed them a second time, and earlier each worker made an S3 client of
+    its own and listed them again, all on the first batch's path.  When the first batch
+    is yielded, the proxy has served one listing: the open's.  The next pass start lists
+    them again (a change between epochs is caught there)."""
     _, url = upload(s3, s3_prefix, tmp_path, fmt)
+    proxy.reset_stats()
     loader = _loader(url, fmt, via(s3, proxy), str(tmp_path / "c"))
-    proxy.reset_stats()  # what opening the source requested is not counted
     batches = iter(loader)
     next(batches)
     stats = proxy.stats()
-    # one listing (the main process's); what else a worker's client asks (s3fs, which a
-    # worker forked after its parent used obstore reads with, asks a HEAD per object)
-    # is not a listing
+    # one listing (the open's); what else a worker's client asks (s3fs, which a worker
+    # forked after its parent used obstore reads with, asks a HEAD per object) is not one
     assert stats["listings"] == 1, stats
     for _ in batches:
         pass
+    proxy.reset_stats()
+    again = iter(loader)
+    next(again)
+    assert proxy.stats()["listings"] == 1  # the second pass start's
+    for _ in again:
+        pass
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_shard_replaced_between_the_open_and_the_first_pass_is_an_error_naming_it(
+    s3: S3Endpoint, s3_prefix: str, tmp_path: Path, num_workers: int
+) -> None:
+    """The first pass start does not list the shards again (the test above): a shard
+    replaced (same size, a new ETag) after the open is caught by its read, which carries
+    the listed version, and nothing of the new object is served or cached."""
+    local, url = upload(s3, s3_prefix, tmp_path, "webdataset")
+    cache_dir = tmp_path / "c"
+    loader = _loader(url, "webdataset", s3.storage_options, str(cache_dir), num_workers, BATCH)
+    victim = local / "shard-00007.tar"
+    data = bytearray(victim.read_bytes())
+    data[512 : 512 + 8] = b"replaced"  # the first member's data: a new ETag, same size
+    s3.fs().pipe_file(f"{url.removeprefix('s3://')}/shard-00007.tar", bytes(data))
+    served: list[int] = []
+    with pytest.raises((ValueError, RuntimeError), match=r"shard-00007\.tar.*changed"):
+        for batch in loader:
+            served.extend(ids(batch))
+    assert not [i for i in served if i // PER_SHARD == 7]
+    assert not [n for n in cached(cache_dir) if "shard-00007" in n]  # no copy, no part
 
 
 def test_a_tar_first_batch_reads_its_own_members_by_range_then_the_shards_download(

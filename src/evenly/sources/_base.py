@@ -7,6 +7,7 @@ import copy
 import hashlib
 import os
 import posixpath
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any, ClassVar
@@ -30,6 +31,12 @@ from ._manifest import (
 __all__ = ["Paths", "RowError", "ShardedSource"]
 
 Paths = str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
+
+#: the first pass start within this many seconds of the listing made when a remote
+#: source was opened (in the process that opened it) does not list its shards again:
+#: that listing is the storage as it is now, and every read of a shard not cached checks
+#: the version it gave (see :meth:`ShardedSource.check_unchanged`)
+FRESH_LISTING_SECONDS = 30.0
 
 
 class RowError(ValueError):
@@ -70,8 +77,13 @@ class ShardedSource:
         use_manifest: bool = True,
         keep_entries: bool = False,
     ) -> None:
+        listed = time.monotonic()
         shards = resolve(paths, self.extensions, storage_options, what=self._what)
         self._shards: Shards = shards
+        #: (process, time) of the listing made at the open, until the first pass start
+        self._fresh_listing: tuple[int, float] | None = (
+            (os.getpid(), listed) if shards.remote else None
+        )
         self.urls: tuple[str, ...] = shards.urls
         if shards.remote:  # made now: an unwritable cache_dir is named before any download
             cache_subdir("shards", cache_dir)
@@ -239,10 +251,23 @@ class ShardedSource:
         ``stat`` per local shard (size, mtime, ctime, inode); one fresh listing per
         directory of remote shards (size and ETag or version id: an object replaced with
         one of the same size is caught).  A changed remote object is an error, never
-        re-listed silently: the user opens the source again."""
+        re-listed silently: the user opens the source again.
+
+        The first pass start within :data:`FRESH_LISTING_SECONDS` of the open's listing, in
+        the process that opened the source, uses that listing instead of a second one
+        (one request less before the first batch): a shard changed since is caught by its
+        read, which checks the listed version (a cached copy is of that version); every
+        later pass start lists again."""
         if self.cache is None:
             for k in range(len(self.urls)):
                 self._check_shard(k)
+            return
+        fresh, self._fresh_listing = self.__dict__.get("_fresh_listing"), None
+        if (
+            fresh is not None
+            and fresh[0] == os.getpid()
+            and time.monotonic() - fresh[1] < FRESH_LISTING_SECONDS
+        ):
             return
         now = self.cache.retrying(
             lambda: relist(self._shards),
@@ -357,6 +382,7 @@ class ShardedSource:
         state = self.__dict__.copy()
         state["_handles"] = OrderedDict()
         state["entries"] = None
+        state["_fresh_listing"] = None  # another process (or thread) lists for itself
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:

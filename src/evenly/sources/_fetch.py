@@ -25,7 +25,10 @@ whose download threads together with every other process's on the node keep at m
   after its decode.  A held shard hinted again without a hold is held no more.
 - **Cooperation**: a thread that finds a shard's lock held by another process (a
   worker or rank downloading it) does not wait: it goes on to the next shard; only a
-  reader that needs that shard now waits for the other process's download.
+  reader that needs that shard now waits for the other process's download.  A shard
+  read while this process's download of it is still queued (held, or beyond the
+  cache's room) leaves the queue: started after another process evicted it, that
+  download would fetch it a second time.
 - **Bounded by the cache**: the look-ahead starts a download only while the node's
   pinned shards and that shard fit in ``max_bytes``: this process's (downloads running,
   its own or another process's, downloaded but not read yet, and the shards it read last,
@@ -458,9 +461,16 @@ class Fetcher:
             return job, fresh
 
     def _read(self, target: str, size: int | None) -> None:
-        """``target`` was read: it leaves the look-ahead for the recently read."""
+        """``target`` was read: it leaves the look-ahead for the recently read.  A
+        download of it still queued (another process brought it in first, while this
+        one's was held or beyond the cache's room) is done: started later, after the
+        shard was read and perhaps evicted, it would fetch it again for nothing."""
         with self._cond:
             job = self._jobs.get(target)
+            if job is not None and job.state == "queued":
+                self._queue.remove(job)
+                job.state = "ok"
+                job.done.set()
             if job is not None and job.state in ("ok", "failed", "elsewhere"):
                 del self._jobs[target]
             self._recent.pop(target, None)

@@ -18,7 +18,9 @@ connection gets its own upstream connection, reused across requests (keep-alive)
 - ``stats()``: ``requests``, ``listings``, ``bytes`` (response body bytes sent), ``gets_by_key``
   (``{"bucket/key": GETs of that object received}``, faulted ones included, listings
   excluded), ``max_concurrent``
-  (requests in flight at once), ``agents`` (``{"bucket/key": {client: GETs}}``, the
+  (requests in flight at once), ``served_at_end`` (``[("bucket/key", bytes)]``: each
+  GET of an object in the order its response ended, with the body bytes sent by all
+  connections until then), ``agents`` (``{"bucket/key": {client: GETs}}``, the
   client being the product in the User-Agent: ``botocore`` for s3fs, ``object_store``
   for obstore); ``reset_stats()`` zeroes them.
 - ``fault(kind, match=None, times=1, after=0, methods=("GET",), **kw)``: the next
@@ -180,6 +182,7 @@ class S3Proxy:
                 "bytes": self._bytes,
                 "gets_by_key": dict(self._gets),
                 "max_concurrent": self._max_concurrent,
+                "served_at_end": list(self._ends),
                 "agents": {k: dict(v) for k, v in self._agents.items()},
             }
 
@@ -188,6 +191,7 @@ class S3Proxy:
             self._requests = self._bytes = self._max_concurrent = self._in_flight = 0
             self._listings = 0
             self._gets: dict[str, int] = {}
+            self._ends: list[tuple[str, int]] = []
             self._agents: dict[str, dict[str, int]] = {}
 
     def fault(
@@ -323,6 +327,8 @@ class S3Proxy:
                 finally:
                     with self._lock:
                         self._in_flight -= 1
+                        if req.method == "GET" and "/" in req.key.strip("/"):
+                            self._ends.append((req.key, self._bytes))
                 if fault is not None or not keep:
                     return
                 if (req.header("connection") or "").lower() == "close":

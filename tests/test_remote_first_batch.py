@@ -99,9 +99,10 @@ def _loader(
 def test_the_first_batch_downloads_its_own_shards_alone_and_the_epoch_stays_exact(
     s3: S3Endpoint, s3_prefix: str, proxy: S3Proxy, tmp_path: Path, fmt: str
 ) -> None:
-    """When the first batch is yielded the proxy has served the bytes of its shards and
-    little more: the look-ahead starts after it.  Before: the next windows' shards
-    downloaded beside them, sharing the link (about 5x their bytes served by then).
+    """When the first batch's shards are in, the proxy has served their bytes and little
+    more: the look-ahead starts after them (while the batch decodes).  Before: the next
+    windows' shards downloaded beside them, sharing the link (about 5x their bytes
+    served by then).
     Exactly once, in the order of the same data read locally; and with a cache of two
     windows, one file per shard in the cache and within 1.05x the dataset fetched."""
     local, url = upload(s3, s3_prefix, tmp_path, fmt)
@@ -109,9 +110,13 @@ def test_the_first_batch_downloads_its_own_shards_alone_and_the_epoch_stays_exac
     proxy.reset_stats()  # what opening the source read (the manifest) is not counted
     batches = iter(_loader(url, fmt, via(s3, proxy), str(tmp_path / "c")))
     first = ids(next(batches))
-    served = proxy.stats()["bytes"]  # at the moment the first batch is yielded
+    ends = proxy.stats()["served_at_end"]
     seen = first + [i for b in batches for i in ids(b)]
-    theirs = shard_bytes(local, ext, {i // PER_SHARD for i in first})
+    mine = {i // PER_SHARD for i in first}
+    theirs = shard_bytes(local, ext, mine)
+    names = {f"shard-{k:05d}.{ext}" for k in mine}
+    # served when the last of the first batch's own GETs ended
+    served = max(n for key, n in ends if key.rsplit("/", 1)[-1] in names)
     assert theirs <= served < 2 * theirs, (served, theirs)
     read = es.from_parquet if fmt == "parquet" else es.from_webdataset
     here = evenly.Dataset(read(str(local)), shuffle="block", seed=5, block_shards=2)

@@ -16,7 +16,7 @@ import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from operator import length_hint
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -27,6 +27,9 @@ from evenly.core.stream import StreamPlan
 from evenly.runtime.clock import StageClock, perf_counter
 from evenly.runtime.rowtap import RowPieces, RowsTap
 from evenly.runtime.seeds import RngState, SeedSpreader
+
+if TYPE_CHECKING:
+    from evenly.sources._fetch import Hold
 
 __all__ = ["MAX_GROUP", "ReadContext", "read_columnar", "read_samples"]
 
@@ -114,11 +117,13 @@ def read_samples(ctx: ReadContext, skip: int = 0) -> Iterator[list[Any]]:
         where = positions.tolist()
         for lo in range(0, len(indices), length):
             batch, pos = indices[lo : lo + length], where[lo : lo + length]
+            if ahead.before_first:
+                ahead.reading(indices[lo:])
             started = perf_counter()
             samples = _fetch(ctx, getitems, batch, pos)
             read = perf_counter()
             clock.read += read - started
-            ahead.first_read(indices[lo + length :])
+            ahead.first_read()
             if io_stats is not None:
                 clock.count(io_stats)
             if spreader is not None and seeds is not None:
@@ -138,21 +143,27 @@ class LookAhead:
     """The plan's look-ahead hints to the source (``prefetch``), held back until the
     pass's first batch is read: until then that batch's own reads (its shards, or its
     samples by range) have the link to themselves, and the first batch comes as soon as
-    its own bytes are in, not behind the next windows' downloads.
+    its own bytes are in, not behind the next windows' downloads.  They go out just
+    before that read, under a :class:`~evenly.sources._fetch.Hold`: a shard cache starts
+    their downloads as soon as the batch has the shards it asked for (while it decodes),
+    at the latest once it is read.
 
     >>> seen = []
     >>> ahead = LookAhead(seen.append)
     >>> ahead.hint([5, 6]); seen
     []
-    >>> ahead.first_read([3, 4]); ahead.hint([7]); seen
+    >>> ahead.before_first, ahead.reading([3, 4]), seen
+    (True, None, [[3, 4], [5, 6]])
+    >>> ahead.first_read(); ahead.hint([7]); seen
     [[3, 4], [5, 6], [7]]
     """
 
-    __slots__ = ("_held", "_prefetch")
+    __slots__ = ("_held", "_hold", "_prefetch")
 
     def __init__(self, prefetch: Callable[[list[int]], None] | None) -> None:
         self._prefetch = prefetch
         self._held: list[list[int]] | None = [] if prefetch is not None else None
+        self._hold: Hold | None = None
 
     def hint(self, indices: list[int]) -> None:
         """The plan's next samples (held until the first batch is read)."""
@@ -161,15 +172,32 @@ class LookAhead:
         elif self._prefetch is not None and indices:
             self._prefetch(indices)
 
-    def first_read(self, rest: list[int]) -> None:
-        """A batch was read; after the pass's first one, ``rest`` (the samples after it
-        in its plan chunk) and the held hints go out, in plan order."""
+    @property
+    def before_first(self) -> bool:
+        """Whether the pass's first batch is still to be read (hints held)."""
+        return self._held is not None
+
+    def reading(self, upcoming: list[int]) -> None:
+        """A batch is about to be read; before the pass's first one, ``upcoming`` (the
+        samples of its plan chunk from that batch on: a source counting the reads it
+        was told of counts this one too) and the held hints go out, in plan order,
+        behind its reads."""
         held, self._held = self._held, None
         if held is None or self._prefetch is None:
             return
-        for indices in (rest, *held):
-            if indices:
-                self._prefetch(indices)
+        from evenly.sources._fetch import Hold  # a source that prefetches imported it
+
+        self._hold = Hold()
+        with self._hold.holding():
+            for indices in (upcoming, *held):
+                if indices:
+                    self._prefetch(indices)
+
+    def first_read(self) -> None:
+        """A batch was read: what went out behind the pass's first read may start."""
+        hold, self._hold = self._hold, None
+        if hold is not None:
+            hold.release()
 
 
 #: A grouped columnar read (several batches in one ``read_column_batches`` call) stays
@@ -204,6 +232,8 @@ def read_columnar(ctx: ReadContext, skip: int = 0) -> Iterator[dict[str, Any]]:
             started = perf_counter()
             part, batches = batches[: 1 if alone else group], batches[1 if alone else group :]
             alone = max(0, alone - 1)
+            if ahead.before_first:
+                ahead.reading(np.concatenate(part + batches).tolist())
             if grouped is not None and len(part) > 1:
                 found = _fetch_group(grouped, part)
                 if found is None:  # read again batch by batch: the error names its batch
@@ -213,7 +243,7 @@ def read_columnar(ctx: ReadContext, skip: int = 0) -> Iterator[dict[str, Any]]:
             else:
                 read = [_fetch_columns(ctx, b if grouped else b.tolist()) for b in part]
             clock.read += perf_counter() - started
-            ahead.first_read(np.concatenate(batches).tolist() if batches else [])
+            ahead.first_read()
             if io_stats is not None:
                 clock.count(io_stats)
             if group == 1 and grouped is not None:

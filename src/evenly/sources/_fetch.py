@@ -17,9 +17,18 @@ whose download threads together with every other process's on the node keep at m
   over all the threads (parts of at least :data:`MIN_PART_BYTES`): the shards a batch
   waits for arrive one after the other, each at the whole link, so the reader decodes
   the first while the next ones download.
+- **Behind the first read**: look-ahead hinted under a :class:`Hold` (the reader's
+  hints for a pass, given just before its first batch is read) waits until that batch
+  has every shard it asked for (and every other download of the process not held has
+  ended), or the hold is released (after the batch is read), so that the first batch
+  has the link to itself and the look-ahead starts as soon as its downloads end, not
+  after its decode.  A held shard hinted again without a hold is held no more.
 - **Cooperation**: a thread that finds a shard's lock held by another process (a
   worker or rank downloading it) does not wait: it goes on to the next shard; only a
-  reader that needs that shard now waits for the other process's download.
+  reader that needs that shard now waits for the other process's download.  A shard
+  read while this process's download of it is still queued (held, or beyond the
+  cache's room) leaves the queue: started after another process evicted it, that
+  download would fetch it a second time.
 - **Bounded by the cache**: the look-ahead starts a download only while the node's
   pinned shards and that shard fit in ``max_bytes``: this process's (downloads running,
   its own or another process's, downloaded but not read yet, and the shards it read last,
@@ -53,6 +62,7 @@ __all__ = [
     "MIN_PART_BYTES",
     "PART_BYTES",
     "Fetcher",
+    "Hold",
     "max_in_flight_setting",
     "node_processes",
     "pinned_elsewhere",
@@ -71,8 +81,64 @@ MIN_PART_BYTES = 2 << 20
 _STALE_HINTS = 3
 #: the shortest time between two recency refreshes of the pinned shards
 _TOUCH_EVERY = 1.0
+#: how often threads look again at look-ahead held behind the reads
+_HELD_POLL = 0.02
 #: the longest the bytes other processes pin are reused before their pin files are read
 _OTHERS_EVERY = 0.05
+
+
+_holding = threading.local()  # .hold: the Hold that hints of this thread go under
+
+
+class Hold:
+    """Look-ahead hinted inside :meth:`holding` (in this thread) waits behind the
+    reads: a fetcher starts it once its process's reader asked for a shard after the
+    hint and has every shard it asked for (no download not held is left), or once
+    :meth:`release` is called, whichever comes first.  What is held is only delayed,
+    never dropped.
+
+    >>> hold = Hold()
+    >>> with hold.holding():
+    ...     Hold.current() is hold
+    True
+    >>> Hold.current() is None, hold.released
+    (True, False)
+    """
+
+    __slots__ = ("_fetchers", "released")
+
+    def __init__(self) -> None:
+        self.released = False
+        self._fetchers: list[Fetcher] = []
+
+    @contextlib.contextmanager
+    def holding(self) -> Iterator[None]:
+        """Hints of this thread inside the block go under this hold."""
+        before = getattr(_holding, "hold", None)
+        _holding.hold = self
+        try:
+            yield
+        finally:
+            _holding.hold = before
+
+    @staticmethod
+    def current() -> Hold | None:
+        """The hold this thread's hints go under now, if any."""
+        return getattr(_holding, "hold", None)
+
+    def add(self, fetcher: Fetcher) -> None:
+        """``fetcher`` holds jobs under this hold (woken when it is released)."""
+        if fetcher not in self._fetchers:
+            self._fetchers.append(fetcher)
+
+    def release(self) -> None:
+        """Let every held job start (the fetchers that hold some are woken)."""
+        if self.released:
+            return
+        self.released = True
+        fetchers, self._fetchers = self._fetchers, []
+        for fetcher in fetchers:
+            fetcher.wake()
 
 
 def max_in_flight_setting(value: int | None) -> int:
@@ -220,6 +286,7 @@ class Job:
         "error",
         "fd",
         "fingerprint",
+        "held",
         "hint",
         "left",
         "lock",
@@ -240,6 +307,8 @@ class Job:
         self.state = "queued"
         self.demand = False  #: a reader waits for it
         self.hint = hint  #: the hint that queued it
+        #: held behind the reads: the hold and the reader's asks when it was hinted
+        self.held: tuple[Hold, int] | None = None
         self.done = threading.Event()
         self.error: BaseException | None = None
         self.lock: FileLock | None = None
@@ -276,18 +345,26 @@ class Fetcher:
         self._others, self._others_at = 0, -_OTHERS_EVERY  # see _pinned_by_others
         self.in_flight = 0
         self.max_in_flight_seen = 0
+        self._asks = 0  # the reader's requests for shards (a wait or a ``now`` hint)
+        self._held_back = False  # _next passed over held jobs
 
     # ---- what the cache calls ----------------------------------------------------------
     def hint(self, items: Iterable[tuple[str, str, int | None]], now: bool = False) -> None:
         """Queue the downloads of shards not cached yet: the plan's look-ahead, in order
         of first use (``now``: needed by the batch being read, ahead of the look-ahead)."""
+        hold = None if now else Hold.current()
+        if hold is not None and hold.released:
+            hold = None
         with self._cond:
-            self._hints += not now
+            number = self._hints + 1  # this hint's number, if it queues a look-ahead job
+            self._asks += now
             front: list[Job] = []
             for url, fingerprint, size in items:
                 target = self.store.path_for(url, fingerprint)
                 job = self._jobs.get(target)
                 if job is not None and job.state not in ("failed", "elsewhere"):
+                    if hold is None:  # hinted for a read, not behind one: held no more
+                        job.held = None
                     if now and job.state == "queued" and not job.demand:
                         self._queue.remove(job)
                         job.demand = True
@@ -295,12 +372,21 @@ class Fetcher:
                     continue
                 if os.path.exists(target):  # cached: never fetched again
                     continue
-                job = Job(url, fingerprint, size, target, self._hints)
+                job = Job(url, fingerprint, size, target, number)
                 job.demand = now
+                if not now:
+                    # only a hint that queues a new look-ahead job ages the queued ones
+                    # (see _drop_stale): a tar batch hints the shards it reads, queued
+                    # long ago, and three of them dropped the pass's look-ahead
+                    self._hints = number
+                if hold is not None:
+                    job.held = (hold, self._asks)
                 self._jobs[target] = job
                 (front if now else self._queue).append(job)
             if front:
                 self._queue[:0] = front
+            if hold is not None:
+                hold.add(self)
             self._drop_stale()
             self._cond.notify_all()
         self._touch_pinned()
@@ -349,6 +435,11 @@ class Fetcher:
                 total += size
             return out
 
+    def wake(self) -> None:
+        """Let the download threads look at the queue again (a hold was released)."""
+        with self._cond:
+            self._cond.notify_all()
+
     # ---- the queue ---------------------------------------------------------------------
     def _demand(
         self, url: str, fingerprint: str, size: int | None, target: str
@@ -365,13 +456,21 @@ class Fetcher:
                 self._queue.remove(job)
                 self._queue.insert(0, job)
             job.demand = True
+            self._asks += 1  # with the demand marked: held jobs see both at once
             self._cond.notify_all()
             return job, fresh
 
     def _read(self, target: str, size: int | None) -> None:
-        """``target`` was read: it leaves the look-ahead for the recently read."""
+        """``target`` was read: it leaves the look-ahead for the recently read.  A
+        download of it still queued (another process brought it in first, while this
+        one's was held or beyond the cache's room) is done: started later, after the
+        shard was read and perhaps evicted, it would fetch it again for nothing."""
         with self._cond:
             job = self._jobs.get(target)
+            if job is not None and job.state == "queued":
+                self._queue.remove(job)
+                job.state = "ok"
+                job.done.set()
             if job is not None and job.state in ("ok", "failed", "elsewhere"):
                 del self._jobs[target]
             self._recent.pop(target, None)
@@ -397,6 +496,8 @@ class Fetcher:
         """The next unit of work, or None: a part of a running download, or a shard to
         start (a look-ahead one only while it fits in the cache beside what is pinned)."""
         left: int | None = None
+        waiting: bool | None = None
+        self._held_back = False
         for job in self._queue:
             if job.state == "running" and job.parts:
                 job.busy += 1
@@ -409,6 +510,14 @@ class Fetcher:
             if job.state != "queued":
                 continue
             if not job.demand:
+                if job.held is not None:
+                    if waiting is None:
+                        waiting = self._reads_wait()
+                    hold, asks = job.held
+                    if not hold.released and (waiting or self._asks <= asks):
+                        self._held_back = True  # looked at again soon (see _run)
+                        continue  # behind the reads: later
+                    job.held = None
                 if left is None:
                     used = (
                         sum(j.nbytes for j in self._jobs.values() if j.state in _AHEAD)
@@ -422,6 +531,19 @@ class Fetcher:
             job.state = "starting"
             return job, None
         return None
+
+    def _reads_wait(self) -> bool:
+        """Whether a shard not held behind the reads (one a reader asked for, or one
+        hinted for a read) is not in the cache yet (downloading here or in another
+        process)."""
+        return any(
+            (j.demand or j.held is None)
+            and (
+                j.state in ("queued", "starting", "running")
+                or (j.state == "elsewhere" and not os.path.exists(j.target))
+            )
+            for j in self._jobs.values()
+        )
 
     def _pinned_by_others(self) -> int:
         """Bytes of the shards only other processes pin (their pin files: what they read
@@ -467,7 +589,9 @@ class Fetcher:
             with self._cond:
                 unit = self._next()
                 while unit is None:
-                    self._cond.wait()
+                    # held jobs wait for shards that may land in another process (no
+                    # notice here): look again every _HELD_POLL seconds
+                    self._cond.wait(_HELD_POLL if self._held_back else None)
                     unit = self._next()
             job, part = unit
             try:

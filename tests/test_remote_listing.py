@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 import evenly.sources as es
+from evenly.sources import _manifest
 from tests import s3server
 from tests.s3proxy import S3Proxy
 from tests.s3server import S3Endpoint
@@ -165,3 +166,54 @@ def test_a_listing_error_is_raised_in_the_main_process_naming_the_url(
     assert out["error"][0] == kind, out
     assert url.removeprefix("s3://") in out["error"][1], out
     assert out["after error"] == {"s3fs": False, "obstore_ran": None}, out
+
+
+def test_the_helper_listing_is_the_fsspec_one(
+    s3: S3Endpoint, s3_prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The helper process (obstore) and fsspec list the same shards, in the same order,
+    with the same fingerprints (size and ETag) and sizes, and the manifest beside them is
+    used (nothing scanned): a directory with a subdirectory and hidden files, a
+    ``.parquet``-named directory, one object, and an explicit list; then ``relist``
+    agrees too.  Before: there was no helper (``Shards.fs`` was s3fs)."""
+    url = upload(s3, s3_prefix, tmp_path, "parquet")
+    fs = s3.fs()
+    base = url.removeprefix("s3://")
+    fs.copy(f"{base}/shard-00001.parquet", f"{base}/sub/x.parquet")
+    fs.copy(f"{base}/shard-00002.parquet", f"{base}/_hidden/y.parquet")
+    fs.copy(f"{base}/shard-00003.parquet", f"{base}-dir.parquet/part-0.parquet")
+    cases: list[Any] = [
+        url,
+        f"{url}/",
+        f"{url}-dir.parquet",
+        f"{url}/shard-00004.parquet",
+        [f"{url}/shard-00005.parquet", f"{url}/sub/x.parquet", f"{url}/shard-00000.parquet"],
+    ]
+    for case in cases:
+        listed = []
+        for flag in ("0", "1"):
+            monkeypatch.setenv("EVENLY_OBSTORE", flag)
+            shards = _manifest.resolve(case, (".parquet",), s3.storage_options, what="t")
+            listed.append((shards.urls, shards.fingerprints, shards.sizes))
+            assert (shards.fs is None) == (flag == "1") and shards.remote
+        assert listed[0] == listed[1], case
+        assert _manifest.relist(shards) == list(shards.fingerprints)
+    monkeypatch.setenv("EVENLY_OBSTORE", "1")
+
+    def no_scan(k: int, url: str) -> tuple[int, dict[str, Any]]:
+        raise AssertionError(f"scanned {url}: the manifest beside it was not used")
+
+    shards = _manifest.resolve(url, (".parquet",), s3.storage_options, what="t")
+    assert shards.manifests is not None
+    assert shards.manifests[f"{url}/.evenly-manifest.json"] is not None
+    assert shards.manifests[f"{url}/sub/.evenly-manifest.json"] is None  # listed: none
+    plain = _manifest.Shards(
+        shards.fs,
+        shards.urls[:SHARDS],
+        shards.fingerprints[:SHARDS],
+        shards.storage_options,
+        shards.sizes[:SHARDS],
+        shards.manifests,
+    )
+    entries = _manifest.load_entries(plain, "parquet", no_scan, cache_dir=str(tmp_path / "m"))
+    assert sum(e.num_rows for e in entries) == N

@@ -54,6 +54,8 @@ def run(request: Mapping[str, Any], url: str, timeout: float | None = None) -> d
         data = json.dumps(dict(request))
     except (TypeError, ValueError) as exc:  # options that JSON cannot carry
         raise Fallback(f"storage_options not JSON: {exc}") from None
+    if not sys.executable:
+        raise Fallback("no Python executable to run the listing helper with")
     try:
         done = subprocess.run(
             [sys.executable, os.path.abspath(__file__)],
@@ -67,14 +69,16 @@ def run(request: Mapping[str, Any], url: str, timeout: float | None = None) -> d
             f"listing {url} took more than {TIMEOUT if timeout is None else timeout:.0f} s "
             f"(the listing helper process was stopped); check the endpoint and the network"
         ) from None
+    except OSError as exc:  # it could not be started
+        raise Fallback(f"the listing helper process could not start: {exc}") from None
     try:
         answer = json.loads(done.stdout.decode() or "null")
     except ValueError:
         answer = None
-    if not isinstance(answer, dict):
+    if not isinstance(answer, dict):  # it crashed (not an error of the storage's)
         tail = done.stderr.decode(errors="replace").strip().splitlines()[-3:]
-        raise OSError(
-            f"listing {url}: the listing helper process failed (exit {done.returncode}): "
+        raise Fallback(
+            f"the listing helper process failed (exit {done.returncode}): "
             f"{' / '.join(tail) or 'no output'}"
         )
     if "error" in answer:
@@ -202,7 +206,7 @@ def _resolve(lister: _Lister, request: Mapping[str, Any]) -> dict[str, Any]:
             f"{bucket}/{m['path']}": (int(m["size"]), _etag(m))
             for m in found
             if str(m["path"]).endswith(extensions)
-            and not _hidden(posixpath.relpath(str(m["path"]), root))
+            and not _hidden(posixpath.relpath(str(m["path"]), root) if root else str(m["path"]))
         }
         if not matched:
             raise FileNotFoundError(

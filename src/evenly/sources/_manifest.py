@@ -325,7 +325,7 @@ def _resolve_by_helper(
 
 
 def _log_fallback(why: str) -> None:
-    logger.info("evenly: s3:// listed with fsspec/s3fs, not the obstore helper: %s", why)
+    logger.warning("evenly: s3:// listed with fsspec/s3fs, not the obstore helper: %s", why)
 
 
 _FILESYSTEMS: dict[tuple[int, str], Any] = {}

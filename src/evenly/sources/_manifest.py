@@ -170,7 +170,8 @@ def relist(shards: Shards) -> list[str | None]:
     """
     if shards.fs is None:  # listed by the helper process (obstore): so is this
         try:
-            return _lister.fingerprints(shards.urls, shards.storage_options)
+            options = _obstore.resolved_options(shards.storage_options)
+            return _lister.fingerprints(shards.urls, options)
         except _lister.Fallback as why:
             _log_fallback(str(why))
     fs, _ = filesystem(shards.urls[0], shards.storage_options)  # this process's instance
@@ -302,7 +303,7 @@ def _resolve_by_helper(
         "op": "resolve",
         "items": list(items),
         "extensions": list(extensions),
-        "options": options,
+        "options": _obstore.resolved_options(options),
         "what": what,
     }
     try:

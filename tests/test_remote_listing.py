@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -217,3 +218,21 @@ def test_the_helper_listing_is_the_fsspec_one(
     )
     entries = _manifest.load_entries(plain, "parquet", no_scan, cache_dir=str(tmp_path / "m"))
     assert sum(e.num_rows for e in entries) == N
+
+
+def test_a_stalled_listing_stops_the_helper_and_names_the_url(
+    s3: S3Endpoint, s3_prefix: str, proxy: S3Proxy, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A listing that stalls (headers, then no byte, with a read timeout longer than the
+    helper's time): the helper process is stopped after ``_lister.TIMEOUT`` and the open
+    raises naming the URL, never a hang.  Before: no helper (s3fs listed in-process)."""
+    from evenly.sources import _lister
+
+    url = upload(s3, s3_prefix, tmp_path, "parquet")
+    monkeypatch.setenv("EVENLY_OBSTORE", "1")
+    monkeypatch.setattr(_lister, "TIMEOUT", 3.0)
+    proxy.fault("stall", match="list-type", times=None, at=0, seconds=60)
+    options = {**via(s3, proxy), "config_kwargs": {"read_timeout": 60}}
+    stopped = rf"listing {re.escape(url)}: .*helper process was stopped"
+    with pytest.raises(TimeoutError, match=stopped):
+        es.from_parquet(url, storage_options=options, cache_dir=str(tmp_path / "c"))

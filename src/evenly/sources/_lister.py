@@ -66,7 +66,7 @@ def run(request: Mapping[str, Any], url: str, timeout: float | None = None) -> d
         )
     except subprocess.TimeoutExpired:
         raise TimeoutError(
-            f"listing {url} took more than {TIMEOUT if timeout is None else timeout:.0f} s "
+            f"listing {url}: it took more than {TIMEOUT if timeout is None else timeout:.0f} s "
             f"(the listing helper process was stopped); check the endpoint and the network"
         ) from None
     except OSError as exc:  # it could not be started

@@ -54,7 +54,7 @@ def run(request: Mapping[str, Any], url: str, timeout: float | None = None) -> d
         data = json.dumps(dict(request))
     except (TypeError, ValueError) as exc:  # options that JSON cannot carry
         raise Fallback(f"storage_options not JSON: {exc}") from None
-    if not sys.executable:
+    if not sys.executable or getattr(sys, "frozen", False):  # no interpreter to run it
         raise Fallback("no Python executable to run the listing helper with")
     try:
         done = subprocess.run(

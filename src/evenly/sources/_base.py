@@ -4,6 +4,7 @@ batched reads grouped by shard, and error messages that name the file and the sa
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import os
 import posixpath
@@ -102,6 +103,8 @@ class ShardedSource:
         entries = load_entries(
             shards, self.format, self._scan_checked, cache_dir=cache_dir, use_cache=use_manifest
         )
+        if shards.manifests is not None:  # read: not carried to every worker
+            self._shards = dataclasses.replace(shards, manifests=None)
         self._starts = np.concatenate([[0], np.cumsum([e.num_rows for e in entries])]).astype(
             np.int64
         )

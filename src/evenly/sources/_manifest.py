@@ -21,6 +21,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import logging
 import os
 import posixpath
 import tempfile
@@ -34,6 +35,7 @@ import fsspec
 import numpy as np
 from fsspec.core import url_to_fs
 
+from evenly.sources import _lister, _obstore
 from evenly.sources._cachedir import default_cache_dir
 from evenly.sources._progress import bar as progress_bar
 
@@ -59,6 +61,7 @@ __all__ = [
 ]
 
 MANIFEST_NAME = ".evenly-manifest.json"
+logger = logging.getLogger("evenly")
 _VERSION = 2
 #: threads that scan new or changed shards at open (remote ones download)
 SCAN_THREADS = 8
@@ -94,15 +97,20 @@ class FileEntry:
 class Shards:
     """Resolved shard URLs (in a stable, sorted order), their filesystem and fingerprints."""
 
+    #: the fsspec filesystem; None where the shards were listed by the helper process
+    #: (``s3://`` read with obstore: see ``_lister``)
     fs: Any
     urls: tuple[str, ...]
     fingerprints: tuple[str, ...]
     storage_options: dict[str, Any]
     sizes: tuple[int, ...] = ()
+    #: ``.evenly-manifest.json`` beside the data as the helper read it (URL -> text,
+    #: None: none there), for :func:`load_entries`; dropped once the entries are loaded
+    manifests: dict[str, str | None] | None = field(default=None, compare=False, repr=False)
 
     @property
     def remote(self) -> bool:
-        return not _is_local(self.fs)
+        return self.fs is None or not _is_local(self.fs)
 
 
 def _is_local(fs: Any) -> bool:
@@ -160,6 +168,12 @@ def relist(shards: Shards) -> list[str | None]:
     version, is asked for by itself (a HEAD).  The filesystem's listing cache is dropped
     first, so nothing listed before is reused.
     """
+    if shards.fs is None:  # listed by the helper process (obstore): so is this
+        try:
+            options = _obstore.resolved_options(shards.storage_options)
+            return _lister.fingerprints(shards.urls, options)
+        except _lister.Fallback as why:
+            _log_fallback(str(why))
     fs, _ = filesystem(shards.urls[0], shards.storage_options)  # this process's instance
     paths = [str(fs._strip_protocol(u)) for u in shards.urls]
     by_parent: dict[str, list[int]] = {}
@@ -209,6 +223,9 @@ def resolve(
     if not items:
         raise ValueError(f"{what}: no paths given; pass a directory, a glob or a list of files")
     options = with_timeouts(items[0], storage_options)
+    helped = _resolve_by_helper(items, extensions, options, what)
+    if helped is not None:
+        return helped
     fs, _ = filesystem(items[0], options)
     local = _is_local(fs)
     infos: dict[str, dict[str, Any]] = {}
@@ -263,6 +280,53 @@ def resolve(
         storage_options=options,
         sizes=tuple(int(infos[n].get("size") or 0) for n in names),
     )
+
+
+def _by_helper(items: Sequence[str], options: Mapping[str, Any]) -> bool:
+    """Whether the helper process lists ``items``: ``s3://`` read with obstore, no glob,
+    no chained URL."""
+    magic = fsspec.core.has_magic  # type: ignore[attr-defined]
+    plain = all(
+        i.partition("://")[0] in ("s3", "s3a") and "::" not in i and not magic(i) for i in items
+    )
+    return plain and _obstore.chosen(items[0], options)
+
+
+def _resolve_by_helper(
+    items: Sequence[str], extensions: tuple[str, ...], options: dict[str, Any], what: str
+) -> Shards | None:
+    """:func:`resolve` by the helper process (see ``_lister``), or None where fsspec must
+    list: the main process neither imports s3fs nor starts obstore's runtime."""
+    if not _by_helper(items, options):
+        return None
+    request = {
+        "op": "resolve",
+        "items": list(items),
+        "extensions": list(extensions),
+        "options": _obstore.resolved_options(options),
+        "what": what,
+    }
+    try:
+        got = _lister.run(request, items[0])
+    except _lister.Fallback as why:
+        _log_fallback(str(why))
+        return None
+    infos = {str(n): (int(size), str(etag)) for n, size, etag in got["items"]}
+    names = sorted(infos) if len(items) == 1 else list(infos)
+    return Shards(
+        fs=None,
+        urls=tuple(f"s3://{n}" for n in names),
+        fingerprints=tuple(
+            object_fingerprint({"size": infos[n][0], "ETag": infos[n][1]}) for n in names
+        ),
+        storage_options=options,
+        sizes=tuple(infos[n][0] for n in names),
+        manifests={str(k): v for k, v in dict(got["manifests"]).items()},
+    )
+
+
+def _log_fallback(why: str) -> None:
+    logger.warning("evenly: s3:// listed with fsspec/s3fs, not the obstore helper: %s", why)
 
 
 _FILESYSTEMS: dict[tuple[int, str], Any] = {}
@@ -400,6 +464,17 @@ def _read_json(path: str, fs: Any = None) -> dict[str, Any] | None:
     return data
 
 
+def _parse_json(text: str | None) -> dict[str, Any] | None:
+    """:func:`_read_json` of a manifest's text (None: there is none)."""
+    try:
+        data = None if text is None else json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(data, dict) or data.get("version") != _VERSION:
+        return None
+    return data
+
+
 def _beside(shards: Shards) -> list[str]:
     """Candidate manifests beside the data: one per distinct parent directory."""
     parents = dict.fromkeys(posixpath.dirname(u) for u in shards.urls)
@@ -409,8 +484,11 @@ def _beside(shards: Shards) -> list[str]:
 def _known(shards: Shards, kind: str, cache_path: str) -> dict[str, list[dict[str, Any]]]:
     known: dict[str, list[dict[str, Any]]] = {}
     for path in _beside(shards):
-        fs, p = filesystem(path, shards.storage_options)
-        data = _read_json(p, fs)
+        if shards.manifests is not None and path in shards.manifests:
+            data = _parse_json(shards.manifests[path])
+        else:
+            fs, p = filesystem(path, shards.storage_options)
+            data = _read_json(p, fs)
         if data is None or data.get("format") != kind:
             continue
         base = posixpath.dirname(path)

@@ -1,7 +1,8 @@
 """obstore's S3 client for reading ``s3://`` objects: the shard cache's downloads (whole
 objects and range parts) and the global shuffle's range reads.
 
-Which path reads an object (listing stays fsspec's either way):
+Which path reads an object (with obstore, the main process's listing and manifest are
+read by a helper process: ``_lister``):
 
 - ``$EVENLY_OBSTORE=0``: fsspec (s3fs) always.
 - ``$EVENLY_OBSTORE=1``: obstore for ``s3://``; an error naming the setting if obstore is
@@ -24,8 +25,9 @@ fsspec with one log line saying which.
 obstore is not fork-safe: a process forked after its runtime started (a DataLoader worker
 forked from a main process that read with obstore) would hang on its first request, so
 such a process reads with fsspec (one log line says so); a process that never used
-obstore before forking (the usual main process: listing and Parquet footers are fsspec's)
-leaves its workers free to use it, and so do spawned processes.
+obstore before forking (the usual main process: its listing is a helper process's,
+Parquet footers are fsspec's) leaves its workers free to use it, and so do spawned
+processes.
 
 obstore's own retries are off: evenly's retry policy (the shard cache's) retries and
 counts every transient error.  Errors come out as the fsspec path's: a missing object
@@ -209,6 +211,22 @@ def _credentials(creds: Mapping[str, Any]) -> tuple[Callable[[], S3Credential] |
         }
 
     return provide, ""
+
+
+def resolved_options(options: Mapping[str, Any]) -> dict[str, Any]:
+    """``options`` with the region botocore finds, where they name none: a process given
+    them (the listing helper) then needs no botocore import of its own (about 0.2 s)."""
+    kwargs, _ = s3_options(options)
+    if kwargs is None or "region" in kwargs:
+        return dict(options)
+    region = _region(kwargs.get("credentials", {})) or (
+        "us-east-1" if "endpoint" in kwargs else None
+    )
+    if region is None:
+        return dict(options)
+    client = dict(options.get("client_kwargs") or {})
+    client["region_name"] = region
+    return {**options, "client_kwargs": client}
 
 
 def _region(creds: Mapping[str, Any]) -> str | None:

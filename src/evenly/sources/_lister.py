@@ -1,0 +1,269 @@
+"""The listing of ``s3://`` shards read with obstore, done in a short-lived helper process.
+
+The main process lists a remote source where it is opened (and at every later pass
+start).  With s3fs that costs its import and a client (about 0.7 s before the first
+batch); with obstore in the main process, its runtime would start there and the
+DataLoader workers forked from it could not use obstore (see ``_obstore``'s module doc).
+So where obstore reads the objects, the listing (and ``.evenly-manifest.json`` beside
+the data) is read by ``python _lister.py``, a subprocess run with this file as a script:
+it imports neither evenly's package (numpy, pyarrow) nor torch, only ``_obstore.py`` by
+its path, and speaks JSON over stdin/stdout.  The subprocess was chosen over a fork of
+the main process: a fork of a process with user threads (a training script's) may
+inherit a lock held by one of them and hang; a new interpreter costs ~40 ms.
+
+Its answer is ``{"items": [[name, size, etag], ...], "manifests": {url: text | None}}``
+(``resolve``), ``{"fingerprints": [...]}`` (``relist``), ``{"fallback": why}`` (a case
+the fsspec path must serve: an object without an ETag) or ``{"error": [type, message]}``
+(raised again in the main process as that type: ``FileNotFoundError``,
+``PermissionError``, ``ConnectionError`` or ``OSError``, the message naming the URL).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import posixpath
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+#: seconds the helper may take before it is killed and the open fails naming the URL
+#: (each request of it is bounded by the read and connect timeouts, retried a few times)
+TIMEOUT = 600.0
+#: attempts of one listing request on a transient error (5xx, 429, a reset), with backoff
+_ATTEMPTS = 4
+_ERRORS = {
+    "FileNotFoundError": FileNotFoundError,
+    "PermissionError": PermissionError,
+    "ConnectionError": ConnectionError,
+    "ValueError": ValueError,
+}
+MANIFEST_NAME = ".evenly-manifest.json"  # as _manifest.MANIFEST_NAME (not imported here)
+
+
+class Fallback(Exception):
+    """The helper cannot serve this listing as the fsspec path would: use that path."""
+
+
+def run(request: Mapping[str, Any], url: str, timeout: float | None = None) -> dict[str, Any]:
+    """Run the helper on ``request``; its answer, or its error raised here naming ``url``."""
+    try:
+        data = json.dumps(dict(request))
+    except (TypeError, ValueError) as exc:  # options that JSON cannot carry
+        raise Fallback(f"storage_options not JSON: {exc}") from None
+    if not sys.executable or getattr(sys, "frozen", False):  # no interpreter to run it
+        raise Fallback("no Python executable to run the listing helper with")
+    try:
+        done = subprocess.run(
+            [sys.executable, os.path.abspath(__file__)],
+            input=data.encode(),
+            capture_output=True,
+            timeout=TIMEOUT if timeout is None else timeout,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        raise TimeoutError(
+            f"listing {url}: it took more than {TIMEOUT if timeout is None else timeout:.0f} s "
+            f"(the listing helper process was stopped); check the endpoint and the network"
+        ) from None
+    except OSError as exc:  # it could not be started
+        raise Fallback(f"the listing helper process could not start: {exc}") from None
+    try:
+        answer = json.loads(done.stdout.decode() or "null")
+    except ValueError:
+        answer = None
+    if not isinstance(answer, dict):  # it crashed (not an error of the storage's)
+        tail = done.stderr.decode(errors="replace").strip().splitlines()[-3:]
+        raise Fallback(
+            f"the listing helper process failed (exit {done.returncode}): "
+            f"{' / '.join(tail) or 'no output'}"
+        )
+    if "error" in answer:
+        kind, message = answer["error"]
+        raise _ERRORS.get(kind, OSError)(message)
+    if "fallback" in answer:
+        raise Fallback(str(answer["fallback"]))
+    return answer
+
+
+# ---- the helper process ----------------------------------------------------------
+
+
+def _obstore_module() -> Any:
+    """``_obstore.py`` loaded by its path (not through evenly's package: no numpy)."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_obstore.py")
+    spec = importlib.util.spec_from_file_location("_evenly_obstore", path)
+    if spec is None or spec.loader is None:
+        raise ImportError(path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+class _Lister:
+    def __init__(self, request: Mapping[str, Any]) -> None:
+        import obstore
+
+        self.ob = obstore
+        self.mod = _obstore_module()
+        self.options: dict[str, Any] = dict(request["options"])
+        self.stores: dict[str, Any] = {}
+
+    def store(self, bucket: str) -> Any:
+        if bucket not in self.stores:
+            kwargs, why = self.mod.s3_options(self.options)
+            if kwargs is None:
+                raise Fallback(why)
+            self.stores[bucket] = self.mod.ObjectStore(bucket, kwargs).store
+        return self.stores[bucket]
+
+    def call(self, url: str, fn: Any) -> Any:
+        """``fn()`` retried on a transient error; errors as the fsspec path's, naming ``url``."""
+        for attempt in range(_ATTEMPTS):
+            try:
+                return fn()
+            except Exception as exc:
+                error = self.mod._translate(exc, url)
+                if not isinstance(error, ConnectionError) or attempt == _ATTEMPTS - 1:
+                    raise error from exc
+            time.sleep(0.2 * 2**attempt)
+        raise AssertionError("unreachable")
+
+    def find(self, bucket: str, prefix: str) -> list[dict[str, Any]]:
+        """Every object under ``prefix/`` (recursively)."""
+        store = self.store(bucket)
+        url = f"s3://{bucket}/{prefix}"
+        chunks = self.call(url, lambda: list(self.ob.list(store, prefix=prefix, chunk_size=1000)))
+        return [m for chunk in chunks for m in chunk if not str(m["path"]).endswith("/")]
+
+    def ls(self, bucket: str, prefix: str) -> list[dict[str, Any]]:
+        """The objects directly in ``prefix/``."""
+        store = self.store(bucket)
+        url = f"s3://{bucket}/{prefix}"
+        found = self.call(url, lambda: self.ob.list_with_delimiter(store, prefix=prefix))
+        return list(found["objects"])
+
+    def head(self, bucket: str, key: str) -> dict[str, Any] | None:
+        store = self.store(bucket)
+        try:
+            return dict(self.call(f"s3://{bucket}/{key}", lambda: self.ob.head(store, key)))
+        except FileNotFoundError:
+            return None
+
+    def text(self, bucket: str, key: str) -> str | None:
+        """An object's text, None if it is missing or cannot be read (as ``_read_json``)."""
+        store = self.store(bucket)
+        try:
+            got = self.call(f"s3://{bucket}/{key}", lambda: self.ob.get(store, key).bytes())
+            return bytes(got).decode("utf-8")
+        except (OSError, ValueError):
+            return None
+
+
+def _etag(meta: Mapping[str, Any]) -> str:
+    version = meta.get("e_tag") or meta.get("version")
+    if not version:
+        raise Fallback(f"{meta.get('path')}: listed without an ETag or a version")
+    return str(version)
+
+
+def _split(url: str) -> tuple[str, str]:
+    bucket, _, key = url.split("://", 1)[1].partition("/")
+    return bucket, key
+
+
+def _hidden(relative: str) -> bool:
+    return any(part.startswith((".", "_")) for part in relative.split("/"))
+
+
+def _resolve(lister: _Lister, request: Mapping[str, Any]) -> dict[str, Any]:
+    """As ``_manifest.resolve`` for non-glob ``s3://`` items (see there)."""
+    what, extensions = str(request["what"]), tuple(request["extensions"])
+    infos: dict[str, tuple[int, str]] = {}
+    listed: dict[str, set[str]] = {}  # directory -> the names listed in it
+    for item in request["items"]:
+        bucket, key = _split(item)
+        root = key.rstrip("/")
+        found: list[dict[str, Any]] | None = None
+        if not root.endswith(extensions):
+            found = lister.find(bucket, root) or None
+        if found is None:
+            meta = lister.head(bucket, root) if root else None
+            if meta is not None:
+                infos[f"{bucket}/{root}"] = (int(meta["size"]), _etag(meta))
+                continue
+            found = lister.find(bucket, root) if root.endswith(extensions) else []
+            if not found:
+                raise FileNotFoundError(f"{what}: file not found: {item!r}")
+        for m in found:
+            parent = posixpath.dirname(f"{bucket}/{m['path']}")
+            listed.setdefault(parent, set()).add(posixpath.basename(str(m["path"])))
+        matched = {
+            f"{bucket}/{m['path']}": (int(m["size"]), _etag(m))
+            for m in found
+            if str(m["path"]).endswith(extensions)
+            and not _hidden(posixpath.relpath(str(m["path"]), root) if root else str(m["path"]))
+        }
+        if not matched:
+            raise FileNotFoundError(
+                f"{what}: the directory {item!r} holds no file ending in {' or '.join(extensions)}"
+            )
+        infos.update(matched)
+    manifests: dict[str, str | None] = {}
+    for parent in dict.fromkeys(posixpath.dirname(n) for n in infos):
+        seen = listed.get(parent)
+        bucket, _, key = parent.partition("/")
+        text = None
+        if seen is None or MANIFEST_NAME in seen:  # a listed directory without one: none
+            text = lister.text(bucket, posixpath.join(key, MANIFEST_NAME))
+        manifests[posixpath.join(f"s3://{parent}", MANIFEST_NAME)] = text
+    return {"items": [[n, s, e] for n, (s, e) in infos.items()], "manifests": manifests}
+
+
+def _relist(lister: _Lister, request: Mapping[str, Any]) -> dict[str, Any]:
+    """As ``_manifest.relist`` (see there)."""
+    names = [_split(u) for u in request["urls"]]
+    by_parent: dict[tuple[str, str], list[int]] = {}
+    for k, (bucket, key) in enumerate(names):
+        by_parent.setdefault((bucket, posixpath.dirname(key)), []).append(k)
+    out: list[str | None] = [None] * len(names)
+    for (bucket, parent), ks in by_parent.items():
+        try:
+            listed = {str(m["path"]): m for m in lister.ls(bucket, parent)}
+        except FileNotFoundError:
+            listed = {}
+        for k in ks:
+            meta = listed.get(names[k][1])
+            if meta is None or not (meta.get("e_tag") or meta.get("version")):
+                meta = lister.head(bucket, names[k][1])
+            if meta is not None:
+                out[k] = f"{int(meta['size'])}:{_etag(meta)}"
+    return {"fingerprints": out}
+
+
+def main() -> None:
+    request = json.loads(sys.stdin.read())
+    try:
+        lister = _Lister(request)
+        answer = (_resolve if request["op"] == "resolve" else _relist)(lister, request)
+    except Fallback as exc:
+        answer = {"fallback": str(exc)}
+    except (OSError, ValueError) as exc:
+        kind = next((n for n, t in _ERRORS.items() if type(exc) is t), "OSError")
+        answer = {"error": [kind, str(exc)]}
+    sys.stdout.write(json.dumps(answer))
+
+
+def fingerprints(urls: Sequence[str], options: Mapping[str, Any]) -> list[str | None]:
+    """``_manifest.relist`` by the helper: each URL's ``size:etag`` now (None: gone)."""
+    got = run({"op": "relist", "urls": list(urls), "options": dict(options)}, urls[0])
+    return [None if f is None else str(f) for f in got["fingerprints"]]
+
+
+if __name__ == "__main__":
+    sys.path.pop(0)  # this file's folder: its modules are not top-level ones
+    main()

@@ -41,7 +41,11 @@ _CHILD = textwrap.dedent(
     out = {}
 
     def state(name):
-        out[name] = {"s3fs": "s3fs" in sys.modules, "obstore_ran": _obstore._STARTED_IN}
+        out[name] = {
+            "s3fs": "s3fs" in sys.modules,
+            "botocore": "botocore" in sys.modules,
+            "obstore_ran": _obstore._STARTED_IN,
+        }
 
     if fmt == "error":
         try:
@@ -137,7 +141,8 @@ def test_no_s3fs_in_the_main_process_before_the_first_batch_nor_at_the_next_pass
     finally:
         proc.kill()
         proc.communicate(timeout=60)  # and closes its pipes
-    clean = {"s3fs": False, "obstore_ran": None}
+    # key and secret given, $AWS_DEFAULT_REGION set (s3server): no botocore either
+    clean = {"s3fs": False, "botocore": False, "obstore_ran": None}
     assert out["open"] == out["first batch 0"] == out["first batch 1"] == clean, out
     clients = {c for per_key in agents.values() for c in per_key}
     assert clients == {"object_store"}, agents  # the workers read with obstore
@@ -166,7 +171,7 @@ def test_a_listing_error_is_raised_in_the_main_process_naming_the_url(
         proc.communicate(timeout=60)  # and closes its pipes
     assert out["error"][0] == kind, out
     assert url.removeprefix("s3://") in out["error"][1], out
-    assert out["after error"] == {"s3fs": False, "obstore_ran": None}, out
+    assert out["after error"] == {"s3fs": False, "botocore": False, "obstore_ran": None}, out
 
 
 def test_the_helper_listing_is_the_fsspec_one(

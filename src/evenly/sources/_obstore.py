@@ -230,6 +230,11 @@ def resolved_options(options: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _region(creds: Mapping[str, Any]) -> str | None:
+    """The region botocore finds: ``$AWS_DEFAULT_REGION`` first (as botocore reads it,
+    without importing botocore: about 0.2 s of the first batch), else its config files
+    (for ``profile``)."""
+    if os.environ.get("AWS_DEFAULT_REGION"):
+        return os.environ["AWS_DEFAULT_REGION"]
     import botocore.session
 
     region = botocore.session.Session(profile=creds.get("profile")).get_config_variable("region")

@@ -113,9 +113,10 @@ def answer(proc: subprocess.Popen[str]) -> dict[str, Any]:
     return data
 
 
+@pytest.mark.parametrize("creds", ["given", "environment"])
 @pytest.mark.parametrize("fmt", ["parquet", "webdataset"])
 def test_no_s3fs_in_the_main_process_before_the_first_batch_nor_at_the_next_pass(
-    s3: S3Endpoint, s3_prefix: str, proxy: S3Proxy, tmp_path: Path, fmt: str
+    s3: S3Endpoint, s3_prefix: str, proxy: S3Proxy, tmp_path: Path, fmt: str, creds: str
 ) -> None:
     """A fresh process opens a remote directory (obstore chosen) and reads two epochs
     with 2 forked workers: when each first batch is yielded, ``s3fs`` is not in its
@@ -124,7 +125,10 @@ def test_no_s3fs_in_the_main_process_before_the_first_batch_nor_at_the_next_pass
     the open listed with s3fs (imported, about 0.7 s of the first batch)."""
     url = upload(s3, s3_prefix, tmp_path, fmt)
     proxy.reset_stats()
-    proc = child([url, fmt, via(s3, proxy), str(tmp_path / "c")])
+    options = via(s3, proxy)
+    if creds == "environment":  # $AWS_ACCESS_KEY_ID and the rest, as s3server sets them
+        options = {k: v for k, v in options.items() if k not in ("key", "secret")}
+    proc = child([url, fmt, options, str(tmp_path / "c")])
     try:
         assert answer(proc) == {"first": 0}
         assert proxy.stats()["listings"] == 1  # the open's; the first pass uses it
@@ -141,7 +145,9 @@ def test_no_s3fs_in_the_main_process_before_the_first_batch_nor_at_the_next_pass
     finally:
         proc.kill()
         proc.communicate(timeout=60)  # and closes its pipes
-    # key and secret given, $AWS_DEFAULT_REGION set (s3server): no botocore either
+    # $AWS_DEFAULT_REGION set (s3server), the key and secret given or in the environment
+    # with no profile named: no botocore either (before: imported for the region and,
+    # without a key in the options, for the credentials)
     clean = {"s3fs": False, "botocore": False, "obstore_ran": None}
     assert out["open"] == out["first batch 0"] == out["first batch 1"] == clean, out
     clients = {c for per_key in agents.values() for c in per_key}

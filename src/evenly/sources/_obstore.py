@@ -181,7 +181,9 @@ def s3_options(options: Mapping[str, Any]) -> tuple[dict[str, Any] | None, str]:
 def _credentials(creds: Mapping[str, Any]) -> tuple[Callable[[], S3Credential] | None, str]:
     """A credential provider as s3fs would sign with: the given key and secret (a token
     only if given: none from the environment mixed in), else botocore's chain (the
-    environment, ``profile``, config files, instance roles), re-asked when they expire.
+    environment, ``profile``, config files, instance roles), re-asked when they expire;
+    its first place, ``$AWS_ACCESS_KEY_ID`` / ``$AWS_SECRET_ACCESS_KEY`` (and
+    ``$AWS_SESSION_TOKEN``) with no ``profile`` named, is read without botocore.
     None with ``anon``; a reason when botocore finds none."""
     if creds.get("anon"):
         return None, ""
@@ -193,6 +195,21 @@ def _credentials(creds: Mapping[str, Any]) -> tuple[Callable[[], S3Credential] |
             "expires_at": None,
         }
         return (lambda: static), ""
+    environ = os.environ
+    if (
+        not creds.get("profile")
+        and environ.get("AWS_ACCESS_KEY_ID")
+        and environ.get("AWS_SECRET_ACCESS_KEY")
+        and not environ.get("AWS_CREDENTIAL_EXPIRATION")
+    ):  # botocore's first place (no profile named), read without importing it (~0.2 s)
+        token = environ.get("AWS_SESSION_TOKEN") or environ.get("AWS_SECURITY_TOKEN")
+        from_env: S3Credential = {
+            "access_key_id": environ["AWS_ACCESS_KEY_ID"],
+            "secret_access_key": environ["AWS_SECRET_ACCESS_KEY"],
+            "token": token or None,
+            "expires_at": None,
+        }
+        return (lambda: from_env), ""
     import botocore.session
 
     session = botocore.session.Session(profile=creds.get("profile"))

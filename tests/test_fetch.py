@@ -192,7 +192,7 @@ def test_a_cache_of_two_windows_fetches_each_shard_once_and_stays_bounded(
     a cache of two block-shuffle windows, each shard is fetched once in the epoch (no
     shard evicted before it is read), and the cache stays within its bound plus the
     shards the two workers read now (a window each: a worker still finishing a window
-    while the other starts the next)."""
+    while the other starts the next) and the shard each waits for."""
     n, per, window = 1024, 32, 4
     url, shard = upload_jsonl(s3, s3_prefix, tmp_path, n, per)
     bound = 2 * window * shard
@@ -216,8 +216,10 @@ def test_a_cache_of_two_windows_fetches_each_shard_once_and_stays_bounded(
     # 1.00x on an idle machine (the previous cache: 1.75x); the margin is for a loaded one
     assert fetched <= 1.3 * dataset, f"fetched {fetched / dataset:.2f}x the dataset"
     # the workers' look-ahead together is bounded by the cache (their pin files); the
-    # previous per-process bound let each worker fill it: up to twice the bound
-    assert max(seen) <= bound + 2 * window * shard, (max(seen), bound)
+    # previous per-process bound let each worker fill it: up to twice the bound. Beyond
+    # the bound: what the readers read now (a window each) and the download a reader
+    # waits for (one each: docs/formats.md, "Remote storage"; seen once at load 12)
+    assert max(seen) <= bound + 2 * (window + 1) * shard, (max(seen), bound)
 
 
 # ---- parts, counters, the node's bound in one process -------------------------------------

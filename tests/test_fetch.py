@@ -179,6 +179,16 @@ def test_two_ranks_of_two_workers_keep_the_node_bound_and_download_each_shard_on
 
 
 # ---- one process, 2 workers, a cache of 2 windows ---------------------------------------
+def small_objects(s3: S3Endpoint, prefix: str, n: int) -> list[str]:
+    """``n`` objects of 1000 bytes (object ``k`` all byte ``k``) under ``prefix``: URLs."""
+    fs = s3.fs()
+    urls = []
+    for k in range(n):
+        fs.pipe_file(f"{s3.bucket}/{prefix}/s{k}.bin", bytes([k]) * 1000)
+        urls.append(f"s3://{s3.bucket}/{prefix}/s{k}.bin")
+    return urls
+
+
 def _usage_watch(cache: ShardCache, stop: threading.Event, seen: list[int]) -> None:
     while not stop.is_set():
         seen.append(cache.usage())
@@ -407,11 +417,7 @@ def test_the_look_ahead_skips_a_shard_another_process_is_downloading(
     """With one download thread, a look-ahead whose first shard is locked by another
     process (its download) goes on to the next shards instead of waiting; the reader
     that needs the locked shard waits for that process, and downloads nothing."""
-    fs = s3.fs()
-    urls = []
-    for k in range(3):
-        fs.pipe_file(f"{s3.bucket}/{s3_prefix}/s{k}.bin", bytes([k]) * 1000)
-        urls.append(f"s3://{s3.bucket}/{s3_prefix}/s{k}.bin")
+    urls = small_objects(s3, s3_prefix, 3)
     cache = ShardCache(str(tmp_path / "c"), 1 << 20, s3.storage_options, max_in_flight=1)
     os.makedirs(cache.cache_dir)
     first = cache.path_for(urls[0])
@@ -444,11 +450,7 @@ def test_a_shard_read_while_its_look_ahead_is_held_is_not_downloaded_again_later
     other process evicted the shard (two windows of cache), the held download did not
     start later to fetch it again for nothing (a bounded tar epoch of 2 workers fetched
     two shards twice, 1.07x the dataset, in about a third of the runs)."""
-    fs = s3.fs()
-    urls = []
-    for k in range(2):
-        fs.pipe_file(f"{s3.bucket}/{s3_prefix}/s{k}.bin", bytes([k]) * 1000)
-        urls.append(f"s3://{s3.bucket}/{s3_prefix}/s{k}.bin")
+    urls = small_objects(s3, s3_prefix, 2)
     cache = ShardCache(str(tmp_path / "c"), 1 << 20, s3.storage_options, max_in_flight=1)
     os.makedirs(cache.cache_dir)
     first, second = (cache.path_for(u) for u in urls)

@@ -278,7 +278,7 @@ class ShardCache:
 
     def download_whole(self, url: str, target: str, size: int | None, fingerprint: str) -> None:
         """One checked download of ``url`` into ``target`` (the caller holds its lock)."""
-        self._download(url, target, size, fingerprint)  # counts its requests and bytes
+        self._download(url, target, size, fingerprint)  # counts it, its requests and bytes
 
     def open_ranged(self, url: str, fingerprint: str, size: int | None) -> tuple[Any, int]:
         """``url`` opened for range reads at the listed version (checked), and its size."""
@@ -332,6 +332,7 @@ class ShardCache:
                 got = os.path.getsize(tmp)
                 if size is not None and got != size:
                     raise _size_error(url, got, size)
+                self.count(downloads=1)  # before the shard appears: a reader of it sees it
                 os.replace(tmp, target)
             except FileNotFoundError:
                 raise FileNotFoundError(f"shard not found: {url}") from None

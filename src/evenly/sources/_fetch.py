@@ -625,7 +625,6 @@ class Fetcher:
             with self.request():
                 self.store.download_whole(job.url, job.target, job.size, job.fingerprint)
             self._release(job)
-            self.store.count(downloads=1)
             self._evict()  # before a reader goes on: the job still pins its shard
             self._finished(job, "ok")
             return None
@@ -674,9 +673,9 @@ class Fetcher:
             raise ValueError(
                 f"the download of {job.url} has {got} bytes but the object has {job.size}"
             )
+        self.store.count(downloads=1)  # before the shard appears: a reader of it sees it
         os.replace(job.tmp, job.target)
         self._release(job)
-        self.store.count(downloads=1)
         self._evict()  # before a reader goes on: the job still pins its shard
         self._finished(job, "ok")
 

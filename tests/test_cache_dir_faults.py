@@ -214,3 +214,26 @@ def test_packings_lengths_cache_on_a_full_disk_names_evenly_cache_dir(tmp_path: 
     assert run.returncode == 0, run.stderr[-3000:]
     assert f"the disk holding {mnt}/c/lengths is full" in run.stdout, run.stdout
     assert f"set $EVENLY_CACHE_DIR (now '{mnt}/c')" in run.stdout
+
+
+_LISTING = """
+import json, os, sys
+import evenly.sources as es
+src = es.from_parquet(sys.argv[1], cache_dir=sys.argv[2])
+folder = os.path.join(sys.argv[2], "manifests")
+print(json.dumps({"rows": len(src), "left": os.listdir(folder) if os.path.isdir(folder) else []}))
+"""
+
+
+@needs_mount
+def test_a_full_disk_leaves_no_temp_file_of_the_shards_listing(tmp_path: Path) -> None:
+    """The shards' scanned listing could not be written (the disk is full): the source
+    still opens and reads, and its temporary file is removed, not left behind."""
+    data = tmp_path / "many"
+    data.mkdir()
+    for k in range(300):
+        pq.write_table(pa.table({"id": [k]}), data / f"part-{k:04d}.parquet")
+    mnt = tmp_path / "full"
+    fill = [f"mkdir -p {mnt}/cache/manifests", f"dd if=/dev/zero of={mnt}/fill bs=4k count=62"]
+    out = result(in_tmpfs(mnt, fill, _LISTING, str(data), str(mnt / "cache")))
+    assert out == {"rows": 300, "left": []}

@@ -426,6 +426,30 @@ def test_streams_continue_across_epochs_once_before_twice():
     assert reference(0) != reference(1)
 
 
+def test_a_mix_of_sources_given_a_cache_dir_plans_there(tmp_path):
+    """The sources' ``cache_dir=`` holds their lengths and the mixture's plans, not the
+    default cache directory; the rows are those of the same documents in memory."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    given = tmp_path / "given"
+    sources = {}
+    for name in LENGTHS:
+        pq.write_table(pa.table({"input_ids": docs(name)}), tmp_path / f"{name}.parquet")
+        sources[name] = evenly.from_parquet(str(tmp_path / f"{name}.parquet"), cache_dir=str(given))
+    mixed = evenly.Mix(sources, weights=WEIGHTS, unit="tokens", tokens_per_epoch=TOKENS)
+    pack = evenly.Packing(SEQ, strategy="concat", document_ids=True)
+    loader = evenly.DataLoader(
+        evenly.Dataset(mixed, shuffle=True, seed=5, pack=pack), batch_size=1, num_workers=2
+    )
+    rows = rows_of(list(loader))
+    assert len(list((given / "lengths").glob("*.i32"))) == len(LENGTHS)
+    assert len(list((given / "packing").glob("*-e0.items"))) == 1
+    default = tmp_path / "cache"  # $EVENLY_CACHE_DIR
+    assert not (default / "lengths").exists() and not (default / "packing").exists()
+    assert rows == reference()
+
+
 def _tails(state: dict[str, Any], world: int, workers: int, batch: int) -> list[list[list[int]]]:
     per_rank = []
     for rank in range(world):

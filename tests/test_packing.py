@@ -307,6 +307,33 @@ def test_arrow_and_parquet_lengths_from_list_offsets_cached(tmp_path):
     assert len(os.listdir(tmp_path / "cache" / "lengths")) >= 1
 
 
+def test_packing_keeps_its_lengths_and_plans_in_the_sources_cache_dir(tmp_path):
+    """A source given ``cache_dir=`` holds packing's lengths and plans there (its
+    workers' too), not in the default cache directory."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"input_ids": docs()}), tmp_path / "d.parquet", row_group_size=17)
+    given = tmp_path / "given"
+    source = evenly.from_parquet(str(tmp_path / "d.parquet"), cache_dir=str(given))
+    pack = evenly.Packing(SEQ, strategy="best_fit", document_ids=True)
+    loader = evenly.DataLoader(
+        evenly.Dataset(source, shuffle=True, seed=3, pack=pack), batch_size=4, num_workers=2
+    )
+    for epoch in range(2):
+        loader.set_epoch(epoch)
+        assert sorted(Counter(t for r in rows_of(list(loader)) for t in r if t)) == sorted(
+            all_tokens()
+        )
+    assert len(list((given / "lengths").glob("*.i32"))) == 1
+    assert {p.name.rsplit("-", 1)[1] for p in (given / "packing").glob("*.best_fit")} == {
+        "e0.best_fit",
+        "e1.best_fit",
+    }
+    default = tmp_path / "cache"  # $EVENLY_CACHE_DIR
+    assert not (default / "lengths").exists() and not (default / "packing").exists()
+
+
 def test_refusals_name_the_setting_and_the_document():
     with pytest.raises(ValueError, match="on_error='skip'"):
         dataset("concat", on_error="skip")

@@ -218,6 +218,9 @@ class SourceView:
     #: ``(shuffle mode, readers)`` before a pass is read where it is read, so the source
     #: can choose how to fetch (remote tar under the global shuffle: by range), or None
     prepare_pass: Callable[[str, int], None] | None = None
+    #: the cache directory the source was given (``cache_dir=``), where packing keeps
+    #: the documents' lengths and the epochs' plans; None: the default one
+    cache_dir: str | None = None
 
     @classmethod
     def of(cls, source: Any) -> SourceView:
@@ -256,5 +259,8 @@ class SourceView:
             content_key=key if callable(key := getattr(source, "content_key", None)) else None,
             prepare_pass=ready
             if callable(ready := getattr(source, "prepare_pass", None))
+            else None,
+            cache_dir=given
+            if isinstance(given := getattr(source, "cache_dir", None), str)
             else None,
         )

@@ -87,9 +87,16 @@ class PlanFiles:
     """The epochs' row tables of one dataset in this process (the last few kept open)."""
 
     def __init__(
-        self, packing: Packing, lengths: Any, lengths_key: str, total: int | None = None
+        self,
+        packing: Packing,
+        lengths: Any,
+        lengths_key: str,
+        total: int | None = None,
+        cache_dir: str | None = None,
     ) -> None:
         self.packing = packing
+        #: the node's cache directory the plans are written in (None: the default one)
+        self.cache_dir = cache_dir
         self.lengths = lengths
         self.lengths_key = lengths_key
         #: an epoch's tokens (all the documents', or a token mixture's tokens_per_epoch)
@@ -137,7 +144,7 @@ class PlanFiles:
         if items is not None:
             text += f"/{items.key}"
         key = hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
-        folder = cache_subdir("packing")
+        folder = cache_subdir("packing", self.cache_dir)
         path = os.path.join(folder, f"{key}-e{epoch}.{packing.strategy}")
         at = self.lengths_at(order) if items is None else items.lengths_at
         for attempt in (1, 2):  # a file removed by a later epoch's pruning is planned again

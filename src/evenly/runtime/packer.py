@@ -110,8 +110,8 @@ class PackedRows:
     def files(self, view: SourceView) -> PlanFiles:
         """The documents' lengths and the epochs' plan files (found once)."""
         if self._files is None:
-            lengths, key = document_lengths(view, self.packing)
-            self._files = PlanFiles(self.packing, lengths, key)
+            lengths, key = document_lengths(view, self.packing, view.cache_dir)
+            self._files = PlanFiles(self.packing, lengths, key, cache_dir=view.cache_dir)
         return self._files
 
     def epoch_rows(
@@ -265,7 +265,7 @@ class PackedRows:
             state["_files"] = None
         elif files is not None:
             state["_files"] = PlanFiles(
-                files.packing, files.lengths, files.lengths_key, files.total
+                files.packing, files.lengths, files.lengths_key, files.total, files.cache_dir
             )
         return state
 

@@ -121,7 +121,7 @@ def mix_lengths(mix: Any, packing: Packing) -> tuple[MixLengths, str]:
     """``(lengths, key)`` of a token mixture's documents (each source's cached lengths)."""
     parts, keys = [], []
     for view in mix.views:
-        lengths, key = document_lengths(view, packing)
+        lengths, key = document_lengths(view, packing, view.cache_dir)
         parts.append(lengths)
         keys.append(key)
     return MixLengths(parts), hashlib.blake2b("/".join(keys).encode(), digest_size=16).hexdigest()
@@ -183,15 +183,17 @@ def token_items(
     epoch: int,
     shuffle: bool,
     part: Any = None,
+    cache_dir: str | None = None,
 ) -> TokenItems:
     """Epoch ``epoch``'s items, planned once per node into ``cache_dir/packing``
-    (``part``: what the pass carries after a loaded state or ``set_weights``)."""
+    (``part``: what the pass carries after a loaded state or ``set_weights``;
+    ``cache_dir``: None for the default one)."""
     segments = _segments(mix, lengths, epoch, part)
     total = sum(mix.token_shares(lengths.totals))
     merges = [merge_of(s.shares) for s in segments]
     text = f"{lengths_key}/{mix.names}/{segments}/{seed}/{shuffle}/{packing.seq_len}/{merges}"
     key = hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
-    folder = cache_subdir("packing")
+    folder = cache_subdir("packing", cache_dir)
     path = os.path.join(folder, f"{key}-e{epoch}.items")
 
     def plan(tmp: str) -> None:
@@ -287,7 +289,10 @@ class TokenMixRows(PackedRows):
         if self._files is None:
             mixed, key = mix_lengths(view.source, self.packing)
             total = sum(view.source.token_shares(mixed.totals))
-            self._files = PlanFiles(self.packing, mixed, key, total)
+            given = [v.cache_dir for v in view.source.views if v.cache_dir is not None]
+            self._files = PlanFiles(
+                self.packing, mixed, key, total, cache_dir=given[0] if given else None
+            )
         return self._files
 
     def items(
@@ -307,6 +312,7 @@ class TokenMixRows(PackedRows):
                 epoch=epoch,
                 shuffle=shuffle,
                 part=part,
+                cache_dir=files.cache_dir,
             )
             if len(self._items) >= 3:
                 self._items.pop(next(iter(self._items)))

@@ -86,6 +86,9 @@ class ShardedSource:
             (os.getpid(), listed) if shards.remote else None
         )
         self.urls: tuple[str, ...] = shards.urls
+        #: the cache directory given (None: ``$EVENLY_CACHE_DIR`` or ``~/.cache/evenly``):
+        #: remote shards, manifests, decoded row groups, packing's lengths and plans
+        self.cache_dir: str | None = cache_dir
         if shards.remote:  # made now: an unwritable cache_dir is named before any download
             cache_subdir("shards", cache_dir)
         self.cache: ShardCache | None = (

@@ -19,6 +19,7 @@ scanned once (new inodes); an upload of it to S3 is not (ETag = the recorded MD5
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import json
 import logging
@@ -595,11 +596,15 @@ def _write_json_atomic(path: str, data: dict[str, Any]) -> None:
     try:
         os.makedirs(directory, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".json")
+    except OSError:  # a read-only cache must not stop reading the data
+        return
+    try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump(data, f)
         os.replace(tmp, path)
-    except OSError:  # a read-only cache must not stop reading the data
-        return
+    except OSError:  # a full disk: the temp file goes, the data is still read
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
 
 
 def save_manifest(out_dir: str, kind: str, entries: Sequence[FileEntry]) -> str:

@@ -262,11 +262,11 @@ def test_the_helpers_retries_are_counted_at_the_open_and_in_the_pass_that_listed
     num_workers: int,
 ) -> None:
     """A 503 SlowDown on the open's listing and a connection reset on the listing of the
-    next pass start: the helper process retries each (the shard cache's policy), says so
-    in its answer, and the main process logs and counts them as the cache counts its own:
-    the open's in the source's ``io_stats()``, the pass start's in that pass's
-    ``loader.stats()``; each epoch exactly once.  Before: the helper retried, but no
-    count reached the main process (0 both)."""
+    next pass start, each retried with the shard cache's policy and counted where the
+    cache counts its own retries: the open's by the helper process, which says so in its
+    answer (logged and counted in the source's ``io_stats()``); the pass start's by the
+    cache (a new helper run), in that pass's ``loader.stats()``; each epoch exactly
+    once.  Before: the helper retried, but no count reached the main process (0 both)."""
     url = upload(s3, s3_prefix, tmp_path, "parquet")
     monkeypatch.setenv("EVENLY_OBSTORE", "1")
     proxy.fault("status", match="list-type", status=503)
@@ -327,3 +327,26 @@ def test_a_helper_that_dies_falls_back_to_fsspec_with_the_same_shards(
     assert caplog.text.count(why) == 2, caplog.text
     src = es.from_parquet(url, storage_options=s3.storage_options, cache_dir=str(tmp_path / "c"))
     assert sorted(int(src[i]["id"]) for i in range(len(src))) == list(range(N))
+
+
+def test_a_listing_that_keeps_failing_at_a_pass_start_is_tried_as_the_cache_retries(
+    s3: S3Endpoint, s3_prefix: str, proxy: S3Proxy, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every listing after the open answers 503: the pass start tries it 1 + ``retries``
+    times in all (the shard cache's policy, one loop), then raises a ``ConnectionError``
+    in the main process naming the source and the tries.  Before: the helper's own loop
+    ran inside the cache's, 4 x 5 = 20 listings."""
+    url = upload(s3, s3_prefix, tmp_path, "parquet")
+    monkeypatch.setenv("EVENLY_OBSTORE", "1")
+    src = es.from_parquet(url, storage_options=via(s3, proxy), cache_dir=str(tmp_path / "c"))
+    src._fresh_listing = None  # the first pass start lists too
+    assert src.cache is not None
+    retries = src.cache.retries  # 4 by default
+    proxy.reset_stats()
+    proxy.fault("status", match="list-type", status=503, times=None)
+    loader = evenly.DataLoader(evenly.Dataset(src, seed=5), batch_size=16, collate_fn=list)
+    source = "cannot list the shards of evenly.from_parquet: "
+    tries = rf"{source}.*{re.escape(url)}.*503.*after {retries + 1} tries"
+    with pytest.raises(ConnectionError, match=tries):
+        iter(loader)
+    assert proxy.stats()["listings"] == retries + 1

@@ -274,9 +274,8 @@ class ShardedSource:
             and time.monotonic() - fresh[1] < FRESH_LISTING_SECONDS
         ):
             return
-        cache = self.cache
-        now = cache.retrying(
-            lambda: relist(self._shards, lambda n: cache.count(fetch_retries=n)),
+        now = self.cache.retrying(  # the one retry loop (counted): none in the helper
+            lambda: relist(self._shards, retries=0),
             f"list the shards of {self._what}",
             f"the listing of {self._what}'s shards",
         )

@@ -18,7 +18,8 @@ the fsspec path must serve: an object without an ETag) or ``{"error": [type, mes
 ``PermissionError``, ``ConnectionError`` or ``OSError``, the message naming the URL);
 each with ``"retried": [[type, message], ...]``, one per retry of a request after a
 transient error (the shard cache's policy: ``_remote_rules``), which the main process
-logs and counts as the cache counts its own (``fetch_retries``, in ``loader.stats()``).
+logs and counts as the cache counts its own (``fetch_retries``); a request may set
+``"retries"`` (0 at a pass start: the shard cache retries the whole listing, counted).
 What the package and the helper share (which listed files are shards, the manifest's
 name, the retry policy) is in ``_remote_rules.py``, loaded here by its path too.
 """
@@ -139,6 +140,8 @@ class _Lister:
         self.mod: Any = _by_path("_obstore")
         self.options: dict[str, Any] = dict(request["options"])
         self.stores: dict[str, Any] = {}
+        #: further tries of a request after a transient error (0: the caller retries)
+        self.retries = int(request.get("retries", rules.RETRIES))
         #: ``[type, message]`` of each retry after a transient error, for the answer
         self.retried: list[list[str]] = []
 
@@ -163,7 +166,7 @@ class _Lister:
         def note(tries: int, delay: float, exc: Exception) -> None:
             self.retried.append([type(exc).__name__, str(exc)])
 
-        return rules.retrying(once, on_retry=note)
+        return rules.retrying(once, retries=self.retries, on_retry=note)
 
     def find(self, bucket: str, prefix: str) -> list[dict[str, Any]]:
         """Every object under ``prefix/`` (recursively)."""
@@ -293,12 +296,14 @@ def main() -> None:
 
 
 def fingerprints(
-    urls: Sequence[str], options: Mapping[str, Any], retried: Callable[[int], None] | None = None
+    urls: Sequence[str], options: Mapping[str, Any], retries: int | None = None
 ) -> list[str | None]:
     """``_manifest.relist`` by the helper: each URL's ``size:etag`` now (None: gone);
-    ``retried``: see :func:`run`."""
-    request = {"op": "relist", "urls": list(urls), "options": dict(options)}
-    got = run(request, urls[0], retried=retried)
+    ``retries``: see ``_manifest.relist``."""
+    request: dict[str, Any] = {"op": "relist", "urls": list(urls), "options": dict(options)}
+    if retries is not None:
+        request["retries"] = int(retries)
+    got = run(request, urls[0])
     return [None if f is None else str(f) for f in got["fingerprints"]]
 
 

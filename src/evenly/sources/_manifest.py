@@ -162,19 +162,20 @@ def same_version(then: str, now: str) -> bool:
     return then_version in unknown or now_version in unknown or then_version == now_version
 
 
-def relist(shards: Shards, retried: Callable[[int], None] | None = None) -> list[str | None]:
+def relist(shards: Shards, retries: int | None = None) -> list[str | None]:
     """Each remote shard's fingerprint as the storage lists it now (None: it is gone).
 
     One fresh listing per directory holding shards (S3: one request per 1,000 objects),
     not one request per shard; a shard that listing does not show, or shows with no
     version, is asked for by itself (a HEAD).  The filesystem's listing cache is dropped
-    first, so nothing listed before is reused.  ``retried(n)``: the helper process
-    retried ``n`` requests (the shard cache's ``fetch_retries`` counts them).
+    first, so nothing listed before is reused.  ``retries``: the helper process's further
+    tries of a request after a transient error (None: the policy's default, logged; 0
+    where the caller retries the whole listing, as a pass start does with its cache's).
     """
     if shards.fs is None:  # listed by the helper process (obstore): so is this
         try:
             options = _obstore.resolved_options(shards.storage_options)
-            return _lister.fingerprints(shards.urls, options, retried)
+            return _lister.fingerprints(shards.urls, options, retries)
         except _lister.Fallback as why:
             _log_fallback(str(why))
     fs, _ = filesystem(shards.urls[0], shards.storage_options)  # this process's instance

@@ -8,6 +8,7 @@ test process itself imported does not count.  No mock of fsspec or S3."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import subprocess
@@ -19,6 +20,7 @@ from typing import Any
 
 import pytest
 
+import evenly
 import evenly.sources as es
 from evenly.sources import _manifest
 from tests import s3server
@@ -247,3 +249,104 @@ def test_a_stalled_listing_stops_the_helper_and_names_the_url(
     stopped = rf"listing {re.escape(url)}: .*helper process was stopped"
     with pytest.raises(TimeoutError, match=stopped):
         es.from_parquet(url, storage_options=options, cache_dir=str(tmp_path / "c"))
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_the_helpers_retries_are_counted_at_the_open_and_in_the_pass_that_listed(
+    s3: S3Endpoint,
+    s3_prefix: str,
+    proxy: S3Proxy,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    num_workers: int,
+) -> None:
+    """A 503 SlowDown on the open's listing and a connection reset on the listing of the
+    next pass start, each retried with the shard cache's policy and counted where the
+    cache counts its own retries: the open's by the helper process, which says so in its
+    answer (logged and counted in the source's ``io_stats()``); the pass start's by the
+    cache (a new helper run), in that pass's ``loader.stats()``; each epoch exactly
+    once.  Before: the helper retried, but no count reached the main process (0 both)."""
+    url = upload(s3, s3_prefix, tmp_path, "parquet")
+    monkeypatch.setenv("EVENLY_OBSTORE", "1")
+    proxy.fault("status", match="list-type", status=503)
+    with caplog.at_level(logging.WARNING, logger="evenly"):
+        src = es.from_parquet(url, storage_options=via(s3, proxy), cache_dir=str(tmp_path / "c"))
+    assert src.io_stats()["fetch_retries"] == 1
+    assert f"listing retried a request: ConnectionError: {url}" in caplog.text
+    assert "HTTP 503 SlowDown" in caplog.text
+    loader = evenly.DataLoader(
+        evenly.Dataset(src, shuffle="block", seed=5, block_shards=2),
+        batch_size=16,
+        num_workers=num_workers,
+        collate_fn=list,
+        timeout=60 if num_workers else 0,
+        multiprocessing_context="fork" if num_workers else None,
+    )
+    first = [int(s["id"]) for b in loader for s in b]  # the open's listing serves it
+    assert sorted(first) == list(range(N))
+    assert loader.stats().last.fetch_retries == 0
+    proxy.fault("reset", match="list-type")  # the next pass start lists again
+    second = [int(s["id"]) for b in loader for s in b]
+    assert sorted(second) == list(range(N))
+    assert loader.stats().last.fetch_retries == 1  # the listing's retry (shards cached)
+    assert proxy.stats()["listings"] == 4  # two tries at the open, two at the second pass
+
+
+def test_a_helper_that_dies_falls_back_to_fsspec_with_the_same_shards(
+    s3: S3Endpoint,
+    s3_prefix: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The helper process dies without an answer (here the interpreter it is run with
+    is a program that prints a crash and exits 1): the open and a pass start's listing
+    are done with fsspec instead, with the same shards, fingerprints and sizes, and one
+    log line says why; the source reads every sample.  Before: untested (this passes
+    on main; it fails if the crash is not caught as a fallback)."""
+    url = upload(s3, s3_prefix, tmp_path, "parquet")
+    monkeypatch.setenv("EVENLY_OBSTORE", "1")
+    helped = _manifest.resolve(url, (".parquet",), s3.storage_options, what="t")
+    assert helped.fs is None  # listed by the helper
+    dead = tmp_path / "python"
+    dead.write_text("#!/bin/sh\necho 'Fatal Python error: Segmentation fault' >&2\nexit 1\n")
+    dead.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(dead))
+    with caplog.at_level(logging.WARNING, logger="evenly"):
+        fell = _manifest.resolve(url, (".parquet",), s3.storage_options, what="t")
+        now = _manifest.relist(helped)  # a pass start's listing of the helper's shards
+    assert fell.fs is not None  # listed by fsspec (s3fs)
+    assert (fell.urls, fell.fingerprints, fell.sizes) == (
+        helped.urls,
+        helped.fingerprints,
+        helped.sizes,
+    )
+    assert now == list(helped.fingerprints)
+    why = "listing helper process failed (exit 1): Fatal Python error: Segmentation fault"
+    assert caplog.text.count(why) == 2, caplog.text
+    src = es.from_parquet(url, storage_options=s3.storage_options, cache_dir=str(tmp_path / "c"))
+    assert sorted(int(src[i]["id"]) for i in range(len(src))) == list(range(N))
+
+
+def test_a_listing_that_keeps_failing_at_a_pass_start_is_tried_as_the_cache_retries(
+    s3: S3Endpoint, s3_prefix: str, proxy: S3Proxy, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every listing after the open answers 503: the pass start tries it 1 + ``retries``
+    times in all (the shard cache's policy, one loop), then raises a ``ConnectionError``
+    in the main process naming the source and the tries.  Before: the helper's own loop
+    ran inside the cache's, 4 x 5 = 20 listings."""
+    url = upload(s3, s3_prefix, tmp_path, "parquet")
+    monkeypatch.setenv("EVENLY_OBSTORE", "1")
+    src = es.from_parquet(url, storage_options=via(s3, proxy), cache_dir=str(tmp_path / "c"))
+    src._fresh_listing = None  # the first pass start lists too
+    assert src.cache is not None
+    retries = src.cache.retries  # 4 by default
+    proxy.reset_stats()
+    proxy.fault("status", match="list-type", status=503, times=None)
+    loader = evenly.DataLoader(evenly.Dataset(src, seed=5), batch_size=16, collate_fn=list)
+    source = "cannot list the shards of evenly.from_parquet: "
+    tries = rf"{source}.*{re.escape(url)}.*503.*after {retries + 1} tries"
+    with pytest.raises(ConnectionError, match=tries):
+        iter(loader)
+    assert proxy.stats()["listings"] == retries + 1

@@ -465,7 +465,7 @@ class DataLoader(PassOwner, torch.utils.data.DataLoader[Any]):
 
     def _start(self, spec: PassSpec, plan: EpochPlan | StreamPlan, current: Pass) -> PassIterator:
         """Start the pass on the engine, then check that the ranks agree on it."""
-        self._planner.check_files()  # raised here, in the main process
+        retried = self._planner.check_files()  # raised here, in the main process
         self._skipped.zero_()
         self._passes.begin(current)
         self._plan = plan
@@ -486,6 +486,7 @@ class DataLoader(PassOwner, torch.utils.data.DataLoader[Any]):
             threads=threads,
         )
         iterator.recorder = self._stats.begin(spec.epoch)
+        iterator.recorder.count(retried)
         if self.agreement_timeout is not None:
             check_pass(
                 spec,

@@ -219,6 +219,14 @@ class PassRecorder:
             self.samples + int(samples),
         )
 
+    def count(self, values: dict[str, float]) -> None:
+        """Add counts made in the main process outside any batch (the pass start's
+        listing retries, say) to the pass's counters."""
+        for name, value in values.items():
+            i = COUNTERS.index(name)
+            then = self.counters[i]
+            self.counters[i] = int(value) if then is None else then + int(value)
+
     def end(self, started: float) -> None:
         now = perf_counter()
         self.waited += now - started

@@ -148,10 +148,18 @@ class Planner:
                 "pass transform=..., or use pad='repeat' or pad='none'"
             )
 
-    def check_files(self) -> None:
-        """Raise if the source's files changed since it was opened (every pass start)."""
-        if self.view.check_unchanged is not None:
-            self.view.check_unchanged()
+    def check_files(self) -> dict[str, float]:
+        """Raise if the source's files changed since it was opened (every pass start).
+        Returns the requests a remote source's listing retried (``fetch_retries``, if
+        any), which the pass's ``loader.stats()`` counts: they fall before any reader's
+        clock starts."""
+        check, io_stats = self.view.check_unchanged, self.view.io_stats
+        if check is None:
+            return {}
+        before = 0.0 if io_stats is None else float(io_stats().get("fetch_retries", 0))
+        check()
+        retried = 0.0 if io_stats is None else float(io_stats().get("fetch_retries", 0)) - before
+        return {"fetch_retries": retried} if retried else {}
 
     def num_samples(self) -> int:
         return len(self.view.source)

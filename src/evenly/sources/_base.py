@@ -102,6 +102,8 @@ class ShardedSource:
             if shards.remote
             else None
         )
+        if self.cache is not None and shards.retried:  # the listing helper's, at the open
+            self.cache.count(fetch_retries=shards.retried)
         self._fingerprints: tuple[str, ...] = shards.fingerprints
         entries = load_entries(
             shards, self.format, self._scan_checked, cache_dir=cache_dir, use_cache=use_manifest
@@ -275,8 +277,8 @@ class ShardedSource:
             and time.monotonic() - fresh[1] < FRESH_LISTING_SECONDS
         ):
             return
-        now = self.cache.retrying(
-            lambda: relist(self._shards),
+        now = self.cache.retrying(  # the one retry loop (counted): none in the helper
+            lambda: relist(self._shards, retries=0),
             f"list the shards of {self._what}",
             f"the listing of {self._what}'s shards",
         )

@@ -48,10 +48,8 @@ import contextlib
 import hashlib
 import logging
 import os
-import random
 import re
 import threading
-import time
 from collections.abc import Callable, Collection, Iterable
 from typing import Any, TypeVar
 
@@ -60,6 +58,7 @@ from ._fetch import Fetcher, max_in_flight_setting, pinned_elsewhere
 from ._lrudir import LruDir
 from ._manifest import filesystem, object_fingerprint, same_version
 from ._obstore import ObjectStore, VersionChanged, chosen, listed_etag, store_for
+from ._remote_rules import BACKOFF, RETRIES, is_transient, retrying
 
 __all__ = ["DEFAULT_CACHE_BYTES", "FETCH_COUNTERS", "ShardCache", "is_transient"]
 
@@ -68,8 +67,6 @@ logger = logging.getLogger("evenly")
 #: Default cache size limit: 8 GiB (``$EVENLY_CACHE_BYTES`` overrides it).
 DEFAULT_CACHE_BYTES = 8 << 30
 _SAFE = re.compile(r"[^A-Za-z0-9._-]+")
-#: the longest a download waits in backoff sleeps, whatever ``retries`` says
-_MAX_BACKOFF_TOTAL = 60.0
 #: bytes per read of a checked download (a range request each)
 _CHUNK = 16 << 20
 T = TypeVar("T")
@@ -81,64 +78,6 @@ FETCH_COUNTERS = (
     "fetch_retries",
     "max_in_flight_seen",
 )
-
-# exception class names (anywhere in the chain) that mean "try again": botocore,
-# aiohttp, urllib3, http.client, fsspec; matched by name so none has to be installed
-_TRANSIENT_NAMES = frozenset(
-    {
-        "EndpointConnectionError",
-        "ConnectionClosedError",
-        "ConnectTimeoutError",
-        "ReadTimeoutError",
-        "ResponseStreamingError",
-        "IncompleteReadError",
-        "ClientConnectionError",
-        "ClientPayloadError",
-        "ServerDisconnectedError",
-        "ServerTimeoutError",
-        "FSTimeoutError",
-        "ProtocolError",
-        "IncompleteRead",
-        "RemoteDisconnected",
-    }
-)
-_TRANSIENT_CODES = frozenset(
-    {
-        "SlowDown",
-        "Throttling",
-        "ThrottlingException",
-        "RequestLimitExceeded",
-        "TooManyRequestsException",
-        "RequestTimeout",
-        "InternalError",
-        "ServiceUnavailable",
-    }
-)
-
-
-def is_transient(exc: BaseException) -> bool:
-    """Whether ``exc`` (or an exception it was raised from) is worth retrying: a
-    connection or timeout error, HTTP 5xx or 429, or an S3 throttling code."""
-    seen: set[int] = set()
-    e: BaseException | None = exc
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if isinstance(e, FileNotFoundError | PermissionError | IsADirectoryError):
-            return False
-        if isinstance(e, ConnectionError | TimeoutError):
-            return True
-        if any(c.__name__ in _TRANSIENT_NAMES for c in type(e).__mro__):
-            return True
-        response = getattr(e, "response", None)
-        if isinstance(response, dict):
-            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-            code = response.get("Error", {}).get("Code")
-            if (isinstance(status, int) and (status >= 500 or status == 429)) or (
-                code in _TRANSIENT_CODES
-            ):
-                return True
-        e = e.__cause__ or e.__context__
-    return False
 
 
 class ShardCache:
@@ -168,8 +107,8 @@ class ShardCache:
         max_bytes: int | None = None,
         storage_options: dict[str, Any] | None = None,
         max_in_flight: int | None = None,
-        retries: int = 4,
-        backoff: float = 0.5,
+        retries: int = RETRIES,
+        backoff: float = BACKOFF,
         url: str | None = None,
     ) -> None:
         if max_bytes is None:
@@ -350,10 +289,8 @@ class ShardCache:
         <url>"; ``what``, for the log: "the download of <url>").  Each retry is counted
         (``fetch_retries``); access refused (HTTP 403) is raised at once as a
         ``PermissionError`` naming what was refused and the likely cause."""
-        started = time.monotonic()
-        slept = 0.0
-        attempt = 0
-        while True:
+
+        def once() -> T:
             try:
                 return call()
             except Exception as exc:
@@ -364,28 +301,30 @@ class ShardCache:
                         f"allow reading it; refresh them (storage_options, or the "
                         f"environment) and resume from the last checkpoint"
                     ) from exc
-                if not is_transient(exc):
-                    raise
-                delay = self.backoff * 2**attempt * random.uniform(0.5, 1.0)
-                if attempt == self.retries or slept + delay > _MAX_BACKOFF_TOTAL:
-                    raise ConnectionError(
-                        f"cannot {doing}: {type(exc).__name__}: {exc} (after "
-                        f"{attempt + 1} tries in {time.monotonic() - started:.1f} s); is the "
-                        f"storage reachable? retries are set by ShardCache(retries=, backoff=)"
-                    ) from exc
-                logger.warning(
-                    "evenly: retrying %s in %.2f s (try %d of %d): %s: %s",
-                    what,
-                    delay,
-                    attempt + 2,
-                    self.retries + 1,
-                    type(exc).__name__,
-                    exc,
-                )
-                time.sleep(delay)
-                slept += delay
-                attempt += 1
-                self.count(fetch_retries=1)
+                raise
+
+        def retry(tries: int, delay: float, exc: Exception) -> None:
+            logger.warning(
+                "evenly: retrying %s in %.2f s (try %d of %d): %s: %s",
+                what,
+                delay,
+                tries + 1,
+                self.retries + 1,
+                type(exc).__name__,
+                exc,
+            )
+            self.count(fetch_retries=1)
+
+        def give_up(exc: Exception, tries: int, seconds: float) -> ConnectionError:
+            return ConnectionError(
+                f"cannot {doing}: {type(exc).__name__}: {exc} (after {tries} tries in "
+                f"{seconds:.1f} s); is the storage reachable? retries are set by "
+                f"ShardCache(retries=, backoff=)"
+            )
+
+        return retrying(
+            once, retries=self.retries, backoff=self.backoff, on_retry=retry, give_up=give_up
+        )
 
     def prefetch(
         self,

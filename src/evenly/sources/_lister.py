@@ -15,41 +15,72 @@ Its answer is ``{"items": [[name, size, etag], ...], "manifests": {url: text | N
 (``resolve``), ``{"fingerprints": [...]}`` (``relist``), ``{"fallback": why}`` (a case
 the fsspec path must serve: an object without an ETag) or ``{"error": [type, message]}``
 (raised again in the main process as that type: ``FileNotFoundError``,
-``PermissionError``, ``ConnectionError`` or ``OSError``, the message naming the URL).
+``PermissionError``, ``ConnectionError`` or ``OSError``, the message naming the URL);
+each with ``"retried": [[type, message], ...]``, one per retry of a request after a
+transient error (the shard cache's policy: ``_remote_rules``), which the main process
+logs and counts as the cache counts its own (``fetch_retries``); a request may set
+``"retries"`` (0 at a pass start: the shard cache retries the whole listing, counted).
+What the package and the helper share (which listed files are shards, the manifest's
+name, the retry policy) is in ``_remote_rules.py``, loaded here by its path too.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 import posixpath
 import subprocess
 import sys
-import time
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 #: seconds the helper may take before it is killed and the open fails naming the URL
 #: (each request of it is bounded by the read and connect timeouts, retried a few times)
 TIMEOUT = 600.0
-#: attempts of one listing request on a transient error (5xx, 429, a reset), with backoff
-_ATTEMPTS = 4
+logger = logging.getLogger("evenly")
 _ERRORS = {
     "FileNotFoundError": FileNotFoundError,
     "PermissionError": PermissionError,
     "ConnectionError": ConnectionError,
     "ValueError": ValueError,
 }
-MANIFEST_NAME = ".evenly-manifest.json"  # as _manifest.MANIFEST_NAME (not imported here)
+
+
+def _by_path(name: str) -> ModuleType:
+    """The module ``name`` of this folder loaded by its path (not through evenly's
+    package: no numpy), as ``_evenly<name>``."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"_evenly{name}", path)
+    if spec is None or spec.loader is None:
+        raise ImportError(path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+if TYPE_CHECKING or __package__:  # imported as evenly.sources._lister
+    from . import _remote_rules as rules
+else:  # run as the helper's script
+    rules = _by_path("_remote_rules")
 
 
 class Fallback(Exception):
     """The helper cannot serve this listing as the fsspec path would: use that path."""
 
 
-def run(request: Mapping[str, Any], url: str, timeout: float | None = None) -> dict[str, Any]:
-    """Run the helper on ``request``; its answer, or its error raised here naming ``url``."""
+def run(
+    request: Mapping[str, Any],
+    url: str,
+    timeout: float | None = None,
+    retried: Callable[[int], None] | None = None,
+) -> dict[str, Any]:
+    """Run the helper on ``request``; its answer, or its error raised here naming ``url``.
+    Each retry it made is logged, and their number given to ``retried`` (the cache's
+    ``fetch_retries``), before its answer is returned or its error raised."""
     try:
         data = json.dumps(dict(request))
     except (TypeError, ValueError) as exc:  # options that JSON cannot carry
@@ -81,6 +112,7 @@ def run(request: Mapping[str, Any], url: str, timeout: float | None = None) -> d
             f"the listing helper process failed (exit {done.returncode}): "
             f"{' / '.join(tail) or 'no output'}"
         )
+    _retried(answer.get("retried") or [], retried)
     if "error" in answer:
         kind, message = answer["error"]
         raise _ERRORS.get(kind, OSError)(message)
@@ -89,19 +121,15 @@ def run(request: Mapping[str, Any], url: str, timeout: float | None = None) -> d
     return answer
 
 
+def _retried(retries: Sequence[Sequence[str]], retried: Callable[[int], None] | None) -> None:
+    """Log the helper's retries (its own log is not seen) and count them."""
+    for kind, message in retries:
+        logger.warning("evenly: the s3:// listing retried a request: %s: %s", kind, message)
+    if retries and retried is not None:
+        retried(len(retries))
+
+
 # ---- the helper process ----------------------------------------------------------
-
-
-def _obstore_module() -> Any:
-    """``_obstore.py`` loaded by its path (not through evenly's package: no numpy)."""
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_obstore.py")
-    spec = importlib.util.spec_from_file_location("_evenly_obstore", path)
-    if spec is None or spec.loader is None:
-        raise ImportError(path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 class _Lister:
@@ -109,9 +137,13 @@ class _Lister:
         import obstore
 
         self.ob = obstore
-        self.mod = _obstore_module()
+        self.mod: Any = _by_path("_obstore")
         self.options: dict[str, Any] = dict(request["options"])
         self.stores: dict[str, Any] = {}
+        #: further tries of a request after a transient error (0: the caller retries)
+        self.retries = int(request.get("retries", rules.RETRIES))
+        #: ``[type, message]`` of each retry after a transient error, for the answer
+        self.retried: list[list[str]] = []
 
     def store(self, bucket: str) -> Any:
         if bucket not in self.stores:
@@ -122,16 +154,19 @@ class _Lister:
         return self.stores[bucket]
 
     def call(self, url: str, fn: Any) -> Any:
-        """``fn()`` retried on a transient error; errors as the fsspec path's, naming ``url``."""
-        for attempt in range(_ATTEMPTS):
+        """``fn()``, retried after a transient error as the shard cache retries (each
+        retry noted for the answer); errors as the fsspec path's, naming ``url``."""
+
+        def once() -> Any:
             try:
                 return fn()
             except Exception as exc:
-                error = self.mod._translate(exc, url)
-                if not isinstance(error, ConnectionError) or attempt == _ATTEMPTS - 1:
-                    raise error from exc
-            time.sleep(0.2 * 2**attempt)
-        raise AssertionError("unreachable")
+                raise self.mod._translate(exc, url) from exc
+
+        def note(tries: int, delay: float, exc: Exception) -> None:
+            self.retried.append([type(exc).__name__, str(exc)])
+
+        return rules.retrying(once, retries=self.retries, on_retry=note)
 
     def find(self, bucket: str, prefix: str) -> list[dict[str, Any]]:
         """Every object under ``prefix/`` (recursively)."""
@@ -176,10 +211,6 @@ def _split(url: str) -> tuple[str, str]:
     return bucket, key
 
 
-def _hidden(relative: str) -> bool:
-    return any(part.startswith((".", "_")) for part in relative.split("/"))
-
-
 def _resolve(lister: _Lister, request: Mapping[str, Any]) -> dict[str, Any]:
     """As ``_manifest.resolve`` for non-glob ``s3://`` items (see there)."""
     what, extensions = str(request["what"]), tuple(request["extensions"])
@@ -205,8 +236,11 @@ def _resolve(lister: _Lister, request: Mapping[str, Any]) -> dict[str, Any]:
         matched = {
             f"{bucket}/{m['path']}": (int(m["size"]), _etag(m))
             for m in found
-            if str(m["path"]).endswith(extensions)
-            and not _hidden(posixpath.relpath(str(m["path"]), root) if root else str(m["path"]))
+            if rules.is_shard(
+                str(m["path"]),
+                posixpath.relpath(str(m["path"]), root) if root else str(m["path"]),
+                extensions,
+            )
         }
         if not matched:
             raise FileNotFoundError(
@@ -218,9 +252,9 @@ def _resolve(lister: _Lister, request: Mapping[str, Any]) -> dict[str, Any]:
         seen = listed.get(parent)
         bucket, _, key = parent.partition("/")
         text = None
-        if seen is None or MANIFEST_NAME in seen:  # a listed directory without one: none
-            text = lister.text(bucket, posixpath.join(key, MANIFEST_NAME))
-        manifests[posixpath.join(f"s3://{parent}", MANIFEST_NAME)] = text
+        if seen is None or rules.MANIFEST_NAME in seen:  # a listed directory without one: none
+            text = lister.text(bucket, posixpath.join(key, rules.MANIFEST_NAME))
+        manifests[posixpath.join(f"s3://{parent}", rules.MANIFEST_NAME)] = text
     return {"items": [[n, s, e] for n, (s, e) in infos.items()], "manifests": manifests}
 
 
@@ -247,6 +281,8 @@ def _relist(lister: _Lister, request: Mapping[str, Any]) -> dict[str, Any]:
 
 def main() -> None:
     request = json.loads(sys.stdin.read())
+    lister: _Lister | None = None
+    answer: dict[str, Any]
     try:
         lister = _Lister(request)
         answer = (_resolve if request["op"] == "resolve" else _relist)(lister, request)
@@ -255,12 +291,19 @@ def main() -> None:
     except (OSError, ValueError) as exc:
         kind = next((n for n, t in _ERRORS.items() if type(exc) is t), "OSError")
         answer = {"error": [kind, str(exc)]}
+    answer["retried"] = [] if lister is None else lister.retried
     sys.stdout.write(json.dumps(answer))
 
 
-def fingerprints(urls: Sequence[str], options: Mapping[str, Any]) -> list[str | None]:
-    """``_manifest.relist`` by the helper: each URL's ``size:etag`` now (None: gone)."""
-    got = run({"op": "relist", "urls": list(urls), "options": dict(options)}, urls[0])
+def fingerprints(
+    urls: Sequence[str], options: Mapping[str, Any], retries: int | None = None
+) -> list[str | None]:
+    """``_manifest.relist`` by the helper: each URL's ``size:etag`` now (None: gone);
+    ``retries``: see ``_manifest.relist``."""
+    request: dict[str, Any] = {"op": "relist", "urls": list(urls), "options": dict(options)}
+    if retries is not None:
+        request["retries"] = int(retries)
+    got = run(request, urls[0])
     return [None if f is None else str(f) for f in got["fingerprints"]]
 
 

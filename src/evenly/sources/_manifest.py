@@ -39,6 +39,7 @@ from fsspec.core import url_to_fs
 from evenly.sources import _lister, _obstore
 from evenly.sources._cachedir import default_cache_dir
 from evenly.sources._progress import bar as progress_bar
+from evenly.sources._remote_rules import MANIFEST_NAME, is_shard
 
 __all__ = [
     "CONNECT_TIMEOUT",
@@ -61,7 +62,6 @@ __all__ = [
     "with_timeouts",
 ]
 
-MANIFEST_NAME = ".evenly-manifest.json"
 logger = logging.getLogger("evenly")
 _VERSION = 2
 #: threads that scan new or changed shards at open (remote ones download)
@@ -108,6 +108,8 @@ class Shards:
     #: ``.evenly-manifest.json`` beside the data as the helper read it (URL -> text,
     #: None: none there), for :func:`load_entries`; dropped once the entries are loaded
     manifests: dict[str, str | None] | None = field(default=None, compare=False, repr=False)
+    #: requests the helper process retried to list them (the source's cache counts them)
+    retried: int = field(default=0, compare=False)
 
     @property
     def remote(self) -> bool:
@@ -161,18 +163,20 @@ def same_version(then: str, now: str) -> bool:
     return then_version in unknown or now_version in unknown or then_version == now_version
 
 
-def relist(shards: Shards) -> list[str | None]:
+def relist(shards: Shards, retries: int | None = None) -> list[str | None]:
     """Each remote shard's fingerprint as the storage lists it now (None: it is gone).
 
     One fresh listing per directory holding shards (S3: one request per 1,000 objects),
     not one request per shard; a shard that listing does not show, or shows with no
     version, is asked for by itself (a HEAD).  The filesystem's listing cache is dropped
-    first, so nothing listed before is reused.
+    first, so nothing listed before is reused.  ``retries``: the helper process's further
+    tries of a request after a transient error (None: the policy's default, logged; 0
+    where the caller retries the whole listing, as a pass start does with its cache's).
     """
     if shards.fs is None:  # listed by the helper process (obstore): so is this
         try:
             options = _obstore.resolved_options(shards.storage_options)
-            return _lister.fingerprints(shards.urls, options)
+            return _lister.fingerprints(shards.urls, options, retries)
         except _lister.Fallback as why:
             _log_fallback(str(why))
     fs, _ = filesystem(shards.urls[0], shards.storage_options)  # this process's instance
@@ -262,9 +266,7 @@ def resolve(
                 infos[info["name"]] = info
                 continue
         matched = {
-            k: v
-            for k, v in found.items()
-            if k.endswith(extensions) and not _hidden(posixpath.relpath(k, root))
+            k: v for k, v in found.items() if is_shard(k, posixpath.relpath(k, root), extensions)
         }
         if not matched:
             raise FileNotFoundError(
@@ -307,8 +309,9 @@ def _resolve_by_helper(
         "options": _obstore.resolved_options(options),
         "what": what,
     }
+    retries: list[int] = []
     try:
-        got = _lister.run(request, items[0])
+        got = _lister.run(request, items[0], retried=retries.append)
     except _lister.Fallback as why:
         _log_fallback(str(why))
         return None
@@ -323,6 +326,7 @@ def _resolve_by_helper(
         storage_options=options,
         sizes=tuple(infos[n][0] for n in names),
         manifests={str(k): v for k, v in dict(got["manifests"]).items()},
+        retried=sum(retries),
     )
 
 
@@ -438,11 +442,6 @@ def _stat_fingerprint(path: str, what: str) -> str:
         raise FileNotFoundError(
             f"{what}: file not found: {path!r} (removed while the dataset was opened?)"
         ) from None
-
-
-def _hidden(relative: str) -> bool:
-    """Skipped in a directory, as pyarrow does: a part starting with '.' or '_'."""
-    return any(part.startswith((".", "_")) for part in relative.split("/"))
 
 
 def _cache_file(kind: str, urls: Sequence[str], cache_dir: str | None) -> str:

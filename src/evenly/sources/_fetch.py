@@ -55,7 +55,7 @@ from typing import Protocol
 
 from filelock import FileLock, Timeout
 
-from ._cachedir import STALE_PART_SECONDS, host_tag, part_path
+from ._cachedir import LOCK_POLL, STALE_PART_SECONDS, host_tag, part_path
 
 __all__ = [
     "DEFAULT_MAX_IN_FLIGHT",
@@ -430,7 +430,7 @@ class Fetcher:
                 self._start_threads()
                 job.done.wait()
                 if job.state == "elsewhere":  # another process downloads it: wait for it
-                    with FileLock(target + ".lock"):
+                    with FileLock(target + ".lock").acquire(poll_interval=LOCK_POLL):
                         pass
                 elif job.state == "failed" and fresh and job.error is not None:
                     raise job.error

@@ -15,7 +15,7 @@ whose download threads together with every other process's on the node keep at m
   MiB, one range request each) that the threads download side by side, so the shard
   needed next gets every thread before the one after it.  A shard a
   reader waits for (the pass's first batch, or a look-ahead that fell behind) is split
-  over the threads (equal parts of at least :data:`MIN_PART_BYTES`): the shards a batch
+  over all the threads (parts of at least :data:`MIN_PART_BYTES`): the shards a batch
   waits for arrive one after the other, each at the whole link, so the reader decodes
   the first while the next ones download.
 - **Behind the first read**: look-ahead hinted under a :class:`Hold` (the reader's
@@ -182,15 +182,16 @@ def part_bytes(size: int, threads: int = 1) -> int:
     """Bytes per range request of an object of ``size`` bytes: split into equal parts of
     :data:`PART_BYTES` to twice that (an object under twice it is one request: a part of
     a few bytes beside a whole one would cost a request, a round trip and the server's
-    work for nothing); for one a reader waits for, over up to ``threads`` parts of at
-    least :data:`MIN_PART_BYTES`.
+    work for nothing); for one a reader waits for, split over its ``threads`` (> 1) in
+    parts of :data:`MIN_PART_BYTES` to :data:`PART_BYTES`.
 
     >>> MiB = 1 << 20
     >>> part_bytes(8 * MiB + 9), part_bytes(17 * MiB) / MiB, part_bytes(8 * MiB + 8, 4)
     (8388617, 8.5, 2097154)
     """
-    parts = max(1, size // PART_BYTES, min(threads, size // MIN_PART_BYTES))
-    return -(-size // parts)
+    if threads > 1:
+        return min(PART_BYTES, max(MIN_PART_BYTES, -(-size // threads)))
+    return -(-size // max(1, size // PART_BYTES))
 
 
 def _pins_dir(cache_dir: str) -> str:

@@ -254,6 +254,36 @@ def test_a_large_object_is_fetched_in_parallel_range_parts_that_reproduce_its_by
     assert [n for n in os.listdir(cache.cache_dir) if ".part-" in n] == []
 
 
+def test_a_look_ahead_shard_under_twice_the_part_size_is_one_request(
+    s3: S3Endpoint, s3_prefix: str, tmp_path: Path, proxy: CountingProxy, fetch_path: str
+) -> None:
+    """A look-ahead shard just over :data:`PART_BYTES` (a WebDataset tar of 8 MiB of
+    samples and their headers) is one GET, and one of twice that and more two equal
+    range parts.  Before: the first was a part of 8 MiB and a part of 4 KiB, each a
+    request, a round trip and (on moto's server, which reads the whole object for a
+    range) the work of a whole GET: a remote tar epoch made 2 requests per shard."""
+    fs = s3.fs()
+    sizes = {"one.bin": PART_BYTES + 4096, "two.bin": 2 * PART_BYTES + 12345}
+    items = []
+    for name, size in sizes.items():
+        key = f"{s3.bucket}/{s3_prefix}/{name}"
+        fs.pipe_file(key, bytes([len(items) + 1]) * size)
+        items.append((f"s3://{key}", f"{size}:{fs.info(key)['ETag']}", size))
+    cache = ShardCache(str(tmp_path / "c"), 1 << 30, via(s3, proxy), max_in_flight=4)
+    cache.prefetch(items)  # the plan's look-ahead: no reader waits for these
+    deadline = time.monotonic() + 120
+    for url, fingerprint, _ in items:  # downloaded as look-ahead (a read would demand it)
+        while not os.path.exists(cache.path_for(url, fingerprint)):
+            assert time.monotonic() < deadline, "the look-ahead never downloaded the shards"
+            time.sleep(0.05)
+    for k, (url, fingerprint, size) in enumerate(items):
+        with open(cache.fetch(url, fingerprint, size), "rb") as f:
+            assert f.read() == bytes([k + 1]) * size
+    assert cache.stats()["fetch_requests"] == 1 + 2, cache.stats()
+    assert proxy.agents == {s3server.AGENTS[fetch_path]: 3}, proxy.agents
+    assert proxy.served_for(".bin") == sum(sizes.values())
+
+
 def test_the_shards_a_reader_waits_for_are_started_one_after_the_other(
     s3: S3Endpoint,
     s3_prefix: str,

@@ -18,9 +18,9 @@
 - Downloads run in each process's download threads (:mod:`evenly.sources._fetch`): at
   most ``max_in_flight`` requests in flight per node, shards in order of need (a reader
   waiting first, then the plan's look-ahead as far as the cache holds it), an object
-  larger than :data:`~evenly.sources._fetch.PART_BYTES` in parallel range requests
-  written at their offsets into the ``.part-`` file, renamed once every part arrived and
-  the size is the listed one.
+  of twice :data:`~evenly.sources._fetch.PART_BYTES` or more in parallel range requests
+  (:func:`~evenly.sources._fetch.part_bytes`) written at their offsets into the
+  ``.part-`` file, renamed once every part arrived and the size is the listed one.
 - Transient errors (connection refused or reset, timeouts, HTTP 5xx, 429 and S3
   throttling) are retried with exponential backoff (``retries`` more tries, ``backoff``
   seconds doubling, with jitter); the last error is raised naming the URL.

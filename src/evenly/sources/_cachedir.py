@@ -29,6 +29,7 @@ from filelock import FileLock
 
 __all__ = [
     "ENV_DIR",
+    "LOCK_POLL",
     "MOUNTS",
     "NETWORK_FS",
     "PART",
@@ -52,6 +53,11 @@ PART = ".part-"
 
 #: a ``.part-`` file of another host counts as abandoned once untouched this long
 STALE_PART_SECONDS = 3600.0
+
+#: seconds between two tries of a cache lock held for a few milliseconds (the eviction
+#: pass, another process's download a reader waits for); filelock's default of 0.05 s
+#: added about 40 ms to each eviction after a download in a 2-worker remote epoch
+LOCK_POLL = 0.002
 
 #: file system types (as ``/proc/mounts`` names them) served over a network: memory maps
 #: of them are slow, their locks unreliable

@@ -10,9 +10,10 @@ whose download threads together with every other process's on the node keep at m
   processes than ``max_in_flight`` each still gets one).  No process talks to another:
   nothing to hang on or to clean up after a killed worker.
 - **Order of need**: shards a reader waits for come first, then the look-ahead the plan
-  hints (:meth:`Fetcher.hint`, in order of first use); a large shard is split into
-  parts (:data:`PART_BYTES`, one range request each) that the threads download side by
-  side, so the shard needed next gets every thread before the one after it.  A shard a
+  hints (:meth:`Fetcher.hint`, in order of first use); a shard of twice
+  :data:`PART_BYTES` or more is split into equal parts (:func:`part_bytes`: 8 to 16
+  MiB, one range request each) that the threads download side by side, so the shard
+  needed next gets every thread before the one after it.  A shard a
   reader waits for (the pass's first batch, or a look-ahead that fell behind) is split
   over all the threads (parts of at least :data:`MIN_PART_BYTES`): the shards a batch
   waits for arrive one after the other, each at the whole link, so the reader decodes
@@ -54,7 +55,7 @@ from typing import Protocol
 
 from filelock import FileLock, Timeout
 
-from ._cachedir import STALE_PART_SECONDS, host_tag, part_path
+from ._cachedir import LOCK_POLL, STALE_PART_SECONDS, host_tag, part_path
 
 __all__ = [
     "DEFAULT_MAX_IN_FLIGHT",
@@ -65,6 +66,7 @@ __all__ = [
     "Hold",
     "max_in_flight_setting",
     "node_processes",
+    "part_bytes",
     "pinned_elsewhere",
     "threads_for",
 ]
@@ -73,7 +75,7 @@ __all__ = [
 DEFAULT_MAX_IN_FLIGHT = 16
 #: the environment variable that overrides the default bound
 ENV_MAX_IN_FLIGHT = "EVENLY_MAX_IN_FLIGHT"
-#: bytes per range request of a large object (smaller objects are one request)
+#: the least bytes per range request of a large object (one under twice this: one request)
 PART_BYTES = 8 << 20
 #: the smallest part of a shard a reader waits for, split over the threads
 MIN_PART_BYTES = 2 << 20
@@ -174,6 +176,22 @@ def node_processes(environ: Mapping[str, str], workers: int) -> int:
 def threads_for(max_in_flight: int, processes: int) -> int:
     """Download threads of one process: its share of the node's bound, at least 1."""
     return max(1, max_in_flight // max(1, processes))
+
+
+def part_bytes(size: int, threads: int = 1) -> int:
+    """Bytes per range request of an object of ``size`` bytes: split into equal parts of
+    :data:`PART_BYTES` to twice that (an object under twice it is one request: a part of
+    a few bytes beside a whole one would cost a request, a round trip and the server's
+    work for nothing); for one a reader waits for, split over its ``threads`` (> 1) in
+    parts of :data:`MIN_PART_BYTES` to :data:`PART_BYTES`.
+
+    >>> MiB = 1 << 20
+    >>> part_bytes(8 * MiB + 9), part_bytes(17 * MiB) / MiB, part_bytes(8 * MiB + 8, 4)
+    (8388617, 8.5, 2097154)
+    """
+    if threads > 1:
+        return min(PART_BYTES, max(MIN_PART_BYTES, -(-size // threads)))
+    return -(-size // max(1, size // PART_BYTES))
 
 
 def _pins_dir(cache_dir: str) -> str:
@@ -413,7 +431,7 @@ class Fetcher:
                 self._start_threads()
                 job.done.wait()
                 if job.state == "elsewhere":  # another process downloads it: wait for it
-                    with FileLock(target + ".lock"):
+                    with FileLock(target + ".lock").acquire(poll_interval=LOCK_POLL):
                         pass
                 elif job.state == "failed" and fresh and job.error is not None:
                     raise job.error
@@ -641,11 +659,11 @@ class Fetcher:
         return None
 
     def part_bytes(self, job: Job) -> int:
-        """Bytes per range request of ``job``: :data:`PART_BYTES`; for a shard a reader
-        waits for, its size split over the threads (at least :data:`MIN_PART_BYTES`)."""
-        if not job.demand or job.size is None:
+        """Bytes per range request of ``job`` (its size: one request): see
+        :func:`part_bytes`."""
+        if job.size is None:
             return PART_BYTES
-        return min(PART_BYTES, max(MIN_PART_BYTES, -(-job.size // self.threads)))
+        return part_bytes(job.size, self.threads if job.demand else 1)
 
     def _part(self, job: Job, part: tuple[int, int]) -> None:
         start, end = part

@@ -37,7 +37,7 @@ from typing import NamedTuple
 
 from filelock import FileLock, Timeout
 
-from ._cachedir import PART, part_abandoned
+from ._cachedir import LOCK_POLL, PART, part_abandoned
 
 __all__ = ["EVICT_LOCK", "LEDGER", "CacheFile", "LruDir"]
 
@@ -150,7 +150,7 @@ class LruDir:
         recently used first down to ``low_water`` of it, never those in ``keep``.
         Returns the paths removed and the bytes left (the ledger is set to them)."""
         os.makedirs(self.dir, exist_ok=True)
-        with FileLock(os.path.join(self.dir, EVICT_LOCK)):
+        with FileLock(os.path.join(self.dir, EVICT_LOCK)).acquire(poll_interval=LOCK_POLL):
             removed, total = self._evict_locked(keep)
             if self.ledger:
                 self._write_ledger(total, 0)
@@ -163,7 +163,7 @@ class LruDir:
         if not self.ledger:
             raise ValueError("LruDir.added needs ledger=True: without one, call evict()")
         os.makedirs(self.dir, exist_ok=True)
-        with FileLock(os.path.join(self.dir, EVICT_LOCK)):
+        with FileLock(os.path.join(self.dir, EVICT_LOCK)).acquire(poll_interval=LOCK_POLL):
             try:
                 with open(os.path.join(self.dir, LEDGER), encoding="ascii") as f:
                     total, writes = (int(x) for x in f.read().split())

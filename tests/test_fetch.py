@@ -566,3 +566,50 @@ def test_hints_of_shards_already_queued_do_not_drop_the_look_ahead(
         assert cache.downloads == 6 and slow.served_for(".bin") == 6 * 1000
     finally:
         slow.close()
+
+
+def _state(cache: ShardCache, target: str) -> str | None:
+    """The state of the fetcher's job for ``target`` (None: no job)."""
+    job = None if cache._fetcher is None else cache._fetcher._jobs.get(target)
+    return None if job is None else job.state
+
+
+def test_hints_of_shards_other_processes_download_do_not_drop_the_look_ahead(
+    s3: S3Endpoint, s3_prefix: str, tmp_path: Path
+) -> None:
+    """A tar worker hints the shards of each batch it reads; one that another worker is
+    still downloading (its lock held) was queued again as a new look-ahead job, which aged
+    the queue: three such hints dropped the pass's queued look-ahead.  Now the shards
+    after them are all downloaded by the look-ahead, once."""
+    slow = CountingProxy(s3.endpoint_url, delay=1.0)  # the one thread is busy meanwhile
+    try:
+        fs = s3.fs()
+        urls = []
+        for k in range(8):
+            fs.pipe_file(f"{s3.bucket}/{s3_prefix}/s{k}.bin", bytes([k]) * 1000)
+            urls.append(f"s3://{s3.bucket}/{s3_prefix}/s{k}.bin")
+        cache = ShardCache(str(tmp_path / "c"), 1 << 20, via(s3, slow), max_in_flight=1)
+        os.makedirs(cache.cache_dir)
+        elsewhere = [cache.path_for(u) for u in urls[:3]]
+        others = [FileLock(p + ".lock") for p in elsewhere]  # "other processes" download
+        for lock in others:
+            lock.acquire()
+        try:
+            cache.prefetch((u, "", 1000) for u in urls)  # the plan's look-ahead
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and not all(
+                _state(cache, p) == "elsewhere" for p in elsewhere
+            ):  # the look-ahead found each locked, and went on
+                time.sleep(0.01)
+            for u in urls[:3]:  # three batches hinting their shard, downloaded elsewhere
+                cache.prefetch([(u, "", 1000)])
+            later = [cache.path_for(u) for u in urls[3:]]
+            while not all(os.path.exists(t) for t in later) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert [os.path.exists(t) for t in later] == [True] * 5
+        finally:
+            for lock in others:
+                lock.release()
+        assert cache.downloads == 5 and slow.served_for(".bin") == 5 * 1000
+    finally:
+        slow.close()

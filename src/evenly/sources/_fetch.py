@@ -390,13 +390,14 @@ class Fetcher:
                     continue
                 if os.path.exists(target):  # cached: never fetched again
                     continue
-                job = Job(url, fingerprint, size, target, number)
-                job.demand = now
-                if not now:
+                if not now and job is None:
                     # only a hint that queues a new look-ahead job ages the queued ones
                     # (see _drop_stale): a tar batch hints the shards it reads, queued
-                    # long ago, and three of them dropped the pass's look-ahead
+                    # long ago or being downloaded by another worker ("elsewhere"), and
+                    # three of them dropped the pass's look-ahead
                     self._hints = number
+                job = Job(url, fingerprint, size, target, number)
+                job.demand = now
                 if hold is not None:
                     job.held = (hold, self._asks)
                 self._jobs[target] = job

@@ -350,3 +350,96 @@ def test_a_listing_that_keeps_failing_at_a_pass_start_is_tried_as_the_cache_retr
     with pytest.raises(ConnectionError, match=tries):
         iter(loader)
     assert proxy.stats()["listings"] == retries + 1
+
+
+_WORKER_IMPORTS = textwrap.dedent(
+    """
+    import json, os, sys
+    main, out = os.getpid(), sys.argv[2]
+    LAZY = ("numpy.random", "numpy.ma")
+
+    def note(event, args):  # inherited by the forked workers
+        if event == "import" and args[0] in LAZY and args[0] not in sys.modules:
+            where = "main" if os.getpid() == main else "worker"
+            open(os.path.join(out, f"{where}-{args[0]}"), "w").close()
+
+    sys.addaudithook(note)
+    import evenly, evenly.sources as es
+
+    url, fmt, options, cache_dir = json.loads(sys.argv[1])
+    read = es.from_parquet if fmt == "parquet" else es.from_webdataset
+    src = read(url, storage_options=options, cache_dir=cache_dir)
+    opened = sorted(os.listdir(out))
+    loader = evenly.DataLoader(
+        evenly.Dataset(src, shuffle="block", seed=5, block_shards=2), batch_size=16,
+        num_workers=2, collate_fn=list, timeout=60, multiprocessing_context="fork",
+    )
+    seen = [int(s["id"]) for b in loader for s in b]
+    print(json.dumps({"opened": opened, "epoch": sorted(os.listdir(out)), "seen": seen}))
+    """
+)
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "webdataset"])
+def test_forked_workers_import_nothing_of_numpy_the_open_could_import_while_the_helper_lists(
+    s3: S3Endpoint, s3_prefix: str, proxy: S3Proxy, tmp_path: Path, fmt: str
+) -> None:
+    """A fresh process opens a remote directory (listed by the helper) and reads an epoch
+    with 2 forked workers: ``numpy.random`` (torch seeds it in every worker) and
+    ``numpy.ma`` (``np.unique`` loads it) were imported by the open, while the helper
+    listed, and by no worker after its fork (an audit hook, inherited by the workers,
+    notes where each was imported); the epoch exactly once.  Before: each worker
+    imported both after its fork, 40-120 ms before its first request (bench_remote)."""
+    url = upload(s3, s3_prefix, tmp_path, fmt)
+    notes = tmp_path / "imports"
+    notes.mkdir()
+    args = json.dumps([url, fmt, via(s3, proxy), str(tmp_path / "c")])
+    done = subprocess.run(
+        [sys.executable, "-c", _WORKER_IMPORTS, args, str(notes)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "EVENLY_OBSTORE": "1"},
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["opened"] == ["main-numpy.ma", "main-numpy.random"], out
+    assert out["epoch"] == out["opened"], out  # no worker imported either
+    assert sorted(out["seen"]) == list(range(N))
+
+
+def test_what_the_open_does_meanwhile_runs_while_the_helper_lists_and_an_error_stops_it(
+    s3: S3Endpoint, s3_prefix: str, tmp_path: Path
+) -> None:
+    """``_lister.run(meanwhile=...)``: the callable runs after the request was sent, while
+    the helper process is alive (it is this process's child then), and the answer is the
+    same listing; an error raised by it stops the helper (no process left) and reaches
+    the caller.  Before: no ``meanwhile`` (the open waited idle for the helper)."""
+    import psutil
+
+    from evenly.sources import _lister, _obstore
+
+    url = upload(s3, s3_prefix, tmp_path, "parquet")
+    options = _obstore.resolved_options(s3.storage_options)
+    request = {"op": "resolve", "items": [url], "extensions": [".parquet"], "options": options}
+    request["what"] = "test"
+    helpers: list[psutil.Process] = []
+
+    def meanwhile() -> None:
+        children = psutil.Process().children()
+        helpers.extend(c for c in children if _lister.__file__ in " ".join(c.cmdline()))
+
+    got = _lister.run(request, url, meanwhile=meanwhile)
+    assert len(helpers) == 1, helpers
+    assert len(got["items"]) == SHARDS  # the shards, as without it
+    assert not helpers[0].is_running()  # reaped
+
+    def fails() -> None:
+        meanwhile()
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        _lister.run(request, url, meanwhile=fails)
+    assert len(helpers) == 2, helpers
+    assert not helpers[1].is_running()

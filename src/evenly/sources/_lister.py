@@ -26,6 +26,7 @@ name, the retry policy) is in ``_remote_rules.py``, loaded here by its path too.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import logging
@@ -77,39 +78,60 @@ def run(
     url: str,
     timeout: float | None = None,
     retried: Callable[[int], None] | None = None,
+    meanwhile: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
     """Run the helper on ``request``; its answer, or its error raised here naming ``url``.
     Each retry it made is logged, and their number given to ``retried`` (the cache's
-    ``fetch_retries``), before its answer is returned or its error raised."""
+    ``fetch_retries``), before its answer is returned or its error raised.
+    ``meanwhile()`` runs in this process while the helper lists (its request already
+    sent): work of the open that does not need the listing, off the critical path."""
     try:
         data = json.dumps(dict(request))
     except (TypeError, ValueError) as exc:  # options that JSON cannot carry
         raise Fallback(f"storage_options not JSON: {exc}") from None
     if not sys.executable or getattr(sys, "frozen", False):  # no interpreter to run it
         raise Fallback("no Python executable to run the listing helper with")
+    limit = TIMEOUT if timeout is None else timeout
     try:
-        done = subprocess.run(
+        proc = subprocess.Popen(
             [sys.executable, os.path.abspath(__file__)],
-            input=data.encode(),
-            capture_output=True,
-            timeout=TIMEOUT if timeout is None else timeout,
-            check=False,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
         )
-    except subprocess.TimeoutExpired:
-        raise TimeoutError(
-            f"listing {url}: it took more than {TIMEOUT if timeout is None else timeout:.0f} s "
-            f"(the listing helper process was stopped); check the endpoint and the network"
-        ) from None
     except OSError as exc:  # it could not be started
         raise Fallback(f"the listing helper process could not start: {exc}") from None
     try:
-        answer = json.loads(done.stdout.decode() or "null")
+        stdin, proc.stdin = proc.stdin, None  # sent now: communicate() only reads
+        if stdin is not None:
+            try:  # it reads the whole request before it sends one of its own
+                stdin.write(data.encode())
+                stdin.close()
+            except BrokenPipeError:  # it died: its exit status and stderr say why
+                with contextlib.suppress(OSError):
+                    stdin.close()
+        if meanwhile is not None:
+            meanwhile()
+        stdout, stderr = proc.communicate(timeout=limit)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise TimeoutError(
+            f"listing {url}: it took more than {limit:.0f} s (the listing helper process "
+            f"was stopped); check the endpoint and the network"
+        ) from None
+    except BaseException:
+        proc.kill()
+        proc.communicate()
+        raise
+    try:
+        answer = json.loads(stdout.decode() or "null")
     except ValueError:
         answer = None
     if not isinstance(answer, dict):  # it crashed (not an error of the storage's)
-        tail = done.stderr.decode(errors="replace").strip().splitlines()[-3:]
+        tail = stderr.decode(errors="replace").strip().splitlines()[-3:]
         raise Fallback(
-            f"the listing helper process failed (exit {done.returncode}): "
+            f"the listing helper process failed (exit {proc.returncode}): "
             f"{' / '.join(tail) or 'no output'}"
         )
     _retried(answer.get("retried") or [], retried)

@@ -171,7 +171,7 @@ def test_a_cache_of_two_windows_fetches_and_decodes_each_shard_once_within_its_b
     # during the epoch and at its end: the bound, plus the window the workers read now
     # (its download beside its decoded row groups until all are decoded: the last
     # write's eviction kept what they still pinned)
-    assert max(usage + [sum(held.values())]) <= bound + WINDOW * shard, (max(usage), bound)
+    assert max([*usage, sum(held.values())]) <= bound + WINDOW * shard, (max(usage), bound)
     # the readers gone, the next eviction (the next write's) brings it within the bound
     ShardCache(str(cache_dir), bound, options).evict()
     held = files(cache_dir)

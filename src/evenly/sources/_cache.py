@@ -80,6 +80,9 @@ DEFAULT_CACHE_BYTES = 8 << 30
 _SAFE = re.compile(r"[^A-Za-z0-9._-]+")
 #: the longest a download waits in backoff sleeps, whatever ``retries`` says
 _MAX_BACKOFF_TOTAL = 60.0
+#: the longest :meth:`ShardCache.retire` waits for its shard's lock (held only briefly
+#: once the shard is whole: an eviction's look, a restore); then the shard stays, correct
+_RETIRE_WAIT = 60.0
 #: bytes per read of a checked download (a range request each)
 _CHUNK = 16 << 20
 T = TypeVar("T")
@@ -462,16 +465,26 @@ class ShardCache:
         """Drop the cached copy of ``url`` (``size`` bytes listed), whose rows are all
         kept decoded beside it: its file is replaced by an empty one (atomically: a
         process that has it open keeps reading it), which the look-ahead takes for
-        cached.  Returns whether it was retired now."""
+        cached.  Under the shard's lock: another process's eviction removes a ``.part-``
+        file whose shard's lock is free (:meth:`remove_abandoned`), and would take the
+        marker's before it is renamed into place (the shard then stays whole).  Returns
+        whether it was retired now."""
         target = self.path_for(url, fingerprint)
         try:
             if not size or os.path.getsize(target) != size:
                 return False  # not there, retired already, or not the listed object
-            tmp = part_path(target)
-            with open(tmp, "wb"):
-                pass
-            os.replace(tmp, target)
-        except OSError:  # a read-only cache: the shard stays, correct
+            with FileLock(target + ".lock", timeout=_RETIRE_WAIT):
+                if os.path.getsize(target) != size:
+                    return False  # retired (or restored and fetched) meanwhile
+                tmp = part_path(target)
+                try:
+                    with open(tmp, "wb"):
+                        pass
+                    os.replace(tmp, target)
+                finally:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(tmp)
+        except (OSError, Timeout):  # a read-only cache, a lock held long: the shard stays
             return False
         return True
 

@@ -213,6 +213,50 @@ def test_a_remote_shard_is_kept_as_downloaded_when_its_rows_are_not_kept_decoded
     assert src.cache.usage() == shard  # the download, nothing decoded on disk
 
 
+def _evicting(cache_dir: str, ready: str, stop: str) -> None:
+    """Another process of the node: the sweep for abandoned parts that every download's
+    eviction runs first, over and over until ``stop`` exists."""
+    from evenly.sources._cache import ShardCache
+
+    cache = ShardCache(cache_dir, 1 << 40)
+    Path(ready).touch()
+    while not os.path.exists(stop):
+        cache.remove_abandoned()
+
+
+def test_a_shard_retired_while_another_process_evicts_is_retired(tmp_path: Path) -> None:
+    """A shard whose rows are all decoded is retired (its copy replaced by an empty
+    marker) while another process's eviction sweeps the cache for abandoned ``.part-``
+    files: every retire lands, one copy per shard, no part left.  Before: the marker
+    was written as a part file with the shard's lock free, which the sweep took for
+    abandoned and removed before its rename: the shard stayed whole (1 in 5 epochs of
+    test_remote_rowcache's two workers under load)."""
+    from evenly.sources._cache import ShardCache
+
+    cache_dir, ready, stop = str(tmp_path / "c"), tmp_path / "ready", tmp_path / "stop"
+    cache = ShardCache(cache_dir, 1 << 40)
+    urls = [f"s3://bucket/shard-{i:05d}.parquet" for i in range(400)]
+    os.makedirs(cache.cache_dir, exist_ok=True)
+    for url in urls:
+        Path(cache.path_for(url, "fp")).write_bytes(b"x" * 100)
+    sweeper = multiprocessing.get_context("spawn").Process(
+        target=_evicting, args=(cache_dir, str(ready), str(stop))
+    )
+    sweeper.start()
+    try:
+        while not ready.exists():
+            assert sweeper.is_alive() or sweeper.exitcode == 0, sweeper.exitcode
+            time.sleep(0.01)
+        retired = [cache.retire(url, "fp", 100) for url in urls]
+    finally:
+        stop.touch()
+        sweeper.join(60)
+    assert sweeper.exitcode == 0
+    assert retired.count(False) == 0, retired.count(False)
+    assert all(os.path.getsize(cache.path_for(url, "fp")) == 0 for url in urls)
+    assert not [n for n in os.listdir(cache.cache_dir) if PART in n]
+
+
 # ---- killed writers, damaged entries ----------------------------------------------------
 KEY = ("/data/a.parquet", "10:1:2:3", 0, None)
 

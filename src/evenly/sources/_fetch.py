@@ -479,6 +479,12 @@ class Fetcher:
                 self._recent.popitem(last=False)
             self._cond.notify_all()  # room for the look-ahead, perhaps
 
+    def read_elsewhere(self, target: str, size: int | None) -> None:
+        """``target``'s rows were read without it (decoded by another process, see
+        :meth:`ShardCache.seen`): it counts as read (:meth:`_read`: a download of it
+        still queued is dropped)."""
+        self._read(target, size)
+
     def _drop_stale(self) -> None:
         """Forget look-ahead jobs hinted long ago and never read (a pass left early):
         not started ones are dropped, downloaded ones no longer pinned."""
@@ -620,6 +626,9 @@ class Fetcher:
             lock.release()
             return self._finished(job, "ok")
         job.lock = lock
+        # named in the pin file before the shard appears: another process's eviction
+        # would otherwise take it between its rename and this process's next publish
+        self._publish()
         part = self.part_bytes(job)
         if job.size is None or job.size <= part:
             with self.request():

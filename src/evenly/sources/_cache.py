@@ -34,7 +34,9 @@
   file replaced by an empty one, a marker that its rows are here decoded, so the
   look-ahead does not fetch it again): one copy per shard.  Eviction keeps the entries
   of a shard a live process pins with it, and drops the marker of a shard with an entry
-  evicted (its shard is then fetched again when needed).
+  evicted (its shard is then fetched again when needed).  The look-ahead counts a
+  shard with its entries once it is known to be kept decoded (:meth:`decoding`), and
+  an entry written is followed by an eviction, as a download is.
 - ``prefetch(items)`` queues the look-ahead; :meth:`ShardCache.stats` counts what was
   fetched (``bytes_fetched``, ``fetch_requests``, ``fetch_seconds``, ``fetch_retries``,
   ``max_in_flight_seen``).
@@ -64,12 +66,11 @@ from typing import Any, TypeVar
 
 from filelock import FileLock, Timeout
 
-from ._cachedir import part_path
+from ._cachedir import ENTRY_MARK, part_path
 from ._fetch import Fetcher, max_in_flight_setting, pinned_elsewhere
 from ._lrudir import LruDir
 from ._manifest import filesystem, object_fingerprint, same_version
 from ._obstore import ObjectStore, VersionChanged, chosen, listed_etag, store_for
-from ._rowcache import ENTRY_MARK
 
 __all__ = ["DEFAULT_CACHE_BYTES", "FETCH_COUNTERS", "ShardCache", "is_transient"]
 
@@ -461,6 +462,13 @@ class ShardCache:
         fetcher = self._fetcher
         if fetcher is not None:
             fetcher.read_elsewhere(self.path_for(url, fingerprint), size)
+
+    def decoding(self, url: str, fingerprint: str, nbytes: int) -> None:
+        """``url``'s row groups are kept decoded beside its cached copy, ``nbytes`` in all
+        (by its footer): this process's look-ahead (and, through its pin file, every
+        other process's) counts them with the shard from now on, so that the downloads
+        it starts leave room for them (see :meth:`Fetcher.decoded`)."""
+        self._after_fork().decoded(self.path_for(url, fingerprint), int(nbytes))
 
     def retire(self, url: str, fingerprint: str, size: int | None) -> bool:
         """Drop the cached copy of ``url`` (``size`` bytes listed), whose rows are all

@@ -288,6 +288,8 @@ class ParquetSource(ArrowBatchSource):
                         stored += column.total_compressed_size
                         decoded += column.total_uncompressed_size
             known = self._keep_decoded[k] = decoded <= KEEP_DECODED_RATIO * stored
+            if known and self.cache is not None:  # counted in the cache's look-ahead
+                self.cache.decoding(*self._remote(k)[:2], decoded)
         return known
 
     def _retire_if_decoded(self, k: int) -> None:

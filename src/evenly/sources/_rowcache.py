@@ -22,9 +22,12 @@ page cache: file-backed, reclaimable memory instead of a private decode per proc
   directory, named after their shard's cached copy (``<shard>@rg<chunk>-<hash>.arrow``),
   and the shard cache's eviction (after each download) bounds them with the shards,
   under ``cache_bytes``: one bound for everything evenly writes for remote data; the
-  entries of a shard a live process pins are kept with it (:meth:`ShardCache.evict`).
-  A shard's entries are written after its download and its copy dropped once they are
-  all written: the bound may be passed by the entries of the shards being decoded.
+  entries of a shard a live process pins are kept with it (:meth:`ShardCache.evict`),
+  and each entry written is followed by that eviction, as a download is.  A shard's
+  entries are written after its download and its copy dropped once they are all
+  written; the look-ahead counts a shard with its entries (:meth:`ShardCache.decoding`)
+  from its first decode: the bound may be passed by the entries of the shards
+  downloaded ahead before their first decode.
 
 >>> import os, tempfile, pyarrow as pa
 >>> cache = RowCache(tempfile.mkdtemp(), max_bytes=1 << 20)
@@ -55,7 +58,7 @@ from filelock import FileLock
 
 from evenly.errors import EvenlyWarning
 
-from ._cachedir import CacheDirError, cache_subdir, publish, where_from
+from ._cachedir import ENTRY_MARK, CacheDirError, cache_subdir, publish, where_from
 from ._lrudir import LruDir
 
 if TYPE_CHECKING:
@@ -85,8 +88,6 @@ _SUFFIX = ".arrow"
 _RESCAN_EVERY = 64  # writes between full scans, whatever the ledger says
 _TOUCH_EVERY = 30.0  # seconds between mtime refreshes of an entry a process keeps using
 _LOW_WATER = 0.9  # an eviction leaves at most this share of the bound
-#: what follows the shard's name in the name of an entry kept in the shard cache
-ENTRY_MARK = "@"
 
 #: a chunk's identity: (shard URL, shard fingerprint, chunk number, columns or None)
 Key = tuple[str, str, int, Sequence[str] | None]
@@ -325,11 +326,13 @@ class RowCache:
 
     def _account(self, added: int, keep: str) -> None:
         """Add a new entry to the ledger; evict if the bound is passed (or it is time
-        for a scan).  With a ``store``, nothing: its eviction, after each download,
-        bounds the entries with the shards (an entry is written after its shard was
-        downloaded, and that shard is dropped once all its entries are written)."""
+        for a scan).  With a ``store``, its eviction (the shards and entries no live
+        process pins, least recently used first), as after each download: else the
+        entries of shards read before stay until the next download ends."""
         if self._lru is not None:
             self._lru.added(added, (keep,))
+        elif self.store is not None:
+            self.store.evict(keep=keep)
 
     def evict(self, keep: str | None = None) -> int:
         """Remove abandoned writes, then least-recently-used entries until the cache

@@ -257,34 +257,6 @@ def test_a_shard_retired_while_another_process_evicts_is_retired(tmp_path: Path)
     assert not [n for n in os.listdir(cache.cache_dir) if PART in n]
 
 
-def test_a_row_group_written_into_the_shard_cache_evicts_what_no_process_pins(
-    tmp_path: Path,
-) -> None:
-    """A decoded row group written beside its shard in the shard cache (remote Parquet)
-    is followed by that cache's eviction, as a download is: the shards and row groups
-    no live process pins go, least recently used first, until the bound holds again.
-    Before: nothing was evicted until the next download ended, so the row groups of the
-    shards read before stayed while the next window was decoded (the two-windows test
-    of test_remote_rowcache saw its cache 1-13% past its bound + a window)."""
-    from evenly.sources._cache import ShardCache
-
-    url, table = "s3://bucket/shard-00000.parquet", pa.table({"x": list(range(1000))})
-    probe = RowCache(str(tmp_path / "probe"), 1 << 30)
-    probe.get((url, "fp", 0, None), 1000, lambda: table)
-    entry = probe.usage()
-    cache = ShardCache(str(tmp_path / "c"), max_bytes=3 * entry)
-    os.makedirs(cache.cache_dir)
-    old = [cache.path_for(f"s3://bucket/read-before-{k}.parquet", "fp") for k in range(3)]
-    for k, path in enumerate(old):  # read before, pinned by no one, least recent first
-        Path(path).write_bytes(b"x" * entry)
-        os.utime(path, (1000 + k, 1000 + k))
-    decoded = RowCache(str(tmp_path / "c"), 1, store=cache)
-    assert decoded.get((url, "fp", 0, None), 1000, lambda: table).equals(table)
-    assert cache.usage() <= 3 * entry, cache.usage() / entry
-    assert not os.path.exists(old[0]) and os.path.exists(old[2])
-    assert os.path.exists(decoded.path_for((url, "fp", 0, None)))
-
-
 # ---- killed writers, damaged entries ----------------------------------------------------
 KEY = ("/data/a.parquet", "10:1:2:3", 0, None)
 

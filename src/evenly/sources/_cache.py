@@ -35,8 +35,7 @@
   look-ahead does not fetch it again): one copy per shard.  Eviction keeps the entries
   of a shard a live process pins with it, and drops the marker of a shard with an entry
   evicted (its shard is then fetched again when needed).  The look-ahead counts a
-  shard with its entries once it is known to be kept decoded (:meth:`decoding`), and
-  an entry written is followed by an eviction, as a download is.
+  shard with its entries once it is known to be kept decoded (:meth:`decoding`).
 - ``prefetch(items)`` queues the look-ahead; :meth:`ShardCache.stats` counts what was
   fetched (``bytes_fetched``, ``fetch_requests``, ``fetch_seconds``, ``fetch_retries``,
   ``max_in_flight_seen``).

@@ -22,12 +22,11 @@ page cache: file-backed, reclaimable memory instead of a private decode per proc
   directory, named after their shard's cached copy (``<shard>@rg<chunk>-<hash>.arrow``),
   and the shard cache's eviction (after each download) bounds them with the shards,
   under ``cache_bytes``: one bound for everything evenly writes for remote data; the
-  entries of a shard a live process pins are kept with it (:meth:`ShardCache.evict`),
-  and each entry written is followed by that eviction, as a download is.  A shard's
-  entries are written after its download and its copy dropped once they are all
-  written; the look-ahead counts a shard with its entries (:meth:`ShardCache.decoding`)
-  from its first decode: the bound may be passed by the entries of the shards
-  downloaded ahead before their first decode.
+  entries of a shard a live process pins are kept with it (:meth:`ShardCache.evict`).
+  A shard's entries are written after its download and its copy dropped once they are
+  all written; the look-ahead counts a shard with its entries
+  (:meth:`ShardCache.decoding`) from its first decode: the bound may be passed by the
+  entries of the shards being decoded that were downloaded ahead before it.
 
 >>> import os, tempfile, pyarrow as pa
 >>> cache = RowCache(tempfile.mkdtemp(), max_bytes=1 << 20)
@@ -326,13 +325,13 @@ class RowCache:
 
     def _account(self, added: int, keep: str) -> None:
         """Add a new entry to the ledger; evict if the bound is passed (or it is time
-        for a scan).  With a ``store``, its eviction (the shards and entries no live
-        process pins, least recently used first), as after each download: else the
-        entries of shards read before stay until the next download ends."""
+        for a scan).  With a ``store``, nothing: its eviction, after each download,
+        bounds the entries with the shards (an entry is written after its shard was
+        downloaded, and that shard is dropped once all its entries are written; an
+        eviction here would take the row groups of a shard that another worker has not
+        read yet, nor pinned: its look-ahead job still queued, it downloads it again)."""
         if self._lru is not None:
             self._lru.added(added, (keep,))
-        elif self.store is not None:
-            self.store.evict(keep=keep)
 
     def evict(self, keep: str | None = None) -> int:
         """Remove abandoned writes, then least-recently-used entries until the cache

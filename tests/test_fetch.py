@@ -453,6 +453,22 @@ def test_a_shard_this_process_no_longer_pins_counts_at_once_while_another_pins_i
         other.join()
 
 
+def test_a_hinted_shard_another_process_brought_in_is_pinned_until_read(tmp_path: Path) -> None:
+    """A shard of the look-ahead that is already in the cache (another worker downloaded
+    it) is pinned by this process until it reads it, so that no eviction (another
+    worker's, after its next download) takes it, or its decoded row groups, first.
+    Before: it was pinned only once read, and a worker behind the other downloaded
+    such shards again (a remote Parquet epoch of two workers with two windows of cache
+    fetched 1.13-1.38x the dataset)."""
+    cache = ShardCache(str(tmp_path), max_bytes=10_000)
+    urls = _cached_shards(cache, 2, 300)
+    cache.prefetch([(urls[0], "", 300), (urls[1], "", 300)])
+    fetcher = cache._after_fork()
+    assert set(fetcher.pinned()) == {cache.path_for(u) for u in urls}
+    assert set(pins(cache.cache_dir)) == {os.path.basename(cache.path_for(u)) for u in urls}
+    assert cache.downloads == 0
+
+
 def test_a_shard_kept_decoded_counts_with_its_decoded_copy_in_the_pins(tmp_path: Path) -> None:
     """Remote Parquet kept decoded: a shard being decoded counts for its download and
     its decoded copy (by its footer) in this process's pins and pin file, which the

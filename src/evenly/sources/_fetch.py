@@ -36,7 +36,8 @@ whose download threads together with every other process's on the node keep at m
   pinned shards and their bytes in a pin file (``<cache_dir>/shard-pins/<pid>-<host>``),
   so the workers and ranks sharing a cache together never queue more than it holds;
   eviction, by any process, skips the shards a live process pinned, so a shard a worker
-  still needs is not evicted by another one before it is read.  A shard whose rows are
+  still needs is not evicted by another one before it is read (a shard of its
+  look-ahead that another process brought in is pinned too, until read).  A shard whose rows are
   kept decoded beside it (remote Parquet, :meth:`Fetcher.decoded`) counts with that
   copy, and for the copy only once its download is dropped.
 
@@ -380,6 +381,11 @@ class Fetcher:
                         front.append(job)
                     continue
                 if os.path.exists(target):  # cached: never fetched again
+                    if not now:  # but pinned until read (another process may evict it)
+                        job = Job(url, fingerprint, size, target, number)
+                        job.state = "ok"
+                        job.done.set()
+                        self._jobs[target] = job
                     continue
                 job = Job(url, fingerprint, size, target, number)
                 job.demand = now
@@ -564,6 +570,11 @@ class Fetcher:
                         self._held_back = True  # looked at again soon (see _run)
                         continue  # behind the reads: later
                     job.held = None
+                if os.path.exists(job.target):
+                    # brought in by another process meanwhile: nothing to make room for,
+                    # and pinned (state ok) until read, so no eviction takes it before
+                    job.state = "starting"
+                    return job, None
                 if left is None:
                     used = (
                         sum(

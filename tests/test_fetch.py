@@ -23,6 +23,7 @@ from filelock import FileLock
 
 import evenly
 import evenly.sources as es
+import evenly.sources._fetch as fetch_module
 from evenly.sources._cache import ShardCache
 from evenly.sources._fetch import (
     MIN_PART_BYTES,
@@ -438,6 +439,85 @@ def test_eviction_keeps_the_shards_a_live_process_pinned(tmp_path: Path) -> None
     Path(paths[1]).write_bytes(b"x" * 100)
     os.utime(paths[1], (1001, 1001))
     assert cache.evict() == [paths[0]]  # its process is gone: its pins count no more
+
+
+def _cached_shards(cache: ShardCache, n: int, size: int) -> list[str]:
+    """``n`` shards of ``size`` bytes already in the cache (read without a download)."""
+    os.makedirs(cache.cache_dir, exist_ok=True)
+    urls = [f"s3://bucket/s{k}.bin" for k in range(n)]
+    for url in urls:
+        Path(cache.path_for(url)).write_bytes(b"x" * size)
+    return urls
+
+
+def test_a_shard_this_process_no_longer_pins_counts_at_once_while_another_pins_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The look-ahead's room counts every shard a live process pins: one that this
+    process read first (then counted as its own) and no longer pins, still pinned by
+    another process, counts for that process at once, whenever the pin files were last
+    read.  Before: the other processes' bytes were kept as one total, without the
+    shards this process pinned when it was reckoned, for up to 50 ms: a look-ahead
+    download started in that room passed the bound (remote Parquet, two workers)."""
+    monkeypatch.setattr(fetch_module, "_OTHERS_EVERY", 60.0)  # the pin files read once
+    cache = ShardCache(str(tmp_path), max_bytes=1000)
+    urls = _cached_shards(cache, 3, 300)
+    ctx = multiprocessing.get_context("fork")
+    ready, release = ctx.Event(), ctx.Event()
+    other = ctx.Process(
+        target=_pin_and_wait,
+        args=(cache.cache_dir, os.path.basename(cache.path_for(urls[0])), ready, release),
+    )
+    other.start()
+    try:
+        assert ready.wait(60)
+        cache.fetch(urls[0], "", 300)  # read here too: this process's own
+        fetcher = cache._after_fork()
+        assert fetcher._pinned_by_others() == 0  # counted once, as this process's
+        cache.fetch(urls[1], "", 300)
+        cache.fetch(urls[2], "", 300)  # this process now pins the last one (half: 500)
+        assert set(fetcher.pinned()) == {cache.path_for(urls[2])}
+        assert fetcher._pinned_by_others() == 300  # shard 0: the other process's pin
+    finally:
+        release.set()
+        other.join()
+
+
+def test_a_hinted_shard_another_process_brought_in_is_pinned_until_read(tmp_path: Path) -> None:
+    """A shard of the look-ahead that is already in the cache (another worker downloaded
+    it) is pinned by this process until it reads it, so that no eviction (another
+    worker's, after its next download) takes it, or its decoded row groups, first.
+    Before: it was pinned only once read, and a worker behind the other downloaded
+    such shards again (a remote Parquet epoch of two workers with two windows of cache
+    fetched 1.13-1.38x the dataset)."""
+    cache = ShardCache(str(tmp_path), max_bytes=10_000)
+    urls = _cached_shards(cache, 2, 300)
+    cache.prefetch([(urls[0], "", 300), (urls[1], "", 300)])
+    fetcher = cache._after_fork()
+    assert set(fetcher.pinned()) == {cache.path_for(u) for u in urls}
+    assert set(pins(cache.cache_dir)) == {os.path.basename(cache.path_for(u)) for u in urls}
+    assert cache.downloads == 0
+
+
+def test_a_shard_kept_decoded_counts_with_its_decoded_copy_in_the_pins(tmp_path: Path) -> None:
+    """Remote Parquet kept decoded: a shard being decoded counts for its download and
+    its decoded copy (by its footer) in this process's pins and pin file, which the
+    node's look-ahead counts against the cache; once retired (its download dropped),
+    for its decoded copy only.  A shard whose rows another process decoded (read here
+    without the copy) is in the pin file at once.  Before: each counted its listed
+    bytes, the decoded copy written beside it outside the look-ahead's room, and the
+    pin file named a shard read that way only at this process's next download or wait."""
+    cache = ShardCache(str(tmp_path), max_bytes=10_000)
+    urls = _cached_shards(cache, 2, 300)
+    cache.fetch(urls[0], "", 300)
+    name = os.path.basename(cache.path_for(urls[0]))
+    cache.decoding(urls[0], "", 250)
+    assert cache._after_fork().pinned()[cache.path_for(urls[0])] == 550
+    assert pins(cache.cache_dir)[name] == 550
+    assert cache.retire(urls[0], "", 300)  # every row group decoded: the download dropped
+    assert cache._after_fork().pinned()[cache.path_for(urls[0])] == 250
+    cache.seen(urls[1], "", 300)  # its rows mapped, decoded by another process
+    assert pins(cache.cache_dir)[os.path.basename(cache.path_for(urls[1]))] == 300
 
 
 # ---- cooperation: a shard another process downloads is skipped by the look-ahead ---------

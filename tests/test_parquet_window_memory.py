@@ -7,6 +7,7 @@ on 127.0.0.1) for the remote case; observed on the worker's own source."""
 from __future__ import annotations
 
 import os
+import random
 from pathlib import Path
 from typing import Any
 
@@ -45,23 +46,43 @@ class Probe:
         }
 
 
-def _write(tmp_path: Path) -> Path:
+def _write(tmp_path: Path, compressible: bool = False) -> Path:
+    """Incompressible payloads (remote row groups are then kept decoded: their decoded
+    size is the file's), or ``compressible`` ones (then decoded in each worker)."""
     out = tmp_path / "pq"
-    rows = [{"id": i, "payload": bytes([i % 251]) * 256} for i in range(SHARDS * ROWS)]
+    rows = [
+        {
+            "id": i,
+            "payload": bytes([i % 251]) * 256 if compressible else random.Random(i).randbytes(256),
+        }
+        for i in range(SHARDS * ROWS)
+    ]
     es.write(rows, out, rows_per_shard=ROWS, row_group_size=GROUP, progress=False)
     return out
 
 
-@pytest.mark.parametrize("where", ["local, decoded-row cache off", "remote"])
+@pytest.mark.parametrize(
+    "where",
+    ["local, decoded-row cache off", "remote, decoded copy off", "remote, compressed", "remote"],
+)
 def test_workers_keep_only_the_row_groups_still_to_be_read(
     where: str, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
-    local = _write(tmp_path)
-    if where == "remote":
+    """Each worker holds the row groups of the windows it reads, then none; a decoded
+    one (in the LRU's bytes) is decoded once per worker, a mapped one (remote: decoded
+    once per node, size 0 in the LRU) once per node."""
+    local = _write(tmp_path, compressible=where == "remote, compressed")
+    mapped = where == "remote"
+    if where.startswith("remote"):
         s3: S3Endpoint = request.getfixturevalue("s3")
         url = s3.upload(str(local), f"{request.getfixturevalue('s3_prefix')}/pq")
-        src = es.from_parquet(url, storage_options=s3.storage_options, cache_dir=str(tmp_path))
-        assert src.decoded_cache is None  # remote: decoded row groups live in the LRU
+        src = es.from_parquet(
+            url,
+            storage_options=s3.storage_options,
+            cache_dir=str(tmp_path),
+            decoded_cache_bytes=0 if where == "remote, decoded copy off" else None,
+        )
+        assert (src.decoded_cache is None) == (where == "remote, decoded copy off")
     else:
         src = es.from_parquet(str(local), decoded_cache_bytes=0, cache_dir=str(tmp_path))
     # the default budget (256 MiB) holds every row group of this data many times over
@@ -71,6 +92,8 @@ def test_workers_keep_only_the_row_groups_still_to_be_read(
     seen = [s for batch in loader for s in batch]
     assert sorted(s["id"] for s in seen) == list(range(SHARDS * ROWS))
     per_window = WINDOW * ROWS // GROUP
+    if mapped:  # every row group decoded by one worker or the other, once
+        assert sum(max(s["decodes"] for s in seen if s["worker"] == w) for w in (0, 1)) == 32
     for w in (0, 1):
         mine = [s for s in seen if s["worker"] == w]
         groups = {s["id"] // GROUP for s in mine}
@@ -78,11 +101,12 @@ def test_workers_keep_only_the_row_groups_still_to_be_read(
         # after each batch: the row groups of the windows it reads from, no more (main kept
         # all 32 decoded row groups in each worker until the LRU's 256 MiB were full)
         assert max(s["held"] for s in mine) <= 2 * per_window, [s["held"] for s in mine]
-        assert max(s["held_bytes"] for s in mine) > 0
+        assert (max(s["held_bytes"] for s in mine) > 0) != mapped
         # nothing is left once the worker's last batch is read
         assert mine[-1]["held"] == 0 and mine[-1]["held_bytes"] == 0
         # and nothing was decoded twice: a row group goes only once its rows are all read
-        assert mine[-1]["decodes"] == len(groups)
+        if not mapped:
+            assert mine[-1]["decodes"] == len(groups)
 
 
 def test_reads_outside_the_plan_keep_the_lru(tmp_path: Path) -> None:

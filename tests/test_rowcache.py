@@ -7,8 +7,10 @@ from __future__ import annotations
 import hashlib
 import multiprocessing
 import os
+import random
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,9 +39,13 @@ def payload(i: int) -> bytes:
     return hashlib.sha256(str(i).encode()).digest() * 8  # 256 bytes, one per id
 
 
-def write_shards(out: Path, n: int = N) -> None:
+def random_payload(i: int) -> bytes:
+    return random.Random(i).randbytes(256)  # incompressible
+
+
+def write_shards(out: Path, n: int = N, payloads: Callable[[int], bytes] = payload) -> None:
     """``n`` rows in shards of ``N // SHARDS`` rows, row groups of ``GROUP``."""
-    rows = [{"id": i, "payload": payload(i), "tag": str(i)} for i in range(n)]
+    rows = [{"id": i, "payload": payloads(i), "tag": str(i)} for i in range(n)]
     evenly.write(rows, out, rows_per_shard=N // SHARDS, row_group_size=GROUP, progress=False)
 
 
@@ -51,9 +57,9 @@ def parts(cache_dir: Path) -> list[str]:
     return sorted(n for n in os.listdir(cache_dir / "rows") if PART in n)
 
 
-def check_rows(rows: list[dict[str, Any]]) -> None:
+def check_rows(rows: list[dict[str, Any]], payloads: Callable[[int], bytes] = payload) -> None:
     for r in rows:
-        assert r["payload"] == payload(r["id"]) and r["tag"] == str(r["id"]), r["id"]
+        assert r["payload"] == payloads(r["id"]) and r["tag"] == str(r["id"]), r["id"]
 
 
 # ---- 4 ranks x 2 workers sharing one small cache ----------------------------------------
@@ -144,25 +150,111 @@ def test_a_source_opened_before_a_change_never_caches_the_new_bytes(tmp_path: Pa
     assert entries(tmp_path / "c") == []
 
 
-def test_remote_shards_are_kept_once_in_the_shard_cache_and_never_decoded_to_disk(
+def test_a_remote_shard_is_kept_once_decoded_in_the_shard_cache_within_cache_bytes(
     s3: S3Endpoint, s3_prefix: str, tmp_path: Path
 ) -> None:
-    """One copy on disk for remote data: the shard as downloaded, within ``cache_bytes``;
-    no decoded-row cache entry is written for it (local Parquet keeps that cache)."""
-    write_shards(tmp_path / "local", n=100)
+    """One copy on disk for remote data: each row group decoded once into the shard
+    cache, beside the downloaded shard until every row group of it is decoded, then the
+    shard dropped (an empty marker left, so it is not fetched again); another process
+    maps the rows: no download, no decode.  Before: the row groups were decoded in each
+    process (none kept on disk), the shard kept as downloaded."""
+    write_shards(tmp_path / "local", n=100, payloads=random_payload)  # incompressible
     url = s3.upload(str(tmp_path / "local"), f"{s3_prefix}/pq")
-    cache = str(tmp_path / "c")
-    first = evenly.from_parquet(url, storage_options=s3.storage_options, cache_dir=cache)
-    check_rows(first.__getitems__(list(range(100))))
-    assert first.cache is not None and first.cache.downloads == 1  # one shard, 4 row groups
-    assert first.decoded_cache is None
-    assert not (tmp_path / "c" / "rows").exists() or entries(tmp_path / "c") == []
+    cache = tmp_path / "c"
+    first = evenly.from_parquet(url, storage_options=s3.storage_options, cache_dir=str(cache))
+    assert first.cache is not None and first.decoded_cache is not None
     shard = (tmp_path / "local" / "shard-00000.parquet").stat().st_size
-    assert first.cache.usage() == shard  # the raw shard: all evenly wrote for the data
-    # another process on the node reads the shard already in the cache: no download
-    again = evenly.from_parquet(url, storage_options=s3.storage_options, cache_dir=cache)
-    check_rows(again.__getitems__(list(range(100))))
+    check_rows(first.__getitems__(list(range(50))), random_payload)  # row groups 0, 1 of 4
+    (raw,) = [p for p in (cache / "shards").iterdir() if p.name.endswith(".parquet")]
+    assert raw.stat().st_size == shard  # kept: rows of it are not decoded yet
+    check_rows(first.__getitems__(list(range(50, 100))), random_payload)
+    assert first.cache.downloads == 1 and first.decoded_cache.decodes == 4
+    decoded = sorted(p for p in (cache / "shards").iterdir() if p.name.endswith(".arrow"))
+    assert len(decoded) == 4 and all(p.name.startswith(raw.name + "@rg") for p in decoded)
+    assert raw.stat().st_size == 0  # dropped: the decoded copy is the one copy
+    assert first.cache.usage() == sum(p.stat().st_size for p in decoded)
+    assert not (cache / "rows").exists()  # nothing outside the shard cache's bound
+    # another process on the node maps the decoded rows: no download, no decode
+    again = evenly.from_parquet(url, storage_options=s3.storage_options, cache_dir=str(cache))
+    check_rows(again.__getitems__(list(range(100))), random_payload)
     assert again.cache is not None and again.cache.downloads == 0
+    assert again.decoded_cache is not None
+    assert again.decoded_cache.stats() == {"hits": 4, "misses": 0, "decodes": 0}
+    # an entry gone (evicted or damaged): its shard is fetched again, the row group decoded
+    decoded[2].unlink()
+    fresh = evenly.from_parquet(url, storage_options=s3.storage_options, cache_dir=str(cache))
+    check_rows(fresh.__getitems__(list(range(100))), random_payload)
+    assert fresh.cache is not None and fresh.cache.downloads == 1
+    assert fresh.decoded_cache is not None and fresh.decoded_cache.decodes == 1
+    assert raw.stat().st_size == 0  # and dropped again
+
+
+@pytest.mark.parametrize("why", ["decoded_cache_bytes=0", "compressed data"])
+def test_a_remote_shard_is_kept_as_downloaded_when_its_rows_are_not_kept_decoded(
+    s3: S3Endpoint, s3_prefix: str, tmp_path: Path, why: str
+) -> None:
+    """The shard as downloaded stays the one copy, each process decoding what it reads:
+    with ``decoded_cache_bytes=0``, or where its decoded rows would take more room than
+    the shard (compressed columns: the footer's uncompressed bytes past 1.05x)."""
+    off = why == "decoded_cache_bytes=0"
+    write_shards(tmp_path / "local", n=100, payloads=random_payload if off else payload)
+    url = s3.upload(str(tmp_path / "local"), f"{s3_prefix}/pq")
+    src = evenly.from_parquet(
+        url,
+        storage_options=s3.storage_options,
+        cache_dir=str(tmp_path / "c"),
+        decoded_cache_bytes=0 if off else None,
+    )
+    check_rows(src.__getitems__(list(range(100))), random_payload if off else payload)
+    assert src.cache is not None and (src.decoded_cache is None) == off
+    if src.decoded_cache is not None:  # asked once, then the shard is read directly
+        assert src.decoded_cache.stats() == {"hits": 0, "misses": 1, "decodes": 0}
+    shard = (tmp_path / "local" / "shard-00000.parquet").stat().st_size
+    assert src.cache.usage() == shard  # the download, nothing decoded on disk
+
+
+def _evicting(cache_dir: str, ready: str, stop: str) -> None:
+    """Another process of the node: the sweep for abandoned parts that every download's
+    eviction runs first, over and over until ``stop`` exists."""
+    from evenly.sources._cache import ShardCache
+
+    cache = ShardCache(cache_dir, 1 << 40)
+    Path(ready).touch()
+    while not os.path.exists(stop):
+        cache.remove_abandoned()
+
+
+def test_a_shard_retired_while_another_process_evicts_is_retired(tmp_path: Path) -> None:
+    """A shard whose rows are all decoded is retired (its copy replaced by an empty
+    marker) while another process's eviction sweeps the cache for abandoned ``.part-``
+    files: every retire lands, one copy per shard, no part left.  Before: the marker
+    was written as a part file with the shard's lock free, which the sweep took for
+    abandoned and removed before its rename: the shard stayed whole (1 in 5 epochs of
+    test_remote_rowcache's two workers under load)."""
+    from evenly.sources._cache import ShardCache
+
+    cache_dir, ready, stop = str(tmp_path / "c"), tmp_path / "ready", tmp_path / "stop"
+    cache = ShardCache(cache_dir, 1 << 40)
+    urls = [f"s3://bucket/shard-{i:05d}.parquet" for i in range(400)]
+    os.makedirs(cache.cache_dir, exist_ok=True)
+    for url in urls:
+        Path(cache.path_for(url, "fp")).write_bytes(b"x" * 100)
+    sweeper = multiprocessing.get_context("spawn").Process(
+        target=_evicting, args=(cache_dir, str(ready), str(stop))
+    )
+    sweeper.start()
+    try:
+        while not ready.exists():
+            assert sweeper.is_alive() or sweeper.exitcode == 0, sweeper.exitcode
+            time.sleep(0.01)
+        retired = [cache.retire(url, "fp", 100) for url in urls]
+    finally:
+        stop.touch()
+        sweeper.join(60)
+    assert sweeper.exitcode == 0
+    assert retired.count(False) == 0, retired.count(False)
+    assert all(os.path.getsize(cache.path_for(url, "fp")) == 0 for url in urls)
+    assert not [n for n in os.listdir(cache.cache_dir) if PART in n]
 
 
 # ---- killed writers, damaged entries ----------------------------------------------------

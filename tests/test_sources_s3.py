@@ -78,21 +78,23 @@ def test_an_unwritable_cache_dir_for_remote_shards_is_named_when_the_source_open
     assert "pass cache_dir= a writable local directory" in message, message
 
 
-def test_decoded_cache_bytes_for_remote_parquet_is_named_as_unused(
+def test_decoded_cache_bytes_for_remote_parquet_is_named_as_not_its_bound(
     s3: S3Endpoint, s3_prefix: str, tmp_path: Path
 ) -> None:
-    """A remote Parquet source keeps one copy on disk (the shard): an explicit
-    ``decoded_cache_bytes`` is not used, and says so instead of being ignored silently;
-    ``0`` (the cache off, what it gets) says nothing."""
+    """A remote Parquet source decodes its row groups once per node into the shard
+    cache, bounded by ``cache_bytes``: an explicit ``decoded_cache_bytes`` does not bound
+    it, and says so instead of being ignored silently; ``0`` turns the decoded copy off
+    and says nothing."""
     url = upload(s3, s3_prefix, tmp_path, "parquet")
-    with pytest.warns(EvenlyWarning, match=r"decoded_cache_bytes=1048576 is not used for remote"):
+    with pytest.warns(EvenlyWarning, match=r"decoded_cache_bytes=1048576 does not bound remote"):
         src = es.from_parquet(
             url,
             storage_options=s3.storage_options,
             cache_dir=str(tmp_path / "c"),
             decoded_cache_bytes=1 << 20,
         )
-    assert src.decoded_cache is None and src[5]["id"] == 5
+    assert src.decoded_cache is not None and src[5]["id"] == 5
+    assert src.cache is not None and src.decoded_cache.dir == src.cache.cache_dir
     quiet = es.from_parquet(  # warnings are errors in this suite
         url,
         storage_options=s3.storage_options,

@@ -28,6 +28,14 @@
   hit refreshes) until the cache holds at most ``max_bytes``; the shards the process
   pinned (being downloaded, downloaded and not read yet, read last) are never evicted
   by it.  A reader that still has an evicted file open keeps reading it (POSIX).
+- Remote Parquet keeps its row groups decoded beside their shard
+  (``<shard>@rg<g>-<hash>.arrow``, :mod:`evenly.sources._rowcache`), in the same bound;
+  once every row group of a shard is decoded, the shard is retired (:meth:`retire`: its
+  file replaced by an empty one, a marker that its rows are here decoded, so the
+  look-ahead does not fetch it again): one copy per shard.  Eviction keeps the entries
+  of a shard a live process pins with it, and drops the marker of a shard with an entry
+  evicted (its shard is then fetched again when needed).  The look-ahead counts a
+  shard with its entries once it is known to be kept decoded (:meth:`decoding`).
 - ``prefetch(items)`` queues the look-ahead; :meth:`ShardCache.stats` counts what was
   fetched (``bytes_fetched``, ``fetch_requests``, ``fetch_seconds``, ``fetch_retries``,
   ``max_in_flight_seen``).
@@ -53,7 +61,9 @@ import threading
 from collections.abc import Callable, Collection, Iterable
 from typing import Any, TypeVar
 
-from ._cachedir import part_path
+from filelock import FileLock, Timeout
+
+from ._cachedir import ENTRY_MARK, part_path
 from ._fetch import Fetcher, max_in_flight_setting, pinned_elsewhere
 from ._lrudir import LruDir
 from ._manifest import filesystem, object_fingerprint, same_version
@@ -67,6 +77,9 @@ logger = logging.getLogger("evenly")
 #: Default cache size limit: 8 GiB (``$EVENLY_CACHE_BYTES`` overrides it).
 DEFAULT_CACHE_BYTES = 8 << 30
 _SAFE = re.compile(r"[^A-Za-z0-9._-]+")
+#: the longest :meth:`ShardCache.retire` waits for its shard's lock (held only briefly
+#: once the shard is whole: an eviction's look, a restore); then the shard stays, correct
+_RETIRE_WAIT = 60.0
 #: bytes per read of a checked download (a range request each)
 _CHUNK = 16 << 20
 T = TypeVar("T")
@@ -355,13 +368,109 @@ class ShardCache:
         return self._lru.remove_abandoned()
 
     def evict(self, keep: str | Collection[str] | None = None) -> list[str]:
-        """Remove abandoned downloads, then least-recently-used shards until at most
-        ``max_bytes`` remain (downloads in progress count), never those in ``keep`` or
-        pinned by a live process (its pin file: the shards it reads or will read next).
-        Returns the paths removed."""
+        """Remove abandoned downloads, then least-recently-used shards (and decoded row
+        groups) until at most ``max_bytes`` remain (downloads in progress count), never
+        those in ``keep`` or pinned by a live process (its pin file: the shards it reads
+        or will read next), nor the decoded row groups of those shards.  An evicted row
+        group's shard is no longer retired (its marker removed: fetched again when
+        needed).  Returns the paths removed."""
         kept = {keep} if isinstance(keep, str) else set(keep or ())
         kept.update(os.path.join(self.cache_dir, n) for n in pinned_elsewhere(self.cache_dir))
-        return self._lru.evict(kept)[0]
+        self._forked()
+        fetcher = self._fetcher
+        if fetcher is not None:  # this process's pins as they are now, not as last published
+            kept.update(fetcher.pinned())
+        removed = self._lru.evict(_WithEntries(kept))[0]
+        for path in removed:
+            shard, mark, _ = os.path.basename(path).partition(ENTRY_MARK)
+            if not mark:
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path + ".lock")
+            self.restore(os.path.join(self.cache_dir, shard), wait=False)  # evict lock held
+        return removed
+
+    # ---- retired shards (remote Parquet: the rows kept decoded) ------------------------
+    def seen(self, url: str, fingerprint: str, size: int | None) -> None:
+        """``url`` was read without its cached copy (rows of it mapped, decoded by another
+        process): it leaves this process's look-ahead for the shards read last, as a read
+        of the copy would (else it stays pinned, and counted in the look-ahead, until the
+        plan's hints have moved on), and a download of it still queued is dropped."""
+        self._forked()
+        fetcher = self._fetcher
+        if fetcher is not None:
+            fetcher.read_elsewhere(self.path_for(url, fingerprint), size)
+
+    def decoding(self, url: str, fingerprint: str, nbytes: int) -> None:
+        """``url``'s row groups are kept decoded beside its cached copy, ``nbytes`` in all
+        (by its footer): this process's look-ahead (and, through its pin file, every
+        other process's) counts them with the shard from now on, so that the downloads
+        it starts leave room for them (see :meth:`Fetcher.decoded`)."""
+        self._after_fork().decoded(self.path_for(url, fingerprint), int(nbytes))
+
+    def retire(self, url: str, fingerprint: str, size: int | None) -> bool:
+        """Drop the cached copy of ``url`` (``size`` bytes listed), whose rows are all
+        kept decoded beside it: its file is replaced by an empty one (atomically: a
+        process that has it open keeps reading it), which the look-ahead takes for
+        cached.  Under the shard's lock: another process's eviction removes a ``.part-``
+        file whose shard's lock is free (:meth:`remove_abandoned`), and would take the
+        marker's before it is renamed into place (the shard then stays whole).  Returns
+        whether it was retired now."""
+        target = self.path_for(url, fingerprint)
+        try:
+            if not size or os.path.getsize(target) != size:
+                return False  # not there, retired already, or not the listed object
+            with FileLock(target + ".lock", timeout=_RETIRE_WAIT):
+                if os.path.getsize(target) != size:
+                    return False  # retired (or restored and fetched) meanwhile
+                tmp = part_path(target)
+                try:
+                    with open(tmp, "wb"):
+                        pass
+                    os.replace(tmp, target)
+                finally:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(tmp)
+        except (OSError, Timeout):  # a read-only cache, a lock held long: the shard stays
+            return False
+        return True
+
+    @staticmethod
+    def retired(path: str, size: int | None) -> bool:
+        """Whether the cached copy at ``path`` of an object of ``size`` bytes is a
+        retired shard's marker (an empty file)."""
+        try:
+            return bool(size) and os.path.getsize(path) == 0
+        except FileNotFoundError:
+            return False
+
+    def restore(self, path: str, wait: bool = True) -> None:
+        """Remove the retired shard's marker at ``path`` (under the shard's lock, and only
+        if it is still one), so the shard is fetched again when read; without ``wait``,
+        not if another process holds that lock (it restores or fetches the shard)."""
+        if not self.retired(path, 1):
+            return
+        with (
+            contextlib.suppress(OSError, Timeout),
+            FileLock(path + ".lock", timeout=-1 if wait else 0),
+        ):
+            if self.retired(path, 1):
+                os.unlink(path)
+
+
+class _WithEntries(frozenset[str]):
+    """Paths an eviction keeps: these shards, and the decoded row groups named after
+    them (``<shard>@...``)."""
+
+    def __contains__(self, path: object) -> bool:
+        if not isinstance(path, str):
+            return False
+        if frozenset.__contains__(self, path):
+            return True
+        head, mark, _ = os.path.basename(path).partition(ENTRY_MARK)
+        return bool(mark) and frozenset.__contains__(
+            self, os.path.join(os.path.dirname(path), head)
+        )
 
 
 class _Ranged:

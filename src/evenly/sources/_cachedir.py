@@ -28,6 +28,7 @@ from collections.abc import Callable
 from filelock import FileLock
 
 __all__ = [
+    "ENTRY_MARK",
     "ENV_DIR",
     "LOCK_POLL",
     "MOUNTS",
@@ -50,6 +51,9 @@ __all__ = [
 
 #: the infix of a file being written (``<target>.part-<pid>-<host>-<random>``)
 PART = ".part-"
+#: what follows a shard's name in the name of a decoded row group kept beside it in the
+#: shard cache (``<shard>@rg<g>-<hash>.arrow``, see :mod:`evenly.sources._rowcache`)
+ENTRY_MARK = "@"
 
 #: a ``.part-`` file of another host counts as abandoned once untouched this long
 STALE_PART_SECONDS = 3600.0

@@ -37,7 +37,10 @@ whose download threads together with every other process's on the node keep at m
   pinned shards and their bytes in a pin file (``<cache_dir>/shard-pins/<pid>-<host>``),
   so the workers and ranks sharing a cache together never queue more than it holds;
   eviction, by any process, skips the shards a live process pinned, so a shard a worker
-  still needs is not evicted by another one before it is read.
+  still needs is not evicted by another one before it is read (a shard of its
+  look-ahead that another process brought in is pinned too, until read).  A shard whose rows are
+  kept decoded beside it (remote Parquet, :meth:`Fetcher.decoded`) counts with that
+  copy, and for the copy only once its download is dropped.
 
 >>> node_processes({"LOCAL_WORLD_SIZE": "2"}, workers=4), threads_for(16, 8), threads_for(4, 8)
 (8, 2, 1)
@@ -87,6 +90,8 @@ _TOUCH_EVERY = 1.0
 _HELD_POLL = 0.02
 #: the longest the bytes other processes pin are reused before their pin files are read
 _OTHERS_EVERY = 0.05
+#: shards whose decoded copy's bytes a process remembers (see Fetcher.decoded)
+_MAX_DECODED = 4096
 
 
 _holding = threading.local()  # .hold: the Hold that hints of this thread go under
@@ -360,10 +365,15 @@ class Fetcher:
         self._touched = 0.0
         self._flight_lock = threading.Lock()
         self._published: dict[str, int] | None = None
-        self._others, self._others_at = 0, -_OTHERS_EVERY  # see _pinned_by_others
+        #: the shards other processes pin and their bytes, as last read (see _pinned_by_others)
+        self._others: dict[str, int] = {}
+        self._others_at = -_OTHERS_EVERY
         self.in_flight = 0
         self.max_in_flight_seen = 0
         self._asks = 0  # the reader's requests for shards (a wait or a ``now`` hint)
+        #: bytes of a shard's decoded copy written (or to be written) beside it in the
+        #: cache (remote Parquet kept decoded, see :meth:`decoded`)
+        self._decoded: dict[str, int] = {}
         self._held_back = False  # _next passed over held jobs
 
     # ---- what the cache calls ----------------------------------------------------------
@@ -389,6 +399,11 @@ class Fetcher:
                         front.append(job)
                     continue
                 if os.path.exists(target):  # cached: never fetched again
+                    if not now:  # but pinned until read (another process may evict it)
+                        job = Job(url, fingerprint, size, target, number)
+                        job.state = "ok"
+                        job.done.set()
+                        self._jobs[target] = job
                     continue
                 if not now and job is None:
                     # only a hint that queues a new look-ahead job ages the queued ones
@@ -441,18 +456,48 @@ class Fetcher:
                 self.store.count(fetch_seconds=time.perf_counter() - started)
 
     def pinned(self) -> dict[str, int]:
-        """Targets this process must keep (bytes each): downloads running or not read
-        yet, and the shards it read last, up to half the cache."""
+        """Targets this process must keep (bytes each, with their decoded copy: see
+        :meth:`footprint`): downloads running or not read yet, and the shards it read
+        last, up to half the cache (by their listed bytes)."""
         with self._cond:
-            out = {t: j.nbytes for t, j in self._jobs.items() if j.state in _AHEAD}
+            out = {
+                t: self.footprint(t, j.nbytes) for t, j in self._jobs.items() if j.state in _AHEAD
+            }
             half, total = self.store.max_bytes // 2, 0
             for target in reversed(self._recent):
                 size = self._recent[target]
                 if total and total + size > half:
                     break
-                out.setdefault(target, size)
+                out.setdefault(target, self.footprint(target, size))
                 total += size
             return out
+
+    def decoded(self, target: str, nbytes: int) -> None:
+        """``target``'s row groups are kept decoded beside it in the cache, ``nbytes`` in
+        all (by its footer): from now on it counts for its download and that copy (the
+        look-ahead leaves room for both, and the pin file says so to the other
+        processes), until it is retired (then for its copy only)."""
+        with self._cond:
+            if self._decoded.get(target) == nbytes:
+                return
+            self._decoded[target] = nbytes
+            while len(self._decoded) > _MAX_DECODED:  # forget the oldest (read long ago)
+                del self._decoded[next(iter(self._decoded))]
+        self._publish()
+
+    def footprint(self, target: str, size: int) -> int:
+        """Bytes ``target`` (``size`` bytes listed) takes in the cache: its download, plus
+        its decoded copy when it is kept decoded (:meth:`decoded`), and only that copy
+        once the download was dropped (retired: an empty file)."""
+        extra = self._decoded.get(target)
+        if not extra:
+            return size
+        try:
+            if os.path.getsize(target) == 0:
+                return extra  # retired: the decoded copy only
+        except OSError:
+            pass  # not there yet (downloading), or evicted: counted whole
+        return size + extra
 
     def wake(self) -> None:
         """Let the download threads look at the queue again (a hold was released)."""
@@ -498,6 +543,13 @@ class Fetcher:
                 self._recent.popitem(last=False)
             self._cond.notify_all()  # room for the look-ahead, perhaps
 
+    def read_elsewhere(self, target: str, size: int | None) -> None:
+        """``target``'s rows were read without it (decoded by another process, see
+        :meth:`ShardCache.seen`): it counts as read (:meth:`_read`: a download of it
+        still queued is dropped), and the pin file says so (as after a wait)."""
+        self._read(target, size)
+        self._publish()
+
     def _drop_stale(self) -> None:
         """Forget look-ahead jobs hinted long ago and never read (a pass left early):
         not started ones are dropped, downloaded ones no longer pinned."""
@@ -537,9 +589,18 @@ class Fetcher:
                         self._held_back = True  # looked at again soon (see _run)
                         continue  # behind the reads: later
                     job.held = None
+                if os.path.exists(job.target):
+                    # brought in by another process meanwhile: nothing to make room for,
+                    # and pinned (state ok) until read, so no eviction takes it before
+                    job.state = "starting"
+                    return job, None
                 if left is None:
                     used = (
-                        sum(j.nbytes for j in self._jobs.values() if j.state in _AHEAD)
+                        sum(
+                            self.footprint(j.target, j.nbytes)
+                            for j in self._jobs.values()
+                            if j.state in _AHEAD
+                        )
                         + self._recent_pinned()
                         + self._pinned_by_others()
                     )
@@ -567,22 +628,24 @@ class Fetcher:
     def _pinned_by_others(self) -> int:
         """Bytes of the shards only other processes pin (their pin files: what they read
         now, download, or downloaded ahead), so that together the workers and ranks
-        sharing a cache never queue more than it holds.  Read again at most every
-        :data:`_OTHERS_EVERY` seconds."""
+        sharing a cache never queue more than it holds.  The pin files are read again
+        at most every :data:`_OTHERS_EVERY` seconds; what this process pins is taken as
+        it is now (a shard it no longer pins, still pinned by another, counts again)."""
         now = time.monotonic()
-        if now - self._others_at < _OTHERS_EVERY:
-            return self._others
-        mine = {os.path.basename(t) for t in self.pinned()}
-        total = 0
-        for name, size in pins(self.store.cache_dir, but_mine=True).items():
-            if name in mine:
-                continue
-            if size is None:
-                with contextlib.suppress(OSError):
-                    size = os.stat(os.path.join(self.store.cache_dir, name)).st_size
-            total += size or 0
-        self._others, self._others_at = total, now
-        return total
+        if now - self._others_at >= _OTHERS_EVERY:
+            others = {}
+            for name, size in pins(self.store.cache_dir, but_mine=True).items():
+                if size is None:
+                    with contextlib.suppress(OSError):
+                        size = os.stat(os.path.join(self.store.cache_dir, name)).st_size
+                others[name] = size or 0
+            self._others, self._others_at = others, now
+        mine = {os.path.basename(t): n for t, n in self.pinned().items()}
+        # a shard this process counts too: only what another process counts beyond it
+        # (the decoded copy of a shard that process decoded first)
+        return sum(
+            max(0, n - mine[name]) if name in mine else n for name, n in self._others.items()
+        )
 
     def _recent_pinned(self) -> int:
         half, total = self.store.max_bytes // 2, 0
@@ -591,7 +654,7 @@ class Fetcher:
             if total and total + size > half:
                 break
             if target not in self._jobs:
-                total += size
+                total += self.footprint(target, size)
         return total
 
     def _start_threads(self) -> None:
@@ -639,6 +702,9 @@ class Fetcher:
             lock.release()
             return self._finished(job, "ok")
         job.lock = lock
+        # named in the pin file before the shard appears: another process's eviction
+        # would otherwise take it between its rename and this process's next publish
+        self._publish()
         part = self.part_bytes(job)
         if job.size is None or job.size <= part:
             with self.request():

@@ -10,7 +10,8 @@ decoded-row cache (:mod:`evenly.sources._rowcache`).
   removed by the next eviction: a killed writer leaves nothing behind for long.
 - Eviction runs under one lock per directory (``.evict.lock``): once the directory holds
   more than ``max_bytes``, entries go least-recently-used first (by mtime, which readers
-  refresh) until at most ``low_water`` of the bound is left, never one in ``keep``.  A
+  refresh) until at most ``low_water`` of the bound is left, never one in ``keep`` (nor
+  an empty one: it frees nothing, and may mark something, see ``ShardCache.retire``).  A
   process that still has an evicted file open keeps reading it (POSIX).
 - With ``ledger``, the running total is kept in a small file (``.usage``) so that
   :meth:`LruDir.added` costs one lock, not a directory scan; the directory is scanned
@@ -197,7 +198,7 @@ class LruDir:
         for _, path, size in sorted(entries):
             if total <= goal:
                 break
-            if path in keep:
+            if not size or path in keep:  # an empty file frees nothing
                 continue
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)

@@ -1,11 +1,13 @@
 """``evenly.from_parquet``: random access over Parquet shards, row group by row group.
 
-A row group of a local shard is decoded once per node into the decoded-row cache (Arrow
-IPC files in ``<cache_dir>/rows``, see :mod:`evenly.sources._rowcache`) and memory-mapped
-by every worker of every rank; with that cache off (``decoded_cache_bytes=0``), and
-always for remote shards (kept once, as downloaded, in the shard cache), decoded row
-groups stay Arrow tables in a per-process LRU budgeted by their real buffer size, each
-only until the reads the loader announced have read all its rows.  A batch is one
+A row group is decoded once per node into the decoded-row cache (Arrow IPC files, see
+:mod:`evenly.sources._rowcache`) and memory-mapped by every worker of every rank: for a
+local shard in ``<cache_dir>/rows`` (``decoded_cache_bytes``); for a remote one beside
+the downloaded shard in the shard cache, within ``cache_bytes``, the shard itself dropped
+once all its row groups are decoded (one copy per shard on disk).  With that cache off
+(``decoded_cache_bytes=0``), decoded row groups stay Arrow tables in a per-process LRU
+budgeted by their real buffer size.  Either way (remote, or the cache off) a process
+keeps a row group only until the reads the loader announced have read all its rows.  A batch is one
 lookup for the whole batch and one ``take`` (or per-row accessor) per row group present.
 Every page read is checked against its CRC-32 when the file has page checksums
 (:class:`VerifiedParquetFile`; ``evenly.write`` writes them): a flipped bit is an error
@@ -45,7 +47,8 @@ from ._cachedir import CacheDirError, network_fs, unwritable, where_from
 from ._columns import ArrowBatchSource, schema_meta
 from ._gather import chunk_views
 from ._manifest import FileEntry, filesystem, local_fingerprint
-from ._rowcache import _TOUCH_EVERY, RowCache, decoded_cache_bytes
+from ._rowcache import _TOUCH_EVERY, RowCache
+from ._rowcache import decoded_cache_bytes as _decoded_cache_bytes
 from ._rowviews import RowAccess
 
 __all__ = ["ParquetSource", "VerifiedParquetFile", "from_parquet"]
@@ -55,6 +58,10 @@ __all__ = ["ParquetSource", "VerifiedParquetFile", "from_parquet"]
 DEFAULT_ROW_GROUP_CACHE = 256 << 20
 #: row groups a process keeps at hand (mapped or decoded), whatever their bytes
 MAX_GROUPS = 4096
+#: a remote shard's row groups are kept decoded in the shard cache when their columns'
+#: decoded bytes are at most this many times their bytes in the file (by its footer):
+#: the decoded copy then replaces the download at about its size
+KEEP_DECODED_RATIO = 1.05
 
 
 class ParquetSource(ArrowBatchSource):
@@ -88,28 +95,32 @@ class ParquetSource(ArrowBatchSource):
         self._group_views: dict[tuple[int, int], list[npt.NDArray[Any]] | None] = {}
         #: when each kept row group's node cache entry is next due a recency refresh
         self._touch_due: dict[tuple[int, int], float] = {}
+        #: remote shards whose row groups are kept decoded in the shard cache (or not)
+        self._keep_decoded: dict[int, bool] = {}
         #: rows of each row group (global chunk number) that the reads announced by
         #: :meth:`prefetch` still have to read in this process (decoded row groups only)
         self._pending: dict[int, int] = {}
         super().__init__(paths, **kwargs)
         #: the node-local decoded-row cache (None: off); ``.hits`` / ``.misses`` count
-        #: this process's lookups.  Never for remote shards: their one copy on disk is
-        #: the shard in the shard cache, which ``cache_bytes`` bounds
-        self.decoded_cache = (
-            None
-            if self.cache is not None
-            else _node_cache(kwargs.get("cache_dir"), decoded_cache_bytes)
-        )
-        if self.cache is not None and decoded_cache_bytes:
-            warnings.warn(
-                f"evenly: decoded_cache_bytes={decoded_cache_bytes} is not used for remote "
-                f"Parquet ({self.urls[0] if self.urls else paths!r}): the one copy on disk is "
-                f"the downloaded shard, bounded by cache_bytes, and each worker keeps the "
-                f"decoded row groups it still reads, at most row_group_cache_bytes; drop "
-                f"decoded_cache_bytes (or pass 0) to silence this",
-                EvenlyWarning,
-                stacklevel=3,
-            )
+        #: this process's lookups.  For remote shards its entries are the shard cache's,
+        #: bounded with the shards by ``cache_bytes`` (a shard is dropped once decoded)
+        self.decoded_cache: RowCache | None
+        if self.cache is None:
+            self.decoded_cache = _node_cache(kwargs.get("cache_dir"), decoded_cache_bytes)
+        elif not _decoded_cache_bytes(decoded_cache_bytes):
+            self.decoded_cache = None  # asked off: each worker decodes what it reads
+        else:
+            self.decoded_cache = RowCache(kwargs.get("cache_dir"), 1, store=self.cache)
+            if decoded_cache_bytes:
+                warnings.warn(
+                    f"evenly: decoded_cache_bytes={decoded_cache_bytes} does not bound remote "
+                    f"Parquet ({self.urls[0] if self.urls else paths!r}): its row groups are "
+                    f"decoded once per node into the shard cache, which cache_bytes bounds "
+                    f"(one copy per shard: the shard is dropped once decoded); drop "
+                    f"decoded_cache_bytes to silence this (0 turns the decoded copy off)",
+                    EvenlyWarning,
+                    stacklevel=3,
+                )
 
     def _scan(self, k: int, url: str) -> tuple[int, dict[str, Any]]:
         fs, path = filesystem(url, self._shards.storage_options)
@@ -163,8 +174,8 @@ class ParquetSource(ArrowBatchSource):
         their rows of it (in a block shuffle: once the reader has left its window), so
         the LRU holds the row groups still to be read, not ``row_group_cache_bytes``."""
         super().prefetch(indices)
-        if self.decoded_cache is not None or not len(indices):
-            return
+        if (self.decoded_cache is not None and self.cache is None) or not len(indices):
+            return  # local and mapped: the node's cache holds them, not the process
         chunks, counts = np.unique(
             self._chunk_of.of(self._rows(self._check_indices(indices))), return_counts=True
         )
@@ -227,20 +238,71 @@ class ParquetSource(ArrowBatchSource):
         if hit is not None:
             self._hit(key)
             return hit[0]
-        if cache is not None:
+        if cache is not None and self._keep_decoded.get(k) is not False:
             rows = self._chunk_rows[k][g]
             misses = self._io.get("cache_misses", 0)
-            table = cache.get(self._cache_key(k, g), rows, lambda: self._decode(k, g, handle))
+            keep = None if self.cache is None else (lambda: self._keeps_decoded(k))
+            table = cache.get(self._cache_key(k, g), rows, lambda: self._decode(k, g, handle), keep)
             if self._io.get("cache_misses", 0) == misses:  # mapped: decoded by another
                 self._count(cache_hits=1)
-            size = 0
+                if self.cache is not None:  # as read: no longer pinned as ahead
+                    self.cache.seen(*self._remote(k))
+            elif self.cache is not None and self._keep_decoded.get(k):  # written here:
+                self._retire_if_decoded(k)  # the shard may be done with
+            # mapped (no heap), unless the shard is not kept decoded (then decoded here)
+            size = 0 if self._keep_decoded.get(k) is not False else _bytes(table)
         else:
             table = self._decode(k, g, handle)
-            size = int(table.get_total_buffer_size())
+            size = _bytes(table)
         self._groups[key] = (table, size)
         self._group_bytes += size
         self._evict()
         return table
+
+    def _keeps_decoded(self, k: int) -> bool:
+        """Whether remote shard ``k``'s row groups are kept decoded in the shard cache
+        (its download dropped once they all are): when its selected columns are stored
+        uncompressed, or nearly (their decoded size at most :data:`KEEP_DECODED_RATIO`
+        times their bytes in the file, by its footer), so the one copy on disk is about
+        the shard's size; else (compressed data) each process decodes what it reads
+        from the downloaded shard, as with ``decoded_cache_bytes=0``.  The same answer
+        in every process (the footer's), asked once per process and shard."""
+        known = self._keep_decoded.get(k)
+        if known is None:
+            try:  # opened first: retired by another process after this, it stays the shard
+                opened = open(self.local_path(k), "rb")  # noqa: SIM115  # closed below
+            except FileNotFoundError:  # evicted just now
+                opened = open(_Deferred(self, k).path(), "rb")  # noqa: SIM115
+            with opened:
+                if os.fstat(opened.fileno()).st_size == 0 and self._remote(k)[2]:
+                    self._keep_decoded[k] = True  # retired: kept decoded, by another
+                    return True
+                meta = pq.ParquetFile(opened).metadata
+            wanted = None if self.columns is None else set(self.columns)
+            stored = decoded = 0
+            for g in range(meta.num_row_groups):
+                group = meta.row_group(g)
+                for c in range(group.num_columns):
+                    column = group.column(c)
+                    if wanted is None or column.path_in_schema.split(".")[0] in wanted:
+                        stored += column.total_compressed_size
+                        decoded += column.total_uncompressed_size
+            known = self._keep_decoded[k] = decoded <= KEEP_DECODED_RATIO * stored
+            if known and self.cache is not None:  # counted in the cache's look-ahead
+                self.cache.decoding(*self._remote(k)[:2], decoded)
+        return known
+
+    def _retire_if_decoded(self, k: int) -> None:
+        """Drop remote shard ``k``'s cached copy once every row group of it is in the
+        decoded-row cache (checked by the process that decoded one: the last one to
+        finish sees them all): the one copy on disk is then the decoded one."""
+        cache, store = self.decoded_cache, self.cache
+        if cache is None or store is None:
+            return
+        for g in range(len(self._chunk_rows[k])):
+            if not os.path.exists(cache.path_for(self._cache_key(k, g))):
+                return
+        store.retire(*self._remote(k))
 
     def _hit(self, key: tuple[int, int]) -> None:
         """A row group found in the process's LRU: the newest entry now, a cache hit,
@@ -297,7 +359,7 @@ class ParquetSource(ArrowBatchSource):
         self._group_access.pop(key, None)
         self._group_views.pop(key, None)
         self._touch_due.pop(key, None)
-        if size and self.decoded_cache is None:  # a decoded table (mapped: no heap)
+        if size:  # a decoded table (mapped: no heap)
             _release_unused()
 
     def _chunk_views(self, k: int, g: int, handle: Any) -> list[npt.NDArray[Any]] | None:
@@ -336,6 +398,7 @@ class ParquetSource(ArrowBatchSource):
             _group_views={},
             _touch_due={},
             _pending={},
+            _keep_decoded={},
         )
         return state
 
@@ -380,17 +443,33 @@ class _Deferred:
     def __init__(self, src: ParquetSource, k: int) -> None:
         self.src, self.k = src, k
 
-    def read_row_group(self, g: int, **kwargs: Any) -> pa.Table:
+    def path(self) -> str:
+        """The shard's local path: itself, or its copy in the cache (downloaded first,
+        again if it was retired or evicted)."""
         path = self.src.local_path(self.k)
-        if not os.path.exists(path) and self.src.cache is not None:
+        cache = self.src.cache
+        if cache is not None and cache.retired(path, self.src._remote(self.k)[2]):
+            # its rows were decoded, and an entry of them is gone (evicted, or damaged)
+            cache.restore(path)
+            path = self.src.local_path(self.k)
+        if not os.path.exists(path) and cache is not None:
             path = self.src.local_path(self.k)  # evicted by another process just now
         if not os.path.exists(path):
             raise FileNotFoundError(f"shard not found: {self.src.urls[self.k]}")
+        return path
+
+    def read_row_group(self, g: int, **kwargs: Any) -> pa.Table:
+        path = self.path()
         # a cached remote shard is mapped, not read into a buffer (page cache, not heap)
         remote = self.src.cache is not None
         with VerifiedParquetFile(path, self.src.urls[self.k], memory_map=remote) as handle:
             table: pa.Table = handle.read_row_group(g, **kwargs)
         return table
+
+
+def _bytes(table: pa.Table) -> int:
+    """The memory of a decoded table's buffers."""
+    return int(table.get_total_buffer_size())
 
 
 def _release_unused() -> None:
@@ -405,7 +484,7 @@ def _release_unused() -> None:
 def _node_cache(cache_dir: str | None, value: int | None) -> RowCache | None:
     """The decoded-row cache for these settings (None: off), with a warning when
     ``cache_dir`` is on a network file system (off there unless asked for by size)."""
-    bound = decoded_cache_bytes(value)
+    bound = _decoded_cache_bytes(value)
     if not bound:
         return None
     try:
@@ -457,15 +536,17 @@ def from_parquet(
     ``<cache_dir>/rows``, memory-mapped by every worker and rank on the node, at most
     ``decoded_cache_bytes`` in all: default ``$EVENLY_DECODED_CACHE_BYTES``, else 16 GiB;
     ``0`` turns it off, and it is off with a warning when ``cache_dir`` is on a network file
-    system).  With it off, and for remote shards, decoded row groups are kept as Arrow
-    tables in a per-process LRU of ``row_group_cache_bytes``, each only until the reads the
-    loader announced (:meth:`ParquetSource.prefetch`) have read its rows.  ``shuffle=True``
-    means a global shuffle for local shards whatever their size (so the order never depends
-    on the cache setting) and a block shuffle for remote ones.  Remote shards are downloaded
-    into a bounded local cache (``cache_dir``, ``cache_bytes``) before reading, with at most
+    system).  With it off, decoded row groups are kept as Arrow tables in a per-process
+    LRU of ``row_group_cache_bytes``, each only until the reads the loader announced
+    (:meth:`ParquetSource.prefetch`) have read its rows.  ``shuffle=True`` means a global
+    shuffle for local shards whatever their size (so the order never depends on the cache
+    setting) and a block shuffle for remote ones.  Remote shards are downloaded into a
+    bounded local cache (``cache_dir``, ``cache_bytes``) before reading, with at most
     ``max_in_flight`` requests in flight per node (default ``$EVENLY_MAX_IN_FLIGHT``, else
-    16); that copy is the only one on disk (no decoded-row cache for remote shards:
-    ``cache_bytes`` bounds all evenly writes).
+    16); their row groups are decoded once per node into that cache, and a shard's
+    download is dropped once all its row groups are: one copy per shard, ``cache_bytes``
+    bounding all evenly writes (``decoded_cache_bytes=0``: no decoded copy, each process
+    decodes what it reads).
 
     >>> import evenly
     >>> ds = evenly.Dataset(from_parquet("data/*.parquet"), shuffle=True)  # doctest: +SKIP

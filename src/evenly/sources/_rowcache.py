@@ -18,6 +18,15 @@ page cache: file-backed, reclaimable memory instead of a private decode per proc
   exceed the bound by the entries in use, until they are unmapped.  The total is kept in
   a small ledger (``.usage``) so a write costs one lock, not a directory scan; the
   directory is scanned when the ledger says the bound is passed, and every 64 writes.
+- For remote shards (``store``: the shard cache) the entries live in the shard cache's
+  directory, named after their shard's cached copy (``<shard>@rg<chunk>-<hash>.arrow``),
+  and the shard cache's eviction (after each download) bounds them with the shards,
+  under ``cache_bytes``: one bound for everything evenly writes for remote data; the
+  entries of a shard a live process pins are kept with it (:meth:`ShardCache.evict`).
+  A shard's entries are written after its download and its copy dropped once they are
+  all written; the look-ahead counts a shard with its entries
+  (:meth:`ShardCache.decoding`) from its first decode: the bound may be passed by the
+  entries of the shards being decoded that were downloaded ahead before it.
 
 >>> import os, tempfile, pyarrow as pa
 >>> cache = RowCache(tempfile.mkdtemp(), max_bytes=1 << 20)
@@ -41,17 +50,26 @@ import time
 import warnings
 import zlib
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 from filelock import FileLock
 
 from evenly.errors import EvenlyWarning
 
-from ._cachedir import CacheDirError, cache_subdir, publish, where_from
+from ._cachedir import ENTRY_MARK, CacheDirError, cache_subdir, publish, where_from
 from ._lrudir import LruDir
 
-__all__ = ["DEFAULT_DECODED_CACHE_BYTES", "ENV_BYTES", "RowCache", "decoded_cache_bytes"]
+if TYPE_CHECKING:
+    from ._cache import ShardCache
+
+__all__ = [
+    "DEFAULT_DECODED_CACHE_BYTES",
+    "ENTRY_MARK",
+    "ENV_BYTES",
+    "RowCache",
+    "decoded_cache_bytes",
+]
 
 logger = logging.getLogger("evenly")
 
@@ -103,24 +121,37 @@ class RowCache:
     Picklable; the counters are per process: ``hits`` (a chunk found decoded, by this
     process or another), ``misses`` (not found: decoded by this process, or by another
     while this one waited on its lock), ``decodes`` (decoded by this process).
+
+    With ``store`` (remote shards), the entries are the shard cache's, bounded with its
+    shards by its ``max_bytes`` (``max_bytes`` here is then ignored).
     """
 
-    def __init__(self, cache_dir: str | None, max_bytes: int) -> None:
+    def __init__(
+        self, cache_dir: str | None, max_bytes: int, store: ShardCache | None = None
+    ) -> None:
         if max_bytes < 1:
             raise ValueError(f"the decoded-row cache needs max_bytes >= 1, got {max_bytes}")
         self.cache_dir = cache_dir
-        self.dir = cache_subdir("rows", cache_dir)
-        self.max_bytes = int(max_bytes)
-        #: the bound: ``*.arrow`` entries, evicted with their lock, down to 90%, a ledger
-        self._lru = LruDir(
-            self.dir,
-            self.max_bytes,
-            suffix=_SUFFIX,
-            low_water=_LOW_WATER,
-            ledger=True,
-            rescan_every=_RESCAN_EVERY,
-            drop_locks=True,
-        )
+        self.store = store
+        #: the setting that bounds the entries (named in warnings)
+        self.setting = "cache_bytes" if store is not None else "decoded_cache_bytes"
+        self._lru: LruDir | None = None
+        if store is not None:
+            self.dir = store.cache_dir
+            self.max_bytes = store.max_bytes
+        else:
+            self.dir = cache_subdir("rows", cache_dir)
+            self.max_bytes = int(max_bytes)
+            #: the bound: ``*.arrow`` entries, evicted with their lock, down to 90%, a ledger
+            self._lru = LruDir(
+                self.dir,
+                self.max_bytes,
+                suffix=_SUFFIX,
+                low_water=_LOW_WATER,
+                ledger=True,
+                rescan_every=_RESCAN_EVERY,
+                drop_locks=True,
+            )
         self.hits = self.misses = self.decodes = 0
         #: whether this process still writes entries (off after the directory refused one)
         self.writes = True
@@ -141,19 +172,32 @@ class RowCache:
         memo = (url, fingerprint, chunk, None if columns is None else tuple(columns))
         path = self._paths.get(memo)
         if path is None:
-            path = self._paths[memo] = os.path.join(self.dir, _digest(key) + _SUFFIX)
+            name = _digest(key) + _SUFFIX
+            if self.store is not None:  # beside its shard, named after it (see evict)
+                shard = os.path.basename(self.store.path_for(url, fingerprint))
+                name = f"{shard}{ENTRY_MARK}rg{int(chunk)}-{name[:16]}{_SUFFIX}"
+            path = self._paths[memo] = os.path.join(self.dir, name)
         return path
 
     # ---- reading -------------------------------------------------------------------
-    def get(self, key: Key, rows: int, decode: Callable[[], pa.Table]) -> pa.Table:
+    def get(
+        self,
+        key: Key,
+        rows: int,
+        decode: Callable[[], pa.Table],
+        keep: Callable[[], bool] | None = None,
+    ) -> pa.Table:
         """Chunk ``key`` (``rows`` rows) as an Arrow table memory-mapped from the cache,
-        decoded with ``decode()`` and written first if no process has done it yet."""
+        decoded with ``decode()`` and written first if no process has done it yet (and
+        ``keep()``, asked only then, does not say no: then decoded, not written)."""
         path = self.path_for(key)
         table = self._load(path, key, rows)
         if table is not None:
             self.hits += 1
             return table
         self.misses += 1
+        if keep is not None and not keep():
+            return decode()
         for _ in range(2):  # once more if another process evicts it before we map it
             if not self.writes:
                 return decode()
@@ -163,10 +207,13 @@ class RowCache:
                 raise exc.error from None
             except CacheDirError as exc:  # full, read-only...: read without writing
                 self.writes = False
+                setting = (
+                    self.setting if self.store is not None else f"{self.setting} (or ${ENV_BYTES})"
+                )
                 warnings.warn(
                     f"evenly.from_parquet: the decoded-row cache stops writing in this "
                     f"process: {exc.why}; the data is read without it (correct, slower). "
-                    f"decoded_cache_bytes (or ${ENV_BYTES}) is {self.max_bytes >> 20} MiB: "
+                    f"{setting} is {self.max_bytes >> 20} MiB: "
                     f"lower it below the free space, or {where_from(self.cache_dir)}; "
                     f"decoded_cache_bytes=0 silences this",
                     EvenlyWarning,
@@ -270,18 +317,31 @@ class RowCache:
 
     # ---- the bound -----------------------------------------------------------------
     def usage(self) -> int:
-        """Bytes in the cache: entries and writes (running or abandoned)."""
-        return self._lru.usage()
+        """Bytes in the cache: entries and writes (running or abandoned); with a
+        ``store``, its shards too (one bound for both)."""
+        if self.store is not None:
+            return self.store.usage()
+        return self._lru.usage() if self._lru is not None else 0
 
     def _account(self, added: int, keep: str) -> None:
         """Add a new entry to the ledger; evict if the bound is passed (or it is time
-        for a scan)."""
-        self._lru.added(added, (keep,))
+        for a scan).  With a ``store``, nothing: its eviction, after each download,
+        bounds the entries with the shards (an entry is written after its shard was
+        downloaded, and that shard is dropped once all its entries are written; an
+        eviction here would take the row groups of a shard that another worker has not
+        read yet, nor pinned: its look-ahead job still queued, it downloads it again)."""
+        if self._lru is not None:
+            self._lru.added(added, (keep,))
 
     def evict(self, keep: str | None = None) -> int:
         """Remove abandoned writes, then least-recently-used entries until the cache
         holds at most 90% of ``max_bytes`` (if it held more than ``max_bytes``).
-        Returns the bytes left."""
+        Returns the bytes left.  With a ``store``, its eviction (down to its bound)."""
+        if self.store is not None:
+            self.store.evict(keep=keep)
+            return self.store.usage()
+        if self._lru is None:
+            return 0
         return self._lru.evict(() if keep is None else (keep,))[1]
 
 

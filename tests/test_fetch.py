@@ -619,6 +619,14 @@ def test_the_look_ahead_downloads_while_the_first_batch_is_still_being_read(
     assert proxy.served_for(".jsonl") == dataset  # each shard fetched once
 
 
+def thousand_byte_objects(s3: S3Endpoint, prefix: str, n: int) -> list[str]:
+    """``n`` objects of 1,000 bytes (object ``k`` all ``k``): their URLs."""
+    fs = s3.fs()
+    for k in range(n):
+        fs.pipe_file(f"{s3.bucket}/{prefix}/s{k}.bin", bytes([k]) * 1000)
+    return [f"s3://{s3.bucket}/{prefix}/s{k}.bin" for k in range(n)]
+
+
 def test_hints_of_shards_already_queued_do_not_drop_the_look_ahead(
     s3: S3Endpoint, s3_prefix: str, tmp_path: Path
 ) -> None:
@@ -629,11 +637,7 @@ def test_hints_of_shards_already_queued_do_not_drop_the_look_ahead(
     look-ahead shrank to the shards its batches waited for."""
     slow = CountingProxy(s3.endpoint_url, delay=1.0)  # the one thread is busy meanwhile
     try:
-        fs = s3.fs()
-        urls = []
-        for k in range(6):
-            fs.pipe_file(f"{s3.bucket}/{s3_prefix}/s{k}.bin", bytes([k]) * 1000)
-            urls.append(f"s3://{s3.bucket}/{s3_prefix}/s{k}.bin")
+        urls = thousand_byte_objects(s3, s3_prefix, 6)
         cache = ShardCache(str(tmp_path / "c"), 1 << 20, via(s3, slow), max_in_flight=1)
         cache.prefetch((u, "", 1000) for u in urls)  # the plan's look-ahead
         for _ in range(4):  # batches hinting their shards, queued already
@@ -663,11 +667,7 @@ def test_hints_of_shards_other_processes_download_do_not_drop_the_look_ahead(
     after them are all downloaded by the look-ahead, once."""
     slow = CountingProxy(s3.endpoint_url, delay=1.0)  # the one thread is busy meanwhile
     try:
-        fs = s3.fs()
-        urls = []
-        for k in range(8):
-            fs.pipe_file(f"{s3.bucket}/{s3_prefix}/s{k}.bin", bytes([k]) * 1000)
-            urls.append(f"s3://{s3.bucket}/{s3_prefix}/s{k}.bin")
+        urls = thousand_byte_objects(s3, s3_prefix, 8)
         cache = ShardCache(str(tmp_path / "c"), 1 << 20, via(s3, slow), max_in_flight=1)
         os.makedirs(cache.cache_dir)
         elsewhere = [cache.path_for(u) for u in urls[:3]]

@@ -186,3 +186,34 @@ def test_a_cache_of_two_windows_fetches_and_decodes_each_shard_once_within_its_b
         if name.endswith(".parquet") and size:
             assert sum(1 for n in held if n.startswith(name + ENTRY_MARK)) < PER_SHARD // GROUP
     assert os.path.isdir(cache_dir / "shards")
+
+
+def test_a_row_group_decoding_to_far_more_than_its_bytes_is_not_written_to_the_cache(
+    s3: S3Endpoint, s3_prefix: str, proxy: S3Proxy, tmp_path: Path
+) -> None:
+    """A dictionary-encoded column (one value repeated) looks uncompressed by the footer
+    (its encoded bytes are about its stored bytes) but decodes to many times its bytes:
+    writing that copy would pass ``cache_bytes`` unseen (the look-ahead counts the
+    footer's size).  Such a row group is decoded by each worker that reads it, not
+    written; the shards stay as downloaded; the epoch is exact."""
+    local = tmp_path / "local"
+    value = random.Random(0).randbytes(2000)  # one incompressible value, in every row
+    rows = ({"id": i, "bin": value} for i in range(N))
+    es.write(rows, local, rows_per_shard=PER_SHARD, row_group_size=GROUP, progress=False)
+    url = s3.upload(str(local), s3_prefix)
+    options = {**s3.storage_options, "client_kwargs": {"endpoint_url": proxy.url}}
+    cache_dir = tmp_path / "c"
+    src = es.from_parquet(url, storage_options=options, cache_dir=str(cache_dir))
+    ds = evenly.Dataset(src, shuffle="block", seed=7, block_shards=WINDOW)
+    loader = evenly.DataLoader(ds, batch_size=8, num_workers=2, collate_fn=as_list, timeout=120)
+    ids = []
+    for batch in loader:
+        for sample in batch:
+            assert sample["bin"] == value, sample["id"]
+            ids.append(int(sample["id"]))
+    assert sorted(ids) == list(range(N))
+    held = files(cache_dir)
+    assert not [n for n in held if ENTRY_MARK in n], sorted(held)  # no decoded copy
+    shards = {n: size for n, size in held.items() if n.endswith(".parquet")}
+    assert shards and all(size > 0 for size in shards.values())  # none retired
+    assert sum(held.values()) <= dataset_bytes(local)

@@ -28,6 +28,7 @@ True
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 import warnings
@@ -62,6 +63,9 @@ MAX_GROUPS = 4096
 #: decoded bytes are at most this many times their bytes in the file (by its footer):
 #: the decoded copy then replaces the download at about its size
 KEEP_DECODED_RATIO = 1.05
+#: bytes a decoded row group may take beyond :data:`KEEP_DECODED_RATIO` times its stored
+#: bytes and still be kept (Arrow's offsets and bitmaps, the entry's header)
+KEEP_DECODED_SLACK = 8 << 10
 
 
 class ParquetSource(ArrowBatchSource):
@@ -97,6 +101,8 @@ class ParquetSource(ArrowBatchSource):
         self._touch_due: dict[tuple[int, int], float] = {}
         #: remote shards whose row groups are kept decoded in the shard cache (or not)
         self._keep_decoded: dict[int, bool] = {}
+        #: a remote shard's row groups' stored bytes (selected columns, by its footer)
+        self._stored: dict[int, list[int]] = {}
         #: rows of each row group (global chunk number) that the reads announced by
         #: :meth:`prefetch` still have to read in this process (decoded row groups only)
         self._pending: dict[int, int] = {}
@@ -242,7 +248,12 @@ class ParquetSource(ArrowBatchSource):
             rows = self._chunk_rows[k][g]
             misses = self._io.get("cache_misses", 0)
             keep = None if self.cache is None else (lambda: self._keeps_decoded(k))
-            table = cache.get(self._cache_key(k, g), rows, lambda: self._decode(k, g, handle), keep)
+            try:
+                table = cache.get(
+                    self._cache_key(k, g), rows, lambda: self._fit(k, g, handle), keep
+                )
+            except _TooLarge as large:  # decoded here, kept in this process only
+                table = large.table
             if self._io.get("cache_misses", 0) == misses:  # mapped: decoded by another
                 self._count(cache_hits=1)
                 if self.cache is not None:  # as read: no longer pinned as ahead
@@ -280,17 +291,46 @@ class ParquetSource(ArrowBatchSource):
                 meta = pq.ParquetFile(opened).metadata
             wanted = None if self.columns is None else set(self.columns)
             stored = decoded = 0
+            per_group = self._stored[k] = []
             for g in range(meta.num_row_groups):
                 group = meta.row_group(g)
+                per_group.append(0)
                 for c in range(group.num_columns):
                     column = group.column(c)
                     if wanted is None or column.path_in_schema.split(".")[0] in wanted:
-                        stored += column.total_compressed_size
+                        per_group[-1] += column.total_compressed_size
                         decoded += column.total_uncompressed_size
+                stored += per_group[-1]
             known = self._keep_decoded[k] = decoded <= KEEP_DECODED_RATIO * stored
             if known and self.cache is not None:  # counted in the cache's look-ahead
                 self.cache.decoding(*self._remote(k)[:2], decoded)
         return known
+
+    def _fit(self, k: int, g: int, handle: Any) -> pa.Table:
+        """Row group ``g`` of remote shard ``k`` decoded for the shard cache; raises
+        :class:`_TooLarge` (nothing written) where it takes more than
+        :data:`KEEP_DECODED_RATIO` times its stored bytes (and the slack): the footer's
+        sizes are the encoded ones, and a dictionary-encoded column (a value repeated)
+        decodes to many times them, a copy the look-ahead never counted.  The shard is
+        then decoded by each process that reads it, as compressed Parquet is."""
+        table = self._decode(k, g, handle)
+        stored = self._stored.get(k)
+        if self.cache is None or stored is None:  # local, or retired (its rows vetted)
+            return table
+        if _bytes(table) <= KEEP_DECODED_RATIO * stored[g] + KEEP_DECODED_SLACK:
+            return table
+        self._keep_decoded[k] = False
+        self.cache.decoding(*self._remote(k)[:2], 0)  # the look-ahead counts the shard only
+        logging.getLogger("evenly").info(
+            "evenly: %s row group %d decodes to %d bytes, %.1fx its %d stored: kept as "
+            "downloaded, decoded by each worker that reads it",
+            self.urls[k],
+            g,
+            _bytes(table),
+            _bytes(table) / max(1, stored[g]),
+            stored[g],
+        )
+        raise _TooLarge(table)
 
     def _retire_if_decoded(self, k: int) -> None:
         """Drop remote shard ``k``'s cached copy once every row group of it is in the
@@ -465,6 +505,15 @@ class _Deferred:
         with VerifiedParquetFile(path, self.src.urls[self.k], memory_map=remote) as handle:
             table: pa.Table = handle.read_row_group(g, **kwargs)
         return table
+
+
+class _TooLarge(Exception):
+    """A decoded row group too large to keep in the shard cache, carried out of the
+    cache's write with the table (see :meth:`ParquetSource._fit`)."""
+
+    def __init__(self, table: pa.Table) -> None:
+        super().__init__("decoded row group too large to keep")
+        self.table = table
 
 
 def _bytes(table: pa.Table) -> int:

@@ -60,10 +60,15 @@ def proxy(s3: S3Endpoint) -> Iterator[S3Proxy]:
         yield p
 
 
-def loader_for(url: str, options: dict[str, Any], cache_dir: Path, **kw: Any) -> Any:
+def loader_for(
+    url: str, options: dict[str, Any], cache_dir: Path, loader_kw: Any = None, **kw: Any
+) -> Any:
+    loader_kw = loader_kw or {}
     src = es.from_parquet(url, storage_options=options, cache_dir=str(cache_dir), **kw)
     ds = evenly.Dataset(src, shuffle="block", seed=7, block_shards=WINDOW)
-    return evenly.DataLoader(ds, batch_size=8, num_workers=2, collate_fn=as_list, timeout=120)
+    return evenly.DataLoader(
+        ds, batch_size=8, num_workers=2, collate_fn=as_list, timeout=120, **loader_kw
+    )
 
 
 def read_epoch(loader: Any) -> list[int]:
@@ -104,8 +109,9 @@ def check_one_copy(cache_dir: Path, local: Path) -> None:
     assert sum(decoded.values()) <= 1.05 * data, sum(decoded.values()) / data
 
 
+@pytest.mark.parametrize("start", ["fork", "spawn"])
 def test_two_workers_decode_each_row_group_once_and_a_second_epoch_only_maps(
-    s3: S3Endpoint, s3_prefix: str, proxy: S3Proxy, tmp_path: Path
+    s3: S3Endpoint, s3_prefix: str, proxy: S3Proxy, tmp_path: Path, start: str
 ) -> None:
     """Both workers read every window; each row group is decoded by one of them into
     the shard cache and mapped by the other.  Before: each worker decoded every row
@@ -113,7 +119,7 @@ def test_two_workers_decode_each_row_group_once_and_a_second_epoch_only_maps(
     local, url = upload(s3, s3_prefix, tmp_path)
     options = {**s3.storage_options, "client_kwargs": {"endpoint_url": proxy.url}}
     cache_dir = tmp_path / "c"
-    loader = loader_for(url, options, cache_dir)
+    loader = loader_for(url, options, cache_dir, {"multiprocessing_context": start})
     proxy.reset_stats()
     first = read_epoch(loader)
     assert sorted(first) == list(range(N))  # exactly once
